@@ -1,0 +1,65 @@
+"""``nemoflow``: the command line.
+
+Each subcommand lives in ``nemoflow/commands/<name>.py`` and exposes
+``register(subparsers)``, which adds its parser and sets ``func`` (called with
+the parsed arguments; its return value is the exit code). Add a module name to
+``COMMANDS`` to add a subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = [
+    "settings",
+]
+
+DESCRIPTION = """\
+nemoflow runs the NVIDIA NeMo LLM lifecycle as Prefect flows: stage the container
+image, prepare the dataset (download, extract, concatenate, tokenize into Megatron
+indexed datasets, blend), pretrain or continue pretraining, validate the checkpoint,
+deploy inference and smoke-test it, locally, on Slurm or on Kubernetes.
+
+Settings come from NEMOFLOW_* environment variables or a .env file
+(`nemoflow settings` shows them, secrets masked)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nemoflow",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name in COMMANDS:
+        module = importlib.import_module(f"nemoflow.commands.{name}")
+        module.register(sub)
+    return parser
+
+
+class UserError(Exception):
+    """An error caused by input: printed as one line, exit code 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (UserError, FileNotFoundError, ValueError, PermissionError) as exc:
+        from infra.settings import redact
+
+        print(f"nemoflow {args.command}: error: {redact(str(exc))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""What every stage shares: cache policy, result storage, running a job under Prefect.
+
+Caching: a task's cache key is the hash of its inputs (which, by convention,
+carry content fingerprints: a source's etag/size/checksum, a tokenizer file's
+hash, the flags) plus a hash of the source files of the code that produces its
+output (:class:`CodeVersion`), not only the task function's own source.
+Results are small pydantic models persisted to the configured result storage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect.cache_policies import INPUTS, CachePolicy
+
+from infra import storage
+from infra.backends import get_backend
+from infra.jobs import JobFailed, JobResult, JobSpec
+from infra.settings import get_settings
+
+
+@dataclass
+class CodeVersion(CachePolicy):
+    """Cache key part: the source of the modules that produce a task's output."""
+
+    modules: tuple[str, ...] = field(default_factory=tuple)
+
+    def compute_key(self, task_ctx, inputs, flow_parameters, **kwargs) -> str:
+        return code_fingerprint(*self.modules)
+
+
+def code_fingerprint(*modules: str) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(modules):
+        digest.update(name.encode())
+        digest.update(inspect.getsource(importlib.import_module(name)).encode())
+    return digest.hexdigest()[:16]
+
+
+def cache_policy(*modules: str) -> CachePolicy:
+    return INPUTS + CodeVersion(modules=tuple(modules))
+
+
+_result_storage_cache: dict[str, Any] = {}
+
+
+def result_storage():
+    """The Prefect file system for persisted results (local directory or gs://).
+
+    A remote storage is saved as a block once: Prefect needs a saved block to
+    read results written by another process (a worker, a Slurm job).
+    """
+    uri = get_settings().result_storage_uri
+    if uri in _result_storage_cache:
+        return _result_storage_cache[uri]
+    from prefect.filesystems import LocalFileSystem, RemoteFileSystem
+
+    if storage.is_local(uri):
+        storage.makedirs(uri)
+        block = LocalFileSystem(basepath=storage.local_path(uri))
+    else:
+        options = {}
+        settings = get_settings()
+        if settings.gcs_endpoint:
+            options = {"endpoint_url": settings.gcs_endpoint, "token": "anon"}
+        block = RemoteFileSystem(basepath=uri, settings=options)
+        name = "nemoflow-results-" + hashlib.sha256(uri.encode()).hexdigest()[:10]
+        block.save(name, overwrite=True)
+    _result_storage_cache[uri] = block
+    return block
+
+
+def logger():
+    """The Prefect run logger inside a run, a plain logger outside."""
+    import logging
+
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("nemoflow")
+
+
+def run_job(spec: JobSpec, backend: str = "local", **backend_options) -> JobResult:
+    """Run a job on a backend, streaming its output into the Prefect log; raise on failure."""
+    log = logger()
+    log.info("submitting job %s to the %s backend", spec.name, backend)
+    result = get_backend(backend, **backend_options).run(spec, on_log=lambda line: log.info("%s", line))
+    if result.state.value != "completed":
+        raise JobFailed(spec.name, result)
+    return result

@@ -1,0 +1,139 @@
+"""Settings, storage and the local job backend: the parts every stage stands on."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from infra import storage
+from infra.backends.local import LocalBackend
+from infra.jobs import JobSpec, JobState, Resources, parse_time_limit
+from infra.settings import Settings, redact, reload_settings
+
+
+def test_settings_read_prefixed_env_and_dotenv(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text("NEMOFLOW_WORK_DIR=gs://from-dotenv/w\nNEMOFLOW_REGION=europe\n")
+    monkeypatch.setenv("NEMOFLOW_REGION", "asia")
+    settings = Settings()
+    assert settings.work_dir == "gs://from-dotenv/w"
+    assert settings.region == "asia"  # the environment wins over .env
+
+
+def test_secrets_never_print(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_supersecretvalue123")
+    monkeypatch.setenv("NEMOFLOW_WANDB_API_KEY", "wandbsecret456")
+    settings = Settings()
+    text = f"{settings} {settings!r} {settings.model_dump()} {settings.model_dump_json()}"
+    assert "hf_supersecretvalue123" not in text
+    assert "wandbsecret456" not in text
+    assert settings.secret_env() == {"HF_TOKEN": "hf_supersecretvalue123", "WANDB_API_KEY": "wandbsecret456"}
+    assert redact("token=hf_supersecretvalue123!", settings.secret_values()) == "token=***!"
+
+
+def test_invalid_setting_names_the_field(monkeypatch):
+    monkeypatch.setenv("NEMOFLOW_REGION", "mars")
+    with pytest.raises(Exception, match="region"):
+        Settings()
+
+
+def test_atomic_write_leaves_nothing_on_failure(tmp_path):
+    target = str(tmp_path / "out" / "file.bin")
+    with pytest.raises(RuntimeError):
+        with storage.atomic_open(target) as fh:
+            fh.write(b"half")
+            raise RuntimeError("crash mid-write")
+    assert not os.path.exists(target)
+    assert os.listdir(tmp_path / "out") == []
+    storage.write_bytes(target, b"whole")
+    assert open(target, "rb").read() == b"whole"
+
+
+def test_uri_forms(tmp_path):
+    assert storage.local_path(f"file://{tmp_path}/a") == f"{tmp_path}/a"
+    assert storage.join("gs://b/x/", "y", "z") == "gs://b/x/y/z"
+    assert storage.parent("gs://b/x/y") == "gs://b/x"
+    assert storage.join(str(tmp_path), "a") == os.path.join(str(tmp_path), "a")
+
+
+def test_unwritable_directory_is_named(tmp_path):
+    if os.geteuid() == 0:
+        target = "/proc/nemoflow-cannot-write"
+    else:
+        target = str(tmp_path / "ro")
+        os.makedirs(target)
+        os.chmod(target, 0o500)
+    with pytest.raises(storage.StorageError, match="nemoflow-cannot-write|ro"):
+        storage.ensure_writable(target)
+
+
+@pytest.mark.gcs
+def test_gcs_atomic_write_and_fingerprint(gcs_bucket):
+    uri = f"{gcs_bucket}/dir/obj.json"
+    storage.write_json(uri, {"a": 1})
+    assert storage.read_json(uri) == {"a": 1}
+    assert storage.fingerprint(uri).startswith(("md5Hash:", "crc32c:"))
+    with pytest.raises(RuntimeError):
+        with storage.atomic_open(f"{gcs_bucket}/dir/broken.bin") as fh:
+            fh.write(b"x" * 10)
+            raise RuntimeError("crash")
+    names = [storage.basename(u) for u in storage.listdir(f"{gcs_bucket}/dir")]
+    assert names == ["obj.json"]
+
+
+def test_time_limits():
+    assert parse_time_limit("90") == 5400
+    assert parse_time_limit("01:30:00") == 5400
+    assert parse_time_limit("2-00:00:00") == 172800
+    with pytest.raises(ValueError, match="1h"):
+        parse_time_limit("1h")
+
+
+def test_local_backend_streams_logs_and_surfaces_exit_codes():
+    lines: list[str] = []
+    spec = JobSpec(name="ok", command=[sys.executable, "-c", "print('hello'); print('world')"])
+    result = LocalBackend().run(spec, on_log=lines.append)
+    assert result.state is JobState.COMPLETED and lines == ["hello", "world"]
+
+    spec = JobSpec(name="bad", command=[sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"])
+    result = LocalBackend().run(spec)
+    assert result.state is JobState.FAILED and result.exit_code == 3 and result.log_tail == ["boom"]
+
+
+def test_local_backend_array_sets_index_and_redacts_secrets(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_neverlogme")
+    reload_settings()
+    lines: list[str] = []
+    code = "import os; print(os.environ['NEMOFLOW_ARRAY_INDEX'], os.environ.get('HF_TOKEN'))"
+    spec = JobSpec(name="arr", command=[sys.executable, "-c", code], array_size=3, secret_env=["HF_TOKEN"])
+    result = LocalBackend().run(spec, on_log=lines.append)
+    reload_settings()
+    assert result.state is JobState.COMPLETED
+    assert sorted(lines) == ["[0] 0 ***", "[1] 1 ***", "[2] 2 ***"]
+
+
+def test_local_backend_time_limit_kills_process_group(tmp_path):
+    pidfile = tmp_path / "child.pid"
+    code = (
+        "import subprocess, sys, time;"
+        f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
+    spec = JobSpec(name="slow", command=[sys.executable, "-c", code], resources=Resources(time="00:01"))
+    result = LocalBackend(kill_grace_s=1).run(spec)
+    assert result.state is JobState.TIMEOUT
+    child = int(pidfile.read_text())
+    import time
+
+    time.sleep(0.5)
+    assert not _alive(child), "the job's child process outlived the job"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, just unreaped
+    except FileNotFoundError:
+        return False
