@@ -1,0 +1,135 @@
+"""Megatron indexed datasets read through megatron-core, as NeMo reads them.
+
+``build_datasets`` hands the NeMo ``data_prefix`` blend to
+``BlendedMegatronDatasetBuilder(GPTDataset, ...)``: the sample order is a
+deterministic function of the seed, the split and the number of samples, so
+sample ``i`` is the same sample in every run and a resumed run continues at
+``consumed_samples``. Index files are cached under ``cache_dir``.
+
+megatron-core's blended dataset asks torch.distributed for its rank, so a
+1-rank gloo group (an in-memory store, no port) is started when none exists.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from workloads.train_config import parse_blend
+
+
+class DatasetMissingError(FileNotFoundError):
+    """A blend prefix lacks its .bin or .idx file."""
+
+
+class SentencePieceInfo:
+    """What GPTDatasetConfig asks of a tokenizer (eod, pad, vocab_size, unique_identifiers)."""
+
+    def __init__(self, model_path: str):
+        import sentencepiece
+
+        if not os.path.exists(model_path):
+            raise FileNotFoundError(f"tokenizer model {model_path} does not exist")
+        sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        self.vocab_size = sp.get_piece_size()
+        self.eod = sp.eos_id()
+        # Mixtral's model has no pad piece (-1): GPTDataset then masks nothing
+        # by accident, and pads a short last sequence with -1 (mapped to 0 and masked).
+        self.pad = sp.pad_id()
+        self.bos = sp.bos_id()
+        self.unique_identifiers = {"class": "SentencePieceInfo", "model": os.path.abspath(model_path)}
+
+
+def check_prefixes(blend: list) -> list[str]:
+    """Every prefix's .bin and .idx must exist; the error names the missing files."""
+    prefixes, _ = parse_blend(blend)
+    missing = [f"{p}{ext}" for p in prefixes for ext in (".bin", ".idx") if not os.path.exists(f"{p}{ext}")]
+    if missing:
+        raise DatasetMissingError(
+            "dataset files missing (a prefix names '{prefix}.bin' and '{prefix}.idx'): " + ", ".join(missing)
+        )
+    return prefixes
+
+
+def ensure_process_group() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+@dataclass
+class Datasets:
+    train: object | None
+    valid: object | None
+    tokenizer: SentencePieceInfo
+
+
+def build_datasets(
+    data_prefix: list,
+    tokenizer_model: str,
+    seq_length: int,
+    seed: int,
+    train_samples: int,
+    valid_samples: int,
+    cache_dir: str,
+    split: str = "98,1,1",
+    valid_data_prefix: list | None = None,
+) -> Datasets:
+    """The train and validation datasets of a blend (validation = the split, or its own blend)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    check_prefixes(data_prefix)
+    if valid_data_prefix:
+        check_prefixes(valid_data_prefix)
+    ensure_process_group()
+    tokenizer = SentencePieceInfo(tokenizer_model)
+    os.makedirs(cache_dir, exist_ok=True)
+    common = dict(
+        random_seed=seed,
+        sequence_length=seq_length,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        # A (seq x seq) mask per sample is waste: the model builds its own causal mask.
+        create_attention_mask=False,
+        path_to_cache=cache_dir,
+        mid_level_dataset_surplus=0.005,
+    )
+    if valid_data_prefix:
+        config = GPTDatasetConfig(
+            blend_per_split=[_blend(data_prefix), _blend(valid_data_prefix), None], **common
+        )
+    else:
+        config = GPTDatasetConfig(blend=_blend(data_prefix), split=split, **common)
+    sizes = [train_samples, valid_samples, 0]
+    import logging
+
+    # megatron logs every index it builds at INFO: keep the trainer's output readable.
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    if train_samples and train is None:
+        raise ValueError(f"the split {split!r} leaves no training documents in {data_prefix}")
+    if valid_samples and valid is None:
+        raise ValueError(
+            f"the split {split!r} leaves no validation documents in {data_prefix}; "
+            "give the validation share a weight or set valid_data_prefix"
+        )
+    return Datasets(train=train, valid=valid, tokenizer=tokenizer)
+
+
+def _blend(data_prefix: list) -> tuple[list[str], list[float] | None]:
+    return parse_blend(data_prefix)
+
+
+def get_batch(dataset, start: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Samples ``start .. start+batch_size-1`` stacked: (tokens, labels, loss_mask)."""
+    samples = [dataset[start + i] for i in range(batch_size)]
+    tokens = torch.stack([s["tokens"] for s in samples])
+    labels = torch.stack([s["labels"] for s in samples])
+    loss_mask = torch.stack([s["loss_mask"] for s in samples])
+    return tokens, labels, loss_mask

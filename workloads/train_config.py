@@ -1,0 +1,265 @@
+"""The training configuration, and the parallelism arithmetic checked before launch.
+
+Field names follow NeMo / Megatron (``global_batch_size``, ``micro_batch_size``,
+``tensor_model_parallel_size``, ``val_check_interval``, ``ckpt_every_n_steps``...)
+so a NeMo user recognises them. This module imports no torch: Prefect tasks
+import it to validate a config before they spend compute on it.
+
+    python -m workloads.train --config run.json      # run.json = TrainConfig as JSON
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+# Exit codes of the trainer (the local backend knows 75; 76 means "stopped on a
+# pre-emption signal after saving a checkpoint: resubmit to resume").
+EXIT_OUT_OF_MEMORY = 75
+EXIT_PREEMPTED = 76
+
+
+class TrainConfig(BaseModel):
+    """Everything one training run needs; serialised to ``<run_dir>/train_config.json``."""
+
+    # ---- model (a small Llama or Mixtral built from a transformers config, random init)
+    arch: Literal["llama", "mixtral"] = "llama"
+    hidden_size: int = Field(256, ge=1)
+    num_layers: int = Field(4, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int | None = Field(None, ge=1, description="GQA groups; None = num_attention_heads")
+    ffn_hidden_size: int = Field(1024, ge=1)
+    num_moe_experts: int | None = Field(None, ge=1, description="mixtral only (default 4)")
+    moe_router_topk: int = Field(2, ge=1)
+    vocab_size: int | None = Field(None, description="None = the tokenizer's vocabulary size")
+
+    # ---- data
+    data_prefix: list = Field(..., description="NeMo blend: [w1, 'prefix1', w2, 'prefix2', ...] or ['prefix']")
+    valid_data_prefix: list | None = Field(None, description="separate validation blend (else the split)")
+    split: str = Field("98,1,1", description="train,validation,test proportions of each prefix's documents")
+    tokenizer_model: str = Field(..., description="sentencepiece .model of the dataset's tokenizer")
+    seq_length: int = Field(256, description="tokens per sample")
+
+    # ---- batch and length of training
+    global_batch_size: int = Field(8, ge=1)
+    micro_batch_size: int = Field(8, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, description="token budget: steps = tokens // (gbs * seq_length)")
+
+    # ---- optimiser and schedule
+    lr: float = Field(3e-4, gt=0)
+    min_lr: float = Field(3e-5, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    weight_decay: float = Field(0.1, ge=0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    gradient_clip_val: float | None = Field(1.0, description="max global grad norm; None disables clipping")
+
+    # ---- validation, checkpoints, logs
+    val_check_interval: int = Field(50, ge=1, description="validate every N steps")
+    limit_val_batches: int = Field(4, ge=0, description="validation batches (the same fixed ones every time)")
+    ckpt_every_n_steps: int = Field(50, ge=1)
+    save_top_k: int = Field(3, description="keep the best k checkpoints by val_loss plus the latest; -1 = all")
+    log_every_n_steps: int = Field(10, ge=1)
+    seed: int = 1234
+    run_dir: str | None = Field(None, description="output directory (local path or shared volume)")
+    init_from: str | None = Field(None, description="checkpoint directory to continue pretraining from")
+    reset_optimizer: bool = Field(True, description="with init_from: start a fresh optimizer and schedule")
+
+    # ---- where it runs (the arithmetic check; the local trainer is one process)
+    num_nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(0, ge=0, description="0 = CPU")
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    context_parallel_size: int = Field(1, ge=1)
+    expert_model_parallel_size: int = Field(1, ge=1)
+    cpus_per_task: int = Field(2, ge=1)
+    mem: str | None = None
+    time: str | None = Field(None, description="job time limit, sbatch syntax")
+
+    @field_validator("split")
+    @classmethod
+    def _check_split(cls, value: str) -> str:
+        parts = value.replace("/", ",").split(",")
+        try:
+            weights = [float(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"split {value!r} must be comma-separated numbers like '98,1,1'") from None
+        if len(weights) != 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"split {value!r} must be three non-negative numbers (train,validation,test)")
+        return value
+
+    @field_validator("data_prefix", "valid_data_prefix")
+    @classmethod
+    def _check_blend(cls, value: list | None) -> list | None:
+        if value is not None:
+            parse_blend(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check_length(self) -> TrainConfig:
+        if (self.max_steps is None) == (self.max_tokens is None):
+            raise ValueError("set exactly one of max_steps and max_tokens")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def experts(self) -> int | None:
+        if self.arch != "mixtral":
+            return None
+        return self.num_moe_experts or 4
+
+    @property
+    def total_steps(self) -> int:
+        """max_steps, or the token budget in steps (as NeMo computes it from a token count)."""
+        if self.max_steps is not None:
+            return self.max_steps
+        return max(1, self.max_tokens // (self.global_batch_size * self.seq_length))
+
+
+def parse_blend(blend: list) -> tuple[list[str], list[float] | None]:
+    """A NeMo ``data_prefix`` into (prefixes, weights).
+
+    >>> parse_blend([0.7, "/d/ot_text_document", 0.3, "/d/nt_text_document"])
+    (['/d/ot_text_document', '/d/nt_text_document'], [0.7, 0.3])
+    >>> parse_blend(["/d/all_text_document"])
+    (['/d/all_text_document'], None)
+    """
+    if not blend:
+        raise ValueError("data_prefix is empty; expected [weight, prefix, ...] or [prefix, ...]")
+    if all(isinstance(item, str) and not _is_number(item) for item in blend):
+        return [str(p) for p in blend], None
+    if len(blend) % 2:
+        raise ValueError(f"data_prefix {blend!r} has an odd length; expected [weight, prefix, weight, prefix, ...]")
+    prefixes, weights = [], []
+    for weight, prefix in zip(blend[0::2], blend[1::2]):
+        if not _is_number(weight) or float(weight) < 0:
+            raise ValueError(f"data_prefix weight {weight!r} (before {prefix!r}) is not a non-negative number")
+        if not isinstance(prefix, str) or _is_number(prefix):
+            raise ValueError(f"data_prefix entry {prefix!r} after weight {weight!r} is not a path prefix")
+        prefixes.append(prefix)
+        weights.append(float(weight))
+    if sum(weights) <= 0:
+        raise ValueError(f"data_prefix weights {weights} sum to zero")
+    return prefixes, weights
+
+
+def _is_number(value) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return True
+    try:
+        float(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+class ParallelismError(ValueError):
+    """The sizes do not divide: the message names every broken rule and its numbers."""
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    world_size: int
+    data_parallel_size: int
+    gradient_accumulation_steps: int
+    total_steps: int
+
+
+def check_parallelism(config: TrainConfig, on_cpu: bool | None = None) -> ParallelPlan:
+    """Check the Megatron parallelism arithmetic; raise naming each broken rule.
+
+    world = num_nodes * gpus_per_node (1 on CPU); world must split into
+    tensor x pipeline x context parallel groups, the rest is data parallel;
+    the global batch must be a whole number of micro batches on every
+    data-parallel rank (the quotient is the gradient accumulation).
+    """
+    cpu = config.gpus_per_node == 0 if on_cpu is None else on_cpu
+    world = 1 if cpu else config.num_nodes * config.gpus_per_node
+    tp, pp, cp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size
+    ep = config.expert_model_parallel_size
+    errors: list[str] = []
+    model_parallel = tp * pp * cp
+    if world % model_parallel:
+        errors.append(
+            f"world size {world} (num_nodes={config.num_nodes} x gpus_per_node={config.gpus_per_node}) is not "
+            f"divisible by tensor({tp}) x pipeline({pp}) x context({cp}) parallel = {model_parallel}"
+        )
+        dp = max(1, world // model_parallel)
+    else:
+        dp = world // model_parallel
+    per_step = config.micro_batch_size * dp
+    if config.global_batch_size % per_step:
+        errors.append(
+            f"global_batch_size={config.global_batch_size} is not divisible by micro_batch_size"
+            f"({config.micro_batch_size}) x data_parallel_size({dp}) = {per_step}"
+        )
+    if config.num_attention_heads % tp:
+        errors.append(
+            f"num_attention_heads={config.num_attention_heads} is not divisible by tensor_model_parallel_size={tp}"
+        )
+    if config.num_attention_heads % config.kv_heads:
+        errors.append(
+            f"num_attention_heads={config.num_attention_heads} is not divisible by "
+            f"num_key_value_heads={config.kv_heads}"
+        )
+    elif config.kv_heads % tp and tp % config.kv_heads:
+        errors.append(f"num_key_value_heads={config.kv_heads} and tensor_model_parallel_size={tp} do not divide")
+    if config.hidden_size % config.num_attention_heads:
+        errors.append(
+            f"hidden_size={config.hidden_size} is not divisible by num_attention_heads={config.num_attention_heads}"
+        )
+    elif (config.hidden_size // config.num_attention_heads) % 2:
+        errors.append(
+            f"head size hidden_size/num_attention_heads = {config.hidden_size // config.num_attention_heads} "
+            "is odd; rotary embeddings need an even head size"
+        )
+    if config.num_layers % pp:
+        errors.append(f"num_layers={config.num_layers} is not divisible by pipeline_model_parallel_size={pp}")
+    if config.seq_length <= 0:
+        errors.append(f"seq_length={config.seq_length} must be positive")
+    elif config.seq_length % (2 * cp) and cp > 1:
+        errors.append(f"seq_length={config.seq_length} is not divisible by 2 x context_parallel_size({cp})")
+    if config.experts is not None:
+        if config.experts % ep:
+            errors.append(f"num_moe_experts={config.experts} is not divisible by expert_model_parallel_size={ep}")
+        if config.moe_router_topk > config.experts:
+            errors.append(f"moe_router_topk={config.moe_router_topk} exceeds num_moe_experts={config.experts}")
+        if world % ep and not cpu:
+            errors.append(f"world size {world} is not divisible by expert_model_parallel_size={ep}")
+    elif ep != 1:
+        errors.append(f"expert_model_parallel_size={ep} needs arch='mixtral' (a dense model has no experts)")
+    if config.min_lr > config.lr:
+        errors.append(f"min_lr={config.min_lr} is above lr={config.lr}")
+    total = config.total_steps
+    if config.warmup_steps > total:
+        errors.append(f"warmup_steps={config.warmup_steps} exceeds the run's {total} steps")
+    if errors:
+        raise ParallelismError("invalid training configuration:\n  - " + "\n  - ".join(errors))
+    return ParallelPlan(
+        world_size=world,
+        data_parallel_size=dp,
+        gradient_accumulation_steps=config.global_batch_size // per_step,
+        total_steps=total,
+    )
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine to min_lr or constant."""
+    if config.warmup_steps and step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    if config.lr_schedule == "constant":
+        return config.lr
+    total = config.total_steps
+    decay_steps = max(1, total - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / decay_steps)
+    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
