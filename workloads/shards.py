@@ -1,0 +1,140 @@
+"""Shard handling between download and tokenization: extract ``.zst`` and concatenate ``.jsonl``.
+
+    from workloads.shards import extract_zst, concatenate, group
+    extract_zst("raw/chunk1/example_train_0.jsonl.zst", "jsonl/chunk1/example_train_0.jsonl")
+    for i, batch in enumerate(group(sorted(jsonl_files), 10)):
+        concatenate(batch, f"merged/train_{i:04d}.jsonl")
+
+Pure functions over URIs (local paths or ``gs://``, through infra.storage), usable in-process
+or inside a job. Both write atomically: a crash never leaves a half-written ``.jsonl`` under its
+final name.
+
+Why the truncation check: zstandard raises on a corrupt frame, but a frame cut short simply
+yields fewer bytes. We decompress frame by frame and require every frame to reach its end
+(``decompressobj().eof``); a file that stops inside a frame is a :class:`CorruptArchive`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from infra import storage
+
+Log = Callable[[str], None]
+T = TypeVar("T")
+READ_SIZE = 1 << 20
+
+
+class CorruptArchive(Exception):
+    """A compressed shard is truncated or corrupt; the message names the shard."""
+
+    def __init__(self, shard: str, reason: str):
+        super().__init__(f"corrupt archive {shard}: {reason}")
+        self.shard = shard
+        self.reason = reason
+
+
+class ExtractResult(BaseModel):
+    uri: str
+    bytes: int
+    lines: int
+    source: str
+
+
+class ConcatResult(BaseModel):
+    uri: str
+    bytes: int
+    lines: int
+    inputs: list[str]
+
+
+class _LineCounter:
+    """Counts lines the way a JSON-lines reader sees them: a last line without '\\n' still counts."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.newlines = 0
+        self.last = b"\n"
+
+    def update(self, block: bytes) -> None:
+        if block:
+            self.bytes += len(block)
+            self.newlines += block.count(b"\n")
+            self.last = block[-1:]
+
+    @property
+    def lines(self) -> int:
+        return self.newlines + (0 if self.last == b"\n" else 1)
+
+
+def extract_zst(src_uri: str, dst_uri: str, *, delete_source: bool = False, log: Log | None = None) -> ExtractResult:
+    """Decompress ``src_uri`` (zstd, one or more frames) to ``dst_uri`` in constant memory."""
+    import zstandard
+
+    name = storage.basename(src_uri)
+    counter = _LineCounter()
+    try:
+        with storage.open_read(src_uri) as src, storage.atomic_open(dst_uri, "wb") as dst:
+            dctx = zstandard.ZstdDecompressor()
+            dobj = dctx.decompressobj()
+            in_frame = False  # bytes of the current frame were fed but its end not reached
+            seen_any = False
+            while block := src.read(READ_SIZE):
+                seen_any = True
+                while block:
+                    out = dobj.decompress(block)
+                    in_frame = True
+                    dst.write(out)
+                    counter.update(out)
+                    if not dobj.eof:
+                        break
+                    # A frame ended; the rest of this block belongs to the next frame.
+                    in_frame = False
+                    block = dobj.unused_data
+                    dobj = dctx.decompressobj()
+            if not seen_any:
+                raise CorruptArchive(src_uri, "the file is empty")
+            if in_frame:
+                raise CorruptArchive(src_uri, f"truncated: the last zstd frame ends early (after {counter.bytes} bytes out)")
+    except zstandard.ZstdError as exc:
+        raise CorruptArchive(src_uri, str(exc)) from None
+    if delete_source:
+        # Only now: the output is committed, so a crash above leaves the input to retry from.
+        storage.remove(src_uri)
+        storage.remove(src_uri + ".meta.json")  # infra.fetch's sidecar would describe a deleted file
+    if log is not None:
+        log(f"{name}: extracted {counter.bytes} bytes, {counter.lines} lines -> {dst_uri}")
+    return ExtractResult(uri=dst_uri, bytes=counter.bytes, lines=counter.lines, source=src_uri)
+
+
+def concatenate(inputs: list[str], dst_uri: str, *, log: Log | None = None) -> ConcatResult:
+    """Concatenate ``inputs`` in order into ``dst_uri``, adding a newline after any input that lacks one."""
+    if not inputs:
+        raise ValueError(f"nothing to concatenate into {dst_uri}: the input list is empty")
+    counter = _LineCounter()
+    with storage.atomic_open(dst_uri, "wb") as dst:
+        for uri in inputs:
+            last = b"\n"
+            with storage.open_read(uri) as src:
+                while block := src.read(READ_SIZE):
+                    dst.write(block)
+                    counter.update(block)
+                    last = block[-1:]
+            if last != b"\n":
+                # Without it the next file's first JSON object would join this file's last line.
+                dst.write(b"\n")
+                counter.update(b"\n")
+    if log is not None:
+        log(f"{storage.basename(dst_uri)}: {len(inputs)} inputs, {counter.bytes} bytes, {counter.lines} lines")
+    return ConcatResult(uri=dst_uri, bytes=counter.bytes, lines=counter.lines, inputs=list(inputs))
+
+
+def group(items: list[T], n: int) -> list[list[T]]:
+    """``items`` in groups of ``n`` in the given order; the last group holds the remainder."""
+    if n < 1:
+        raise ValueError(f"group size must be at least 1, got {n}")
+    items = list(items)
+    return [items[i : i + n] for i in range(0, len(items), n)]
