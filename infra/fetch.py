@@ -604,6 +604,9 @@ def download(
                 say(f"attempt {attempts} failed: {exc.reason}; retrying in {delay:.1f}s")
                 time.sleep(delay)
     except FetchError as exc:
+        if not os.path.exists(part):  # nothing to resume from: leave no trace
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(state_path)
         # The message is built from the URL we were given: redact it in case it carries a token.
         raise type(exc)(redact(str(exc))) from None
     finally:

@@ -1,0 +1,307 @@
+"""infra.fetch against a real local HTTP server that injects faults, and the real GCS emulator."""
+
+from __future__ import annotations
+
+import base64
+import email.utils
+import hashlib
+import time
+
+import pytest
+
+from infra import storage
+from infra.fetch import FetchError, NotFound, download, is_hf_host, probe
+from tests.support.fault_server import Fault, FaultServer
+
+from .conftest import SHARD
+
+FAST = dict(backoff=0.01, max_backoff=0.05, timeout=2)
+
+
+def source_bytes(corpus, path=SHARD) -> bytes:
+    return (corpus / path.lstrip("/")).read_bytes()
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [
+        pytest.param([Fault(status=429, retry_after="0")], id="429"),
+        pytest.param([Fault(status=500), Fault(status=503)], id="500-503"),
+        pytest.param([Fault(status=408)], id="408"),
+        pytest.param([Fault(truncate_at=150_000)], id="truncated-body"),
+        pytest.param([Fault(reset_at=150_000)], id="connection-reset"),
+        pytest.param([Fault(delay=3.0)], id="slow-headers-timeout"),
+        pytest.param([Fault(stall_at=100_000, stall=3.0)], id="stalled-body-timeout"),
+        pytest.param([Fault(truncate_at=150_000), Fault(reset_at=80_000), Fault(status=502)], id="mixed"),
+    ],
+)
+def test_each_fault_recovers_byte_identical(server, corpus, tmp_path, faults):
+    server.add_faults(SHARD, *faults)
+    lines: list[str] = []
+    dest = tmp_path / "dl" / "chunk1" / "example_train_0.jsonl.zst"
+    result = download(server.url(SHARD), str(dest), **{**FAST, "timeout": 1}, log=lines.append)
+    assert dest.read_bytes() == source_bytes(corpus)
+    assert result.attempts == len(faults) + 1 == server.count(SHARD)
+    assert result.sha256 == hashlib.sha256(source_bytes(corpus)).hexdigest()
+    assert not result.skipped
+    assert not (tmp_path / "dl" / "chunk1" / "example_train_0.jsonl.zst.part").exists()
+    failures = [line for line in lines if "attempt" in line and "failed" in line]
+    assert len(failures) == len(faults)
+    assert all(line.startswith("example_train_0.jsonl.zst:") for line in lines)
+
+
+def test_wrong_checksum_header_restarts_then_verifies(corpus, tmp_path):
+    with FaultServer(corpus, checksums=("x-goog-hash", "content-md5", "x-linked-etag")) as srv:
+        srv.add_faults(SHARD, Fault(bad_checksum=True))
+        lines: list[str] = []
+        result = download(srv.url(SHARD), str(tmp_path / "x.zst"), **FAST, log=lines.append)
+        assert result.attempts == 2
+        assert any("mismatch" in line for line in lines)
+        assert srv.requests_for(SHARD)[1].headers.get("Range") is None  # bad bytes are never resumed from
+    assert (tmp_path / "x.zst").read_bytes() == source_bytes(corpus)
+
+
+def test_checksum_that_never_matches_fails_and_leaves_nothing(corpus, tmp_path):
+    with FaultServer(corpus, checksums=("x-linked-etag",), always={SHARD: Fault(bad_checksum=True)}) as srv:
+        with pytest.raises(FetchError, match="sha256 mismatch"):
+            download(srv.url(SHARD), str(tmp_path / "dl" / "x.zst"), **FAST)
+        assert srv.count(SHARD) == 3  # content errors stop after a couple of full restarts, not 8
+    assert list((tmp_path / "dl").iterdir()) == []
+
+
+def test_expected_sha256_is_enforced(server, tmp_path):
+    with pytest.raises(FetchError, match="sha256 mismatch: expected_sha256 says 0+") as err:
+        download(server.url(SHARD), str(tmp_path / "x.zst"), expected_sha256="0" * 64, **FAST)
+    assert server.url(SHARD) in str(err.value)
+    assert not (tmp_path / "x.zst").exists()
+
+
+def test_resume_sends_range_and_ends_identical(server, corpus, tmp_path):
+    server.add_faults(SHARD, Fault(truncate_at=300_000))
+    dest = tmp_path / "x.zst"
+    download(server.url(SHARD), str(dest), **FAST)
+    first, second = server.requests_for(SHARD)
+    assert "Range" not in first.headers
+    offset = int(second.headers["Range"].removeprefix("bytes=").removesuffix("-"))
+    assert 0 < offset <= 300_000
+    assert second.status == 206
+    assert second.headers["If-Range"] == f'"{hashlib.sha256(source_bytes(corpus)).hexdigest()}"'
+    assert dest.read_bytes() == source_bytes(corpus)
+
+
+def test_resume_across_calls_after_giving_up(server, corpus, tmp_path):
+    """A crashed or abandoned download leaves <dest>.part; the next call continues from it."""
+    server.add_faults(SHARD, Fault(reset_at=200_000), Fault(status=503))
+    dest = tmp_path / "x.zst"
+    with pytest.raises(FetchError, match="after 2 attempts: HTTP 503"):
+        download(server.url(SHARD), str(dest), retries=1, **FAST)
+    part = tmp_path / "x.zst.part"
+    assert part.exists() and 0 < part.stat().st_size < len(source_bytes(corpus))
+    assert not dest.exists()  # never a partial file under the final name
+    kept = part.stat().st_size
+    result = download(server.url(SHARD), str(dest), **FAST)
+    last = server.requests_for(SHARD)[-1]
+    assert last.headers["Range"] == f"bytes={kept}-" and last.status == 206
+    assert result.attempts == 1
+    assert dest.read_bytes() == source_bytes(corpus)
+
+
+def test_server_without_ranges_restarts_cleanly(corpus, tmp_path):
+    with FaultServer(corpus, ranges=False) as srv:
+        srv.add_faults(SHARD, Fault(truncate_at=250_000))
+        download(srv.url(SHARD), str(tmp_path / "x.zst"), **FAST)
+        second = srv.requests_for(SHARD)[1]
+        assert second.headers.get("Range") and second.status == 200
+    assert (tmp_path / "x.zst").read_bytes() == source_bytes(corpus)
+
+
+def test_file_changed_between_attempts_is_fetched_whole(server, corpus, tmp_path):
+    """If-Range carries the old ETag; the server answers 200 with the new file, never a mix."""
+    other = (corpus / "train/chunk2/example_train_1.jsonl.zst").read_bytes()
+    target = corpus / SHARD.lstrip("/")
+    server.add_faults(SHARD, Fault(truncate_at=250_000), Fault(before=lambda: target.write_bytes(other)))
+    dest = tmp_path / "x.zst"
+    result = download(server.url(SHARD), str(dest), **FAST)
+    second = server.requests_for(SHARD)[1]
+    assert second.headers.get("If-Range") and second.status == 200
+    assert dest.read_bytes() == other
+    assert result.sha256 == hashlib.sha256(other).hexdigest()
+
+
+def test_retry_after_is_honoured_and_capped(server, tmp_path):
+    server.add_faults(SHARD, Fault(status=429, retry_after="1"))
+    t0 = time.monotonic()
+    download(server.url(SHARD), str(tmp_path / "a.zst"), backoff=0.001, timeout=5)
+    assert time.monotonic() - t0 >= 0.95
+    # An HTTP date two seconds ahead also waits (about one second at least, given 1 s resolution).
+    server.add_faults(SHARD, Fault(status=503, retry_after=email.utils.formatdate(time.time() + 2, usegmt=True)))
+    t0 = time.monotonic()
+    download(server.url(SHARD), str(tmp_path / "b.zst"), backoff=0.001, timeout=5)
+    assert time.monotonic() - t0 >= 0.9
+    # An hour is capped at max_backoff.
+    server.add_faults(SHARD, Fault(status=429, retry_after="3600"))
+    t0 = time.monotonic()
+    download(server.url(SHARD), str(tmp_path / "c.zst"), backoff=0.001, max_backoff=0.2, timeout=5)
+    assert time.monotonic() - t0 < 5
+
+
+def test_404_fails_at_once_naming_the_url(server, tmp_path):
+    url = server.url("/train/chunk9/example_train_0.jsonl.zst")
+    t0 = time.monotonic()
+    with pytest.raises(NotFound, match=f"not found: {url}$"):
+        download(url, str(tmp_path / "x.zst"), retries=8, backoff=5)
+    assert time.monotonic() - t0 < 2
+    assert server.count("/train/chunk9/example_train_0.jsonl.zst") == 1
+
+
+def test_other_4xx_fail_at_once(server, tmp_path):
+    server.add_faults(SHARD, Fault(status=403))
+    with pytest.raises(FetchError, match="HTTP 403"):
+        download(server.url(SHARD), str(tmp_path / "x.zst"), retries=8, backoff=5)
+    assert server.count(SHARD) == 1
+
+
+def test_persistent_5xx_gives_up_after_retries(corpus, tmp_path):
+    with FaultServer(corpus, always={SHARD: Fault(status=500)}) as srv:
+        with pytest.raises(FetchError, match=r"example_train_0.jsonl.zst: giving up on .* after 4 attempts: HTTP 500"):
+            download(srv.url(SHARD), str(tmp_path / "example_train_0.jsonl.zst"), retries=3, **FAST)
+        assert srv.count(SHARD) == 4
+    assert not (tmp_path / "example_train_0.jsonl.zst").exists()
+
+
+def test_verified_file_is_not_fetched_again(server, corpus, tmp_path):
+    dest = tmp_path / "x.zst"
+    first = download(server.url(SHARD), str(dest), **FAST)
+    meta = storage.read_json(str(dest) + ".meta.json")
+    assert meta["sha256"] == first.sha256 and meta["size"] == len(source_bytes(corpus))
+    again = download(server.url(SHARD), str(dest), **FAST)
+    assert again.skipped and again.attempts == 0 and again.sha256 == first.sha256
+    assert server.count(SHARD) == 1 and server.count(SHARD, method="HEAD") == 0
+    # Same size, one byte different: the sidecar no longer vouches for it.
+    data = bytearray(dest.read_bytes())
+    data[1000] ^= 0xFF
+    dest.write_bytes(bytes(data))
+    repaired = download(server.url(SHARD), str(dest), **FAST)
+    assert not repaired.skipped and server.count(SHARD) == 2
+    assert dest.read_bytes() == source_bytes(corpus)
+    # A different expected checksum than the recorded one is not "verified" either.
+    with pytest.raises(FetchError):
+        download(server.url(SHARD), str(dest), expected_sha256="1" * 64, **FAST)
+
+
+def test_progress_reports_reach_the_total(server, corpus, tmp_path):
+    seen: list[tuple[int, int | None]] = []
+    download(server.url(SHARD), str(tmp_path / "x.zst"), progress=lambda done, total: seen.append((done, total)))
+    size = len(source_bytes(corpus))
+    assert seen[-1] == (size, size)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+# ----------------------------------------------------------------------- Hugging Face token
+
+
+@pytest.mark.parametrize(
+    ("url", "hf"),
+    [
+        ("https://huggingface.co/datasets/x/resolve/main/a.zst", True),
+        ("https://cdn-lfs.huggingface.co/repos/ab/cd", True),
+        ("https://hf.co/x", True),
+        ("https://cas-bridge.xethub.hf.co/xet-bridge/abc", True),
+        ("https://HuggingFace.co./x", True),
+        ("https://huggingface.co.evil.example/x", False),
+        ("https://nothuggingface.co/x", False),
+        ("https://example.org/huggingface.co/x", False),
+        ("https://evil.example/?u=https://huggingface.co", False),
+    ],
+)
+def test_hf_host_detection(url, hf):
+    assert is_hf_host(url) is hf
+
+
+def test_token_goes_only_to_hugging_face(server, corpus, tmp_path, map_hosts, hf_token):
+    map_hosts("huggingface.co", "cdn.example.org", "mirror.example.org")
+    logs: list[str] = []
+    # Hugging Face resolve URLs redirect to a CDN on another host: the header must not follow.
+    server.add_faults(SHARD, Fault(redirect=server.url(SHARD, host="cdn.example.org")))
+    hf_url = server.url(SHARD, host="huggingface.co")
+    download(hf_url, str(tmp_path / "hf.zst"), **FAST, log=logs.append)
+    download(server.url(SHARD, host="mirror.example.org"), str(tmp_path / "mirror.zst"), **FAST, log=logs.append)
+    hf_req, cdn_req, mirror_req = server.requests_for(SHARD)
+    assert hf_req.host.startswith("huggingface.co") and hf_req.headers["Authorization"] == f"Bearer {hf_token}"
+    assert cdn_req.host.startswith("cdn.example.org") and "Authorization" not in cdn_req.headers
+    assert mirror_req.host.startswith("mirror.example.org") and "Authorization" not in mirror_req.headers
+    assert (tmp_path / "hf.zst").read_bytes() == (tmp_path / "mirror.zst").read_bytes() == source_bytes(corpus)
+    assert logs and not any(hf_token in line for line in logs)
+
+
+def test_secrets_never_in_errors_or_logs(server, tmp_path, map_hosts, hf_token):
+    map_hosts("huggingface.co")
+    missing = "/train/chunk9/example_train_0.jsonl.zst"
+    signed = server.url(missing, host="huggingface.co") + "?X-Amz-Signature=sigSECRET42&token=qsSECRET43"
+    logs: list[str] = []
+    with pytest.raises(NotFound) as err:
+        download(signed, str(tmp_path / "x.zst"), log=logs.append)
+    assert server.requests_for(missing)[0].headers["Authorization"] == f"Bearer {hf_token}"
+    server.add_faults(SHARD, Fault(status=503), Fault(reset_at=10))
+    with pytest.raises(FetchError) as err2:
+        download(server.url(SHARD, host="huggingface.co") + "?token=qsSECRET44", str(tmp_path / "y.zst"),
+                 retries=1, log=logs.append, **FAST)
+    text = " ".join([str(err.value), repr(err.value), str(err2.value), *logs])
+    for secret in (hf_token, "sigSECRET42", "qsSECRET43", "qsSECRET44"):
+        assert secret not in text
+    assert "not found: http://huggingface.co:" in str(err.value) and "X-Amz-Signature=***" in str(err.value)
+    with pytest.raises(NotFound) as err3:
+        probe(signed)
+    assert "sigSECRET42" not in str(err3.value) and hf_token not in str(err3.value)
+
+
+# ----------------------------------------------------------------------- probe, GCS, files
+
+
+def test_probe_http_states_identity_without_downloading(corpus, tmp_path):
+    data = source_bytes(corpus)
+    with FaultServer(corpus, checksums=("x-goog-hash", "x-linked-etag")) as srv:
+        info = probe(srv.url(SHARD))
+        assert srv.count(SHARD) == 0 and srv.count(SHARD, method="HEAD") == 1
+        with pytest.raises(NotFound, match="not found"):
+            probe(srv.url("/nope.zst"))
+    assert info.size == len(data)
+    assert info.sha256 == hashlib.sha256(data).hexdigest()
+    assert info.md5 == hashlib.md5(data).hexdigest()
+    assert info.etag and info.last_modified
+
+
+def test_gcs_source_to_local(gcs_bucket, corpus, tmp_path):
+    data = source_bytes(corpus)
+    uri = f"{gcs_bucket}/raw/chunk1/example_train_0.jsonl.zst"
+    storage.put_file(str(corpus / SHARD.lstrip("/")), uri)
+    info = probe(uri)
+    assert info.size == len(data) and info.md5 == hashlib.md5(data).hexdigest()
+    result = download(uri, str(tmp_path / "x.zst"), **FAST)
+    assert (tmp_path / "x.zst").read_bytes() == data and result.attempts == 1
+    with pytest.raises(NotFound, match=f"not found: {gcs_bucket}/raw/missing.zst"):
+        download(f"{gcs_bucket}/raw/missing.zst", str(tmp_path / "y.zst"), **FAST)
+
+
+def test_http_to_gcs_destination(server, corpus, gcs_bucket):
+    dest = f"{gcs_bucket}/raw/chunk1/example_train_0.jsonl.zst"
+    server.add_faults(SHARD, Fault(truncate_at=200_000))
+    first = download(server.url(SHARD), dest, **FAST)
+    assert storage.read_bytes(dest) == source_bytes(corpus) and first.attempts == 2
+    meta = storage.read_json(dest + ".meta.json")
+    remote_md5 = base64.b64decode(storage.info(dest)["md5Hash"]).hex()
+    assert meta["md5"] == remote_md5 == hashlib.md5(source_bytes(corpus)).hexdigest()
+    again = download(server.url(SHARD), dest, **FAST)
+    assert again.skipped and server.count(SHARD) == 2
+    assert [u for u in storage.listdir(f"{gcs_bucket}/raw/chunk1") if storage.TMP_MARK in u] == []
+
+
+def test_plain_path_and_file_uri_are_copied(corpus, tmp_path):
+    src = corpus / SHARD.lstrip("/")
+    download(str(src), str(tmp_path / "a.zst"))
+    download(f"file://{src}", str(tmp_path / "b.zst"))
+    assert (tmp_path / "a.zst").read_bytes() == (tmp_path / "b.zst").read_bytes() == src.read_bytes()
+    with pytest.raises(NotFound, match="not found: .*missing.zst"):
+        download(str(corpus / "missing.zst"), str(tmp_path / "c.zst"))
+    with pytest.raises(FetchError, match="unsupported scheme 's3'"):
+        download("s3://bucket/x.zst", str(tmp_path / "d.zst"))
