@@ -102,7 +102,9 @@ def prefect_server(tmp_path_factory):
 
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
-    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    api = f"http://127.0.0.1:{port}/api"
+    # The UI calls the API at PREFECT_UI_API_URL (default port 4200), not the port we chose.
+    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_API_URL=api)
     env.pop("PREFECT_API_URL", None)
     log = home / "server.log"
     proc = subprocess.Popen(
@@ -112,7 +114,6 @@ def prefect_server(tmp_path_factory):
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    api = f"http://127.0.0.1:{port}/api"
     wait_http(api + "/health", 90, proc, log)
     os.environ["PREFECT_API_URL"] = api
     os.environ["PREFECT_HOME"] = str(home)
