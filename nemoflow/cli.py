@@ -14,6 +14,7 @@ import sys
 
 COMMANDS = [
     "settings",
+    "preprocess",
     "render",
 ]
 
