@@ -163,3 +163,26 @@ def test_extract_and_concatenate_on_gcs(gcs_bucket, corpus_template, tmp_path):
         extract_zst(f"{gcs_bucket}/raw/bad.jsonl.zst", f"{gcs_bucket}/jsonl/bad.jsonl")
     assert not storage.exists(f"{gcs_bucket}/jsonl/bad.jsonl")
     assert [u for u in storage.listdir(f"{gcs_bucket}/jsonl") if storage.TMP_MARK in u] == []
+
+
+def test_extract_memory_stays_flat(tmp_path, kjv_chapters):
+    """~21 MB of JSON lines extract with a small Python-heap peak (nothing buffers the whole file)."""
+    import tracemalloc
+
+    body = "".join(json.dumps({"text": t}) + "\n" for t in kjv_chapters).encode() * 5
+    (tmp_path / "big.jsonl.zst").write_bytes(zstandard.ZstdCompressor(level=1).compress(body))
+    del body
+    tracemalloc.start()
+    try:
+        result = extract_zst(str(tmp_path / "big.jsonl.zst"), str(tmp_path / "big.jsonl"))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.bytes > 20_000_000 and result.lines == 5 * len(kjv_chapters)
+    assert peak < 6_000_000, f"peak {peak} bytes while extracting {result.bytes}"
+
+
+def test_corrupt_archive_accepts_a_caller_message():
+    err = CorruptArchive("shard chunk1/example_train_0.jsonl.zst is corrupt even after a fresh download")
+    assert str(err).startswith("shard chunk1/example_train_0.jsonl.zst")
+    assert CorruptArchive("gs://b/x.zst", "truncated").shard == "gs://b/x.zst"
