@@ -250,14 +250,14 @@ def probe(url: str, *, timeout: float = 60) -> RemoteInfo:
         except FileNotFoundError:
             raise NotFound(f"not found: {url}") from None
         modified = datetime.fromtimestamp(st.st_mtime, timezone.utc).isoformat()
-        return RemoteInfo(url=url, size=st.st_size, last_modified=modified)
+        return RemoteInfo(url=redact(url), size=st.st_size, last_modified=modified)
     if proto == "gs":
         try:
             meta = storage.info(url)
         except FileNotFoundError:
             raise NotFound(f"not found: {url}") from None
         return RemoteInfo(
-            url=url,
+            url=redact(url),
             size=int(meta["size"]) if meta.get("size") is not None else None,
             etag=meta.get("etag") or (str(meta["generation"]) if meta.get("generation") else None),
             md5=_b64_to_hex(meta["md5Hash"]) if meta.get("md5Hash") else None,
@@ -270,6 +270,12 @@ def probe(url: str, *, timeout: float = 60) -> RemoteInfo:
     try:
         with requests.Session() as session:
             resp = session.head(url, headers=headers, allow_redirects=True, timeout=timeout)
+            if resp.status_code in (403, 405, 501) and not is_hf_host(url):
+                # Some servers (and signed URLs, which sign the method) refuse HEAD: ask for one byte.
+                ranged = session.get(url, headers={**headers, "Range": "bytes=0-0"}, stream=True, timeout=timeout)
+                ranged.close()
+                if ranged.status_code in (200, 206):
+                    resp = ranged
     except requests.RequestException as exc:
         raise FetchError(f"cannot reach {redact(url)}: {redact(exc)}") from None
     if resp.status_code in (404, 410):
@@ -282,7 +288,10 @@ def probe(url: str, *, timeout: float = 60) -> RemoteInfo:
     for r in chain:
         if r.headers.get("X-Linked-Size", "").isdigit():
             size = int(r.headers["X-Linked-Size"])
-    if size is None and resp.headers.get("Content-Length", "").isdigit():
+    total = re.fullmatch(r"bytes \d+-\d+/(\d+)", resp.headers.get("Content-Range", "").strip())
+    if size is None and total:
+        size = int(total.group(1))
+    elif size is None and resp.status_code == 200 and resp.headers.get("Content-Length", "").isdigit():
         size = int(resp.headers["Content-Length"])
     return RemoteInfo(
         url=redact(url),
@@ -484,7 +493,7 @@ def _verify(part: str, outcome: _Outcome, expected_size: int | None, expected_sh
         _discard(part)
         raise _Retry(f"size mismatch: got {size} bytes, expected {expected_size}", content=True)
     claims = outcome.claims
-    hashes = _hash_file(part, want_md5=want_md5 or "md5" in claims, want_crc32c="crc32c" in claims)
+    hashes = _hash_file(part, want_md5=want_md5 or "md5" in claims, want_crc32c=want_md5 or "crc32c" in claims)
     checks = [("sha256", expected_sha256.lower(), "expected_sha256")] if expected_sha256 else []
     checks += [(kind, value, "the server") for kind, value in claims.items()]
     for kind, want, who in checks:
@@ -517,8 +526,12 @@ def _existing(url: str, dest_uri: str, meta_uri: str, expected_size: int | None,
             info = storage.info(dest_uri)
             if int(info.get("size", -1)) != meta.get("size"):
                 return None
+            # GCS states md5 for plain objects and crc32c for all (composite ones lack md5).
             remote_md5 = _b64_to_hex(info["md5Hash"]) if info.get("md5Hash") else None
-            if remote_md5 is None or remote_md5 != meta.get("md5"):
+            if remote_md5 is not None:
+                if remote_md5 != meta.get("md5"):
+                    return None
+            elif not info.get("crc32c") or info.get("crc32c") != meta.get("crc32c"):
                 return None
         return meta
     except (OSError, ValueError, KeyError):

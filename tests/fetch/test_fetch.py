@@ -271,6 +271,15 @@ def test_probe_http_states_identity_without_downloading(corpus, tmp_path):
     assert info.etag and info.last_modified
 
 
+def test_probe_falls_back_to_a_one_byte_get_when_head_is_refused(corpus):
+    with FaultServer(corpus, head=False) as srv:
+        info = probe(srv.url(SHARD))
+        head, get = srv.requests_for(SHARD)
+    assert (head.method, head.status, get.method, get.status) == ("HEAD", 405, "GET", 206)
+    assert get.headers["Range"] == "bytes=0-0"
+    assert info.size == len(source_bytes(corpus))
+
+
 def test_gcs_source_to_local(gcs_bucket, corpus, tmp_path):
     data = source_bytes(corpus)
     uri = f"{gcs_bucket}/raw/chunk1/example_train_0.jsonl.zst"

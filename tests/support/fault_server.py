@@ -96,10 +96,13 @@ class FaultServer:
         ranges: bool = True,
         checksums: tuple[str, ...] = (),
         always: dict[str, Fault] | None = None,
+        head: bool = True,
     ):
         """``ranges``: honour Range requests; ``checksums``: any of "x-goog-hash",
         "content-md5", "x-linked-etag"; ``always``: a fault applied to every GET of a path
-        after its queued faults run out (e.g. a permanent 404 or a server without ranges)."""
+        after its queued faults run out (e.g. a permanent 404 or a server without ranges);
+        ``head=False``: refuse HEAD with 405, as some object stores and signed URLs do."""
+        self.head = head
         self.root = Path(root)
         self.ranges = ranges
         self.checksums = tuple(checksums)
@@ -206,6 +209,8 @@ class _Handler(BaseHTTPRequestHandler):
             method=self.command, path=path, host=self.headers.get("Host", ""), headers=dict(self.headers.items())
         )
         fault = srv._next(path, self.command, record) or Fault()
+        if head and not srv.head:
+            fault = Fault(status=405)
         if fault.before is not None:
             fault.before()
         if fault.delay and srv._sleep(fault.delay):
