@@ -56,6 +56,15 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("NEMOFLOW_WANDB_API_KEY", "WANDB_API_KEY"),
         description="Weights & Biases key; metrics go to W&B only when it is set.",
     )
+    registry_user: SecretStr | None = Field(
+        default=None,
+        description="Container registry login for enroot imports (nvcr.io: defaults to $oauthtoken).",
+    )
+    registry_password: SecretStr | None = Field(
+        default=None,
+        validation_alias=AliasChoices("NEMOFLOW_REGISTRY_PASSWORD", "NGC_API_KEY"),
+        description="Container registry password (nvcr.io: the NGC API key); only the import job sees it.",
+    )
 
     @property
     def result_storage_uri(self) -> str:
@@ -70,6 +79,10 @@ class Settings(BaseSettings):
             env["HF_TOKEN"] = self.hf_token.get_secret_value()
         if self.wandb_api_key is not None:
             env["WANDB_API_KEY"] = self.wandb_api_key.get_secret_value()
+        if self.registry_user is not None:
+            env["NEMOFLOW_REGISTRY_USER"] = self.registry_user.get_secret_value()
+        if self.registry_password is not None:
+            env["NEMOFLOW_REGISTRY_PASSWORD"] = self.registry_password.get_secret_value()
         return env
 
     def secret_values(self) -> list[str]:

@@ -1,0 +1,107 @@
+"""``nemoflow stage-image``: copy, verify and cache a container image (or import one with enroot)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DESCRIPTION = """\
+Stage the container image that every later stage runs in, and print where it is.
+
+SOURCE is one of:
+  a prebuilt enroot/pyxis squashfs image (.sqsh):
+      gs://BUCKET/PATH.sqsh, https://HOST/PATH.sqsh, file:///PATH.sqsh, or a plain path
+      (a fuse mount such as /gcs/BUCKET/PATH.sqsh). "<region>" in it becomes the region
+      setting (NEMOFLOW_REGION: us, europe, asia), e.g.
+      gs://vmds-containers-<region>/nemo/nemo-20250721.sqsh
+  a registry image, docker://REGISTRY/IMAGE:TAG (or enroot's docker://REGISTRY#IMAGE:TAG,
+      optionally @sha256:DIGEST): with --convert, `enroot import` turns it into a .sqsh in
+      a cluster job. For --backend k8s the reference is only validated and recorded
+      (REGISTRY/IMAGE:TAG, docker:// optional); the nodes pull it.
+  nothing, with --backend local: the "image" is this Python environment (interpreter,
+      version and a hash of `pip freeze`).
+
+A copied image is streamed to --dest under a temporary name, checked against the
+checksum the source states (GCS md5/crc32c, HTTP x-goog-hash / Content-MD5 / md5 ETag
+and Content-Length; otherwise its sha256 is recorded) and against the squashfs
+superblock (magic, version 4.0, block size, inodes, size), then renamed into place.
+A sidecar IMAGE.sqsh.meta.json records source, checksum, size and time of
+verification; running the command again with the same source copies nothing.
+
+Registry credentials (for nvcr.io: user $oauthtoken, password = your NGC API key):
+  NEMOFLOW_REGISTRY_USER, NEMOFLOW_REGISTRY_PASSWORD (or NGC_API_KEY). They reach
+  only the import job, through its environment; they are never written into the
+  job script, logs or artifacts.
+
+Examples:
+  nemoflow stage-image gs://vmds-containers-<region>/nemo/nemo-20250721.sqsh --dest /lustre/images
+  NGC_API_KEY=... nemoflow stage-image docker://nvcr.io/nvidia/nemo:25.02 --convert --dest /lustre/images
+  nemoflow stage-image nvcr.io/nvidia/nemo:25.02 --backend k8s
+  nemoflow stage-image --backend local"""
+
+
+def register(sub) -> None:
+    parser = sub.add_parser(
+        "stage-image",
+        help="copy and verify a .sqsh container image (or import one with enroot); cached by checksum",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("source", nargs="?", metavar="SOURCE", help="a .sqsh URI/path or docker:// reference")
+    parser.add_argument(
+        "--dest",
+        metavar="DIR",
+        help="directory for the image, a path the cluster nodes see or gs://... for copies "
+        "(default: NEMOFLOW_WORK_DIR/images)",
+    )
+    parser.add_argument(
+        "--convert",
+        action="store_true",
+        help="import a docker:// reference into a .sqsh with `enroot import` in a job on the backend",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("slurm", "k8s", "local"),
+        default="slurm",
+        help="where later stages run (default: slurm); decides what staging means, see above",
+    )
+    parser.add_argument("--force", action="store_true", help="copy or import again even if a verified image is there")
+    parser.add_argument(
+        "--no-prefect",
+        action="store_true",
+        help="run directly, without a Prefect task run (no artifact, no Prefect cache; the sidecar cache still applies)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the ImageRef as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from infra.images import ImageError
+
+    try:
+        if args.no_prefect:
+            from tasks.image import stage
+
+            ref, facts = stage(
+                args.source, args.dest, args.backend, args.convert, args.force, log=lambda line: print(line, file=sys.stderr)
+            )
+            note = " (already staged, nothing copied)" if facts["cached"] else ""
+        else:
+            from tasks.image import stage_image
+
+            ref = stage_image(args.source, dest=args.dest, backend=args.backend, convert=args.convert, force=args.force)
+            note = ""
+    except ImageError as exc:
+        from nemoflow.cli import UserError
+
+        raise UserError(str(exc)) from exc
+    if args.json:
+        print(json.dumps(ref.model_dump(), indent=2))
+    else:
+        print(f"{ref.kind} {ref.uri}{note}")
+        for name in ("checksum", "size", "digest", "source"):
+            value = getattr(ref, name)
+            if value is not None:
+                print(f"  {name}: {value}")
+    return 0

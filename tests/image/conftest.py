@@ -1,0 +1,106 @@
+"""Fixtures for image staging: real squashfs images made with mksquashfs, served over HTTP and GCS."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.support.fault_server import FaultServer
+
+MKSQUASHFS = shutil.which("mksquashfs")
+
+
+def make_squashfs(src_dir: Path, out: Path) -> Path:
+    if MKSQUASHFS is None:
+        pytest.skip("mksquashfs not installed (Debian package squashfs-tools, see scripts/debian-packages.txt)")
+    subprocess.run(
+        [MKSQUASHFS, str(src_dir), str(out), "-noappend", "-quiet", "-no-progress", "-comp", "gzip"],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def sqsh_image(tmp_path_factory, kjv_chapters) -> Path:
+    """A real squashfs image, ~1.6 MiB: a small root file system with real text and incompressible bytes.
+
+    Bigger than 1 MiB so a 1 MiB tmpfs cannot hold it (the free-space test).
+    """
+    root = tmp_path_factory.mktemp("rootfs")
+    (root / "etc").mkdir()
+    (root / "etc" / "os-release").write_text('NAME="nemoflow test image"\n')
+    (root / "usr" / "share" / "doc").mkdir(parents=True)
+    for i, chapter in enumerate(kjv_chapters[:40]):
+        (root / "usr" / "share" / "doc" / f"chapter-{i:03d}.txt").write_text(chapter)
+    (root / "opt").mkdir()
+    (root / "opt" / "weights.bin").write_bytes(random.Random(1234).randbytes(1_600_000))
+    return make_squashfs(root, tmp_path_factory.mktemp("images") / "nemo-test.sqsh")
+
+
+@pytest.fixture
+def served(tmp_path, sqsh_image):
+    """A directory with the image, served over HTTP with x-goog-hash (md5) like GCS's XML API does."""
+    root = tmp_path / "www"
+    root.mkdir()
+    shutil.copyfile(sqsh_image, root / "nemo-test.sqsh")
+    with FaultServer(root, checksums=("x-goog-hash",)) as server:
+        yield server, root
+
+
+@pytest.fixture
+def plain_served(tmp_path, sqsh_image):
+    """The image over HTTP with only Content-Length and a non-md5 ETag: no checksum to compare."""
+    root = tmp_path / "plain-www"
+    root.mkdir()
+    shutil.copyfile(sqsh_image, root / "nemo-test.sqsh")
+    with FaultServer(root) as server:
+        yield server, root
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str):
+    """A real tmpfs mounted at ``path`` (root only); skips the test where mounting is not permitted."""
+    path.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, f"nemoflow-test-{uuid.uuid4().hex[:6]}", str(path)],
+                            capture_output=True, text=True)  # fmt: skip
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip() or result.returncode})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def registry_env(monkeypatch):
+    """Registry credentials unset, settings reloaded around the test."""
+    from infra.settings import reload_settings
+
+    for name in ("NEMOFLOW_REGISTRY_USER", "NEMOFLOW_REGISTRY_PASSWORD", "NGC_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    reload_settings()
+
+    def set_env(**values: str) -> None:
+        for name, value in values.items():
+            monkeypatch.setenv(name, value)
+        reload_settings()
+
+    yield set_env
+    for name in ("NEMOFLOW_REGISTRY_USER", "NEMOFLOW_REGISTRY_PASSWORD", "NGC_API_KEY"):
+        os.environ.pop(name, None)
+    reload_settings()
+
+
+def leftovers(directory: Path) -> list[str]:
+    """Everything in ``directory`` (recursively) as relative names: nothing half-written may stay."""
+    if not directory.exists():
+        return []
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
