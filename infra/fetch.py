@@ -374,8 +374,14 @@ def _http_attempt(session, url: str, part: str, state_path: str, timeout: float,
         resp = session.get(url, headers=headers, stream=True, timeout=timeout, allow_redirects=True)
     except requests.Timeout as exc:
         raise _Retry(f"timeout: {exc}") from None
-    except requests.RequestException as exc:
+    except requests.exceptions.SSLError as exc:
+        if "CERTIFICATE_VERIFY_FAILED" in str(exc):  # waiting will not fix a certificate
+            raise FetchError(f"TLS certificate of {redact(url)} rejected: {redact(exc)}") from None
+        raise _Retry(f"TLS error: {exc}") from None
+    except requests.ConnectionError as exc:
         raise _Retry(f"connection error: {exc}") from None
+    except requests.RequestException as exc:  # bad URL, redirect loop: retrying cannot help
+        raise FetchError(f"cannot fetch {redact(url)}: {redact(exc)}") from None
     with resp:
         code = resp.status_code
         if code in (404, 410):

@@ -314,3 +314,10 @@ def test_plain_path_and_file_uri_are_copied(corpus, tmp_path):
         download(str(corpus / "missing.zst"), str(tmp_path / "c.zst"))
     with pytest.raises(FetchError, match="unsupported scheme 's3'"):
         download("s3://bucket/x.zst", str(tmp_path / "d.zst"))
+
+
+def test_redirect_loop_fails_without_retrying(server, tmp_path):
+    server.add_faults(SHARD, *[Fault(redirect=server.url(SHARD))] * 40)
+    with pytest.raises(FetchError, match="cannot fetch .*redirects"):
+        download(server.url(SHARD), str(tmp_path / "x.zst"), retries=8, backoff=5)
+    assert server.count(SHARD) == 31  # requests' own redirect limit (30), one call, no retry
