@@ -16,6 +16,7 @@ COMMANDS = [
     "settings",
     "preprocess",
     "render",
+    "local_slurm",
 ]
 
 DESCRIPTION = """\

@@ -420,3 +420,19 @@ class LocalSlurm:
             proc = subprocess.run(["sinfo"], capture_output=True, text=True, env=self.env())
             lines.append(proc.stdout.rstrip() or proc.stderr.rstrip())
         return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m infra.slurm.cluster up|down|status`` (what scripts/services-up.sh runs)."""
+    import argparse
+
+    from nemoflow.commands import local_slurm
+
+    parser = argparse.ArgumentParser(prog="python -m infra.slurm.cluster")
+    sub = parser.add_subparsers(dest="command")
+    local_slurm.register(sub)
+    return local_slurm.run(parser.parse_args(["local-slurm", *(argv if argv is not None else __import__("sys").argv[1:])]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
