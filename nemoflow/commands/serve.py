@@ -1,0 +1,148 @@
+"""``nemoflow serve``: start, stop and inspect local OpenAI-compatible inference servers."""
+
+from __future__ import annotations
+
+import json
+
+EPILOG = """\
+examples:
+  nemoflow serve start --checkpoint runs/tiny/checkpoints/step-60 --model-name tiny --port 8000
+  curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"prompt": "In the beginning", "model": "tiny", "max_tokens": 20}'
+  nemoflow serve list
+  nemoflow serve status tiny
+  nemoflow serve stop tiny
+
+Servers run in the background (their own process group, output in a log file
+under <work_dir>/services/logs) until stopped; `list` shows those started by
+any process on this machine, including Prefect flow runs (deploy_inference)."""
+
+
+def register(sub) -> None:
+    import argparse
+
+    parser = sub.add_parser(
+        "serve",
+        help="start, stop and list local OpenAI-compatible inference servers",
+        description="Manage inference servers (python -m workloads.serve) for checkpoints in the trainer's "
+        "layout (config.json, model.safetensors, tokenizer.model).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", title="actions")
+
+    start = actions.add_parser(
+        "start",
+        help="start a server and wait until it answers /health",
+        description="Start a server in the background; return once /health answers 200 "
+        "(or fail with its last log lines and leave nothing running).",
+    )
+    start.add_argument("--checkpoint", required=True, help="checkpoint directory or gs:// URI")
+    start.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    start.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    start.add_argument("--model-name", help="model id clients send (default: the checkpoint directory name)")
+    start.add_argument("--name", help="registry name to stop it by (default: derived from the model name)")
+    start.add_argument("--ready-timeout", type=float, default=120, help="seconds to wait for /health (default 120)")
+    start.add_argument("--max-tokens-cap", type=int, help="largest max_tokens a request may ask for")
+    start.set_defaults(func=run_start)
+
+    stop = actions.add_parser("stop", help="stop a server (SIGTERM its process group, SIGKILL after a grace period)")
+    stop.add_argument("name", nargs="?", help="registry name (see `nemoflow serve list`)")
+    stop.add_argument("--all", action="store_true", help="stop every registered server")
+    stop.add_argument("--grace", type=float, default=10, help="seconds between SIGTERM and SIGKILL (default 10)")
+    stop.set_defaults(func=run_stop)
+
+    status = actions.add_parser("status", help="show one server and probe its /health (exit 1 if not healthy)")
+    status.add_argument("name")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=run_status)
+
+    listing = actions.add_parser("list", help="list running servers")
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+    listing.set_defaults(func=run_list)
+
+    parser.set_defaults(func=lambda args: parser.print_help() or 2)
+
+
+def run_start(args) -> int:
+    import os
+
+    from infra import services
+    from infra.jobs import ServiceSpec
+    from nemoflow.cli import UserError
+    from tasks.serve import local_checkpoint, serve_command, service_name
+
+    directory = local_checkpoint(args.checkpoint)
+    if not os.path.isdir(directory):
+        raise UserError(f"--checkpoint {args.checkpoint} is not a directory")
+    model_name = args.model_name or os.path.basename(directory.rstrip("/"))
+    name = service_name(args.name or model_name)
+    command = serve_command(directory, args.port, model_name, args.host)
+    if args.max_tokens_cap:
+        command += ["--max-tokens-cap", str(args.max_tokens_cap)]
+    spec = ServiceSpec(name=name, command=command, port=args.port)
+    try:
+        handle = services.start_service(
+            spec,
+            services.registry_path().parent / "logs",
+            host=args.host,
+            ready_timeout_s=args.ready_timeout,
+            checkpoint=args.checkpoint,
+            model=model_name,
+        )
+    except services.ServiceError as exc:
+        raise UserError(str(exc)) from exc
+    print(f"{name}: serving {model_name} at {handle.url} (pid {handle.pid}, log {handle.log_path})")
+    print(f"  try: curl -s {handle.url}/v1/models")
+    print(f"  stop: nemoflow serve stop {name}")
+    return 0
+
+
+def run_stop(args) -> int:
+    from infra import services
+    from nemoflow.cli import UserError
+
+    if args.all == bool(args.name):
+        raise UserError("give a server name or --all (see `nemoflow serve list`)")
+    names = [entry.name for entry in services.list_services()] if args.all else [args.name]
+    code = 0
+    for name in names:
+        if services.stop_service(name, grace_s=args.grace):
+            print(f"{name}: stopped")
+        else:
+            print(f"{name}: not running")
+            code = 1
+    return code if not args.all else 0
+
+
+def run_status(args) -> int:
+    from infra import services
+
+    entry = services.get_service(args.name)
+    if entry is None:
+        print(json.dumps({"name": args.name, "running": False}) if args.json else f"{args.name}: not running")
+        return 1
+    healthy = services.is_healthy(entry)
+    if args.json:
+        print(json.dumps({**entry.model_dump(mode="json"), "running": True, "healthy": healthy}, indent=2))
+    else:
+        print(f"{entry.name}: {'healthy' if healthy else 'NOT healthy'} at {entry.url}")
+        for key in ("model", "checkpoint", "pid", "started", "log_path"):
+            print(f"  {key:<11} {getattr(entry, key)}")
+    return 0 if healthy else 1
+
+
+def run_list(args) -> int:
+    from infra import services
+
+    entries = services.list_services()
+    if args.json:
+        print(json.dumps([e.model_dump(mode="json") for e in entries], indent=2))
+        return 0
+    if not entries:
+        print("no servers running")
+        return 0
+    print(f"{'NAME':<24} {'URL':<28} {'PID':>7}  {'STATE':<8} CHECKPOINT")
+    for e in entries:
+        print(f"{e.name:<24} {e.url:<28} {e.pid:>7}  {e.state:<8} {e.checkpoint or ''}")
+    return 0
