@@ -183,8 +183,10 @@ def _checksum_claims(responses, url: str, full_body: bool) -> dict[str, str]:
         if linked and _SHA256.fullmatch(linked.lower()):
             claims["sha256"] = linked.lower()
         etag = _strip_etag(headers.get("ETag"))
-        # Only Hugging Face promises that a 64-hex ETag is the file's sha256 (LFS objects).
-        if etag and is_hf_host(resp.url or url) and _SHA256.fullmatch(etag.lower()):
+        # Hugging Face's own resolve answer gives an LFS file's sha256 as its ETag; CDN hosts
+        # (even *.hf.co ones) use other 64-hex hashes (Xet), so only the exact hub hosts count.
+        host = (urlsplit(resp.url or url).hostname or "").lower().rstrip(".")
+        if etag and host in HF_HOSTS and _SHA256.fullmatch(etag.lower()):
             claims.setdefault("sha256", etag.lower())
     if full_body and responses:
         md5 = responses[-1].headers.get("Content-MD5")
@@ -544,6 +546,12 @@ def _existing(url: str, dest_uri: str, meta_uri: str, expected_size: int | None,
         return None
 
 
+def shard_label(uri: str) -> str:
+    """``.../chunk1/example_train_0.jsonl.zst`` -> ``chunk1/example_train_0.jsonl.zst`` (for log lines)."""
+    folder = storage.basename(storage.parent(uri))
+    return f"{folder}/{storage.basename(uri)}" if folder else storage.basename(uri)
+
+
 def _staging_dir() -> str:
     path = os.path.join(tempfile.gettempdir(), "nemoflow-fetch")
     os.makedirs(path, exist_ok=True)
@@ -562,11 +570,17 @@ def download(
     timeout: float = 60,
     log: Log | None = None,
     progress: Progress | None = None,
+    label: str | None = None,
 ) -> FetchResult:
-    """Fetch ``url`` to ``dest_uri`` (see the module docstring); returns what was done."""
+    """Fetch ``url`` to ``dest_uri`` (see the module docstring); returns what was done.
+
+    ``log`` gets one line per event, prefixed with ``label`` (default: the destination's folder
+    and file name, e.g. ``chunk1/example_train_0.jsonl.zst``, since shard file names repeat
+    across chunks); ``progress(done_bytes, total_bytes_or_None)`` a few times a second.
+    """
     started = time.monotonic()
     proto = _scheme(url)
-    name = storage.basename(dest_uri)
+    name = label or shard_label(dest_uri)
     safe_url = redact(url)
 
     def say(msg: str) -> None:
@@ -587,7 +601,7 @@ def download(
         os.makedirs(os.path.dirname(final), exist_ok=True)
         part = final + ".part"
     else:
-        part = os.path.join(_staging_dir(), _url_digest(dest_uri)[:16] + "-" + name + ".part")
+        part = os.path.join(_staging_dir(), _url_digest(dest_uri)[:16] + "-" + storage.basename(dest_uri) + ".part")
     state_path = part + ".state.json"
     ticker = _Progress(progress)
     say(f"downloading {safe_url}")

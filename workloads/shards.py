@@ -111,7 +111,9 @@ def extract_zst(src_uri: str, dst_uri: str, *, delete_source: bool = False, log:
     """Decompress ``src_uri`` (zstd, one or more frames) to ``dst_uri`` in constant memory."""
     import zstandard
 
-    name = storage.basename(src_uri)
+    from infra.fetch import shard_label
+
+    name = shard_label(src_uri)
     counter = _LineCounter()
     try:
         with storage.open_read(src_uri) as src, storage.atomic_open(dst_uri, "wb") as dst:

@@ -47,7 +47,7 @@ def test_each_fault_recovers_byte_identical(server, corpus, tmp_path, faults):
     assert not (tmp_path / "dl" / "chunk1" / "example_train_0.jsonl.zst.part").exists()
     failures = [line for line in lines if "attempt" in line and "failed" in line]
     assert len(failures) == len(faults)
-    assert all(line.startswith("example_train_0.jsonl.zst:") for line in lines)
+    assert all(line.startswith("chunk1/example_train_0.jsonl.zst: ") for line in lines)
 
 
 def test_wrong_checksum_header_restarts_then_verifies(corpus, tmp_path):
