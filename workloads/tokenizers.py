@@ -321,7 +321,7 @@ def _load_hf(config: TokenizerConfig) -> HuggingFaceReference:
         vocab = _require_file(config.vocab_file, "--vocab-file", config.type)
         merges = _require_file(config.merge_file, "--merge-file", config.type)
         try:
-            hf = transformers.GPT2Tokenizer(vocab_file=vocab, merges_file=merges)
+            hf = transformers.GPT2Tokenizer(vocab=vocab, merges=merges)
         except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file
             raise TokenizerError(f"GPT2BPETokenizer: cannot read {vocab} / {merges}: {exc}") from exc
         return HuggingFaceReference(config.type, hf, f"{vocab} + {merges}")
