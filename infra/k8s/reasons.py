@@ -117,3 +117,15 @@ def failure_verdict(job_reason: str | None, job_message: str | None, pods: list[
     if detail:
         return Verdict(state, f"{head}; {detail[0]}", detail[1])
     return Verdict(state, head)
+
+
+def pytorchjob_verdict(job: dict[str, Any], pods: list[dict[str, Any]]) -> Verdict | None:
+    """The final state of a Kubeflow PyTorchJob (conditions Succeeded / Failed), or None while it runs."""
+    for cond in _conditions(job):
+        if not _true(cond):
+            continue
+        if cond.get("type") == "Succeeded":
+            return Verdict(JobState.COMPLETED, exit_code=0)
+        if cond.get("type") == "Failed":
+            return failure_verdict(cond.get("reason"), cond.get("message"), pods)
+    return None

@@ -1,0 +1,547 @@
+"""Run a :class:`~infra.jobs.JobSpec` as Kubernetes objects with the official client.
+
+    backend = KubernetesBackend(K8sOptions(namespace="llm", scheduler_name="runai-scheduler"))
+    result = backend.run(spec, on_log=print)          # a Job (or Indexed Job, or PyTorchJob)
+    url = backend.start_service(service_spec)         # Deployment + Service, waits for readiness
+    backend.stop_service(service_spec.name)
+
+What :meth:`KubernetesBackend.run` does:
+
+1. preflight (:meth:`check`): API reachable, namespace, workspace PVC, the
+   Secrets holding ``secret_env`` keys, and a node with enough allocatable GPUs,
+   each failing with a message that names what is missing;
+2. creates the objects from :func:`infra.k8s.manifests.job_objects`, named
+   ``<spec.name>-<run id>`` and labelled with the run id. Calls are retried with
+   exponential backoff on 5xx/429 and connection errors; a 409 for an object of
+   the same run (a create whose response was lost) is taken as success;
+3. watches the Job (a watch that expires with 410 Gone is re-listed and
+   re-watched), follows every pod's log into ``on_log``, and returns when the
+   Job completes or fails, with the reason read from the Job and its pods
+   (:mod:`infra.k8s.reasons`). Pods stuck on ImagePullBackOff or a bad Secret
+   fail the run at once; pods unschedulable longer than ``pending_timeout_s`` too;
+4. in ``finally``: unless the Job ended by itself, deletes it with
+   ``propagationPolicy: Foreground`` and its pods, so an interrupted or cancelled
+   Prefect run leaves nothing running. Finished Jobs are left for
+   ``ttlSecondsAfterFinished`` to clean up (their logs stay readable until then).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import urllib3
+from kubernetes import client, watch
+from kubernetes.client.exceptions import ApiException
+
+from infra.jobs import JobResult, JobSpec, JobState, LogSink, ServiceSpec
+from infra.k8s import reasons
+from infra.k8s.config import api_client as load_api_client
+from infra.k8s.manifests import (
+    COMPLETION_INDEX_ANNOTATION,
+    CONTAINER_NAME,
+    GPU_RESOURCE,
+    LABEL_JOB,
+    LABEL_RUN,
+    PYTORCH_CONTAINER_NAME,
+    job_objects,
+    service_objects,
+    to_dict,
+)
+from infra.k8s.options import K8sOptions
+from infra.settings import get_settings, redact
+
+RETRY_STATUSES = {429, 500, 502, 503, 504}
+_CUSTOM = {
+    "PyTorchJob": ("kubeflow.org", "v1", "pytorchjobs"),
+    "Service.serving.knative.dev": ("serving.knative.dev", "v1", "services"),
+}
+
+
+class KubernetesUnavailable(RuntimeError):
+    """The API server could not be reached or kept failing (the message names the server)."""
+
+
+class PreflightError(ValueError):
+    """The cluster lacks something the job needs (the message names it and how to fix it)."""
+
+
+def _custom_key(obj: dict[str, Any]) -> str | None:
+    if obj["kind"] == "PyTorchJob":
+        return "PyTorchJob"
+    if obj["kind"] == "Service" and obj["apiVersion"].startswith("serving.knative.dev/"):
+        return "Service.serving.knative.dev"
+    return None
+
+
+class KubernetesBackend:
+    name = "k8s"
+
+    def __init__(
+        self,
+        options: K8sOptions | None = None,
+        *,
+        api_client: client.ApiClient | None = None,
+        credentials_block: str | None = None,
+        kubeconfig: str | None = None,
+        context: str | None = None,
+        preflight: bool = True,
+        retries: int = 5,
+        backoff_s: float = 0.5,
+        watch_timeout_s: float = 5.0,
+        pending_timeout_s: float | None = 900.0,
+        service_ready_timeout_s: float = 1800.0,
+        log_join_timeout_s: float = 10.0,
+    ):
+        self.options = options or K8sOptions()
+        self._api_client = api_client
+        self._config_source = dict(credentials_block=credentials_block, kubeconfig=kubeconfig, context=context)
+        self.preflight = preflight
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.watch_timeout_s = watch_timeout_s
+        self.pending_timeout_s = pending_timeout_s
+        self.service_ready_timeout_s = service_ready_timeout_s
+        self.log_join_timeout_s = log_join_timeout_s
+
+    # --- API access ---------------------------------------------------------------
+
+    @property
+    def api(self) -> client.ApiClient:
+        if self._api_client is None:
+            self._api_client = load_api_client(**self._config_source)
+        return self._api_client
+
+    @property
+    def core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api)
+
+    @property
+    def batch(self) -> client.BatchV1Api:
+        return client.BatchV1Api(self.api)
+
+    @property
+    def apps(self) -> client.AppsV1Api:
+        return client.AppsV1Api(self.api)
+
+    @property
+    def custom(self) -> client.CustomObjectsApi:
+        return client.CustomObjectsApi(self.api)
+
+    @property
+    def ns(self) -> str:
+        return self.options.namespace
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call the API, retrying what a busy or restarting API server answers; other errors pass through."""
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                return fn(*args, **kwargs)
+            except ApiException as exc:
+                if exc.status not in RETRY_STATUSES:
+                    raise
+                last = exc
+            except (urllib3.exceptions.HTTPError, ConnectionError) as exc:
+                last = exc
+            if attempt < self.retries:
+                time.sleep(min(self.backoff_s * 2**attempt, 30.0))
+        host = self.api.configuration.host
+        if isinstance(last, ApiException):
+            raise KubernetesUnavailable(
+                f"Kubernetes API server {host} kept failing ({last.status} {last.reason}) "
+                f"after {self.retries + 1} attempts"
+            ) from last
+        raise KubernetesUnavailable(
+            f"Kubernetes API server {host} unreachable after {self.retries + 1} attempts: {_short(last)}"
+        ) from last
+
+    def _dict(self, obj: Any) -> dict[str, Any]:
+        return obj if isinstance(obj, dict) else self.api.sanitize_for_serialization(obj)
+
+    # --- preflight -------------------------------------------------------------------
+
+    def check(self, spec: JobSpec | ServiceSpec) -> None:
+        """Fail before submitting when the cluster cannot run ``spec``."""
+        ns = self.ns
+        try:
+            self._call(self.core.read_namespace, ns)
+        except ApiException as exc:
+            if exc.status == 404:
+                raise PreflightError(f"namespace {ns!r} does not exist (kubectl create namespace {ns})") from None
+            if exc.status != 403:  # a namespaced service account may not read namespaces
+                raise
+        if self.options.pvc_name:
+            try:
+                self._call(self.core.read_namespaced_persistent_volume_claim, self.options.pvc_name, ns)
+            except ApiException as exc:
+                if exc.status == 404:
+                    raise PreflightError(
+                        f"workspace PVC {self.options.pvc_name!r} not found in namespace {ns!r}; create it once "
+                        "(nemoflow render writes persistentvolumeclaim-<name>.yaml) or set NEMOFLOW_K8S_PVC_NAME"
+                    ) from None
+                raise
+        by_secret: dict[str, list[str]] = collections.defaultdict(list)
+        for env_name in spec.secret_env:
+            by_secret[self.options.secret_for(env_name)].append(env_name)
+        for secret_name, keys in by_secret.items():
+            try:
+                secret = self._call(self.core.read_namespaced_secret, secret_name, ns)
+            except ApiException as exc:
+                if exc.status == 404:
+                    raise PreflightError(
+                        f"Secret {secret_name!r} (for {', '.join(keys)}) not found in namespace {ns!r}; create it "
+                        f"with: kubectl -n {ns} create secret generic {secret_name} "
+                        + " ".join(f"--from-literal={k}=..." for k in keys)
+                    ) from None
+                raise
+            present = set((secret.data or {}).keys()) | set((secret.string_data or {}).keys())
+            missing = [k for k in keys if k not in present]
+            if missing:
+                raise PreflightError(f"Secret {secret_name!r} in namespace {ns!r} has no key {', '.join(missing)}")
+        gpus = spec.resources.gpus_per_node
+        if gpus:
+            try:
+                nodes = self._call(self.core.list_node).items
+            except ApiException as exc:
+                if exc.status == 403:
+                    return  # cannot list nodes: the scheduler will say it
+                raise
+            allocatable = {
+                n.metadata.name: int((n.status.allocatable or {}).get(GPU_RESOURCE, "0") if n.status else 0)
+                for n in nodes
+            }
+            if not any(v >= gpus for v in allocatable.values()):
+                listing = ", ".join(f"{k}={v}" for k, v in sorted(allocatable.items())) or "no nodes"
+                raise PreflightError(
+                    f"{spec.name} requests {gpus} {GPU_RESOURCE} per pod, more than any node can allocate ({listing})"
+                )
+
+    # --- create / delete ------------------------------------------------------------
+
+    def _create(self, obj: dict[str, Any], run_id: str | None) -> None:
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        custom = _custom_key(obj)
+        if custom:
+            group, version, plural = _CUSTOM[custom]
+            create = lambda: self.custom.create_namespaced_custom_object(group, version, self.ns, plural, obj)  # noqa: E731
+            read = lambda: self.custom.get_namespaced_custom_object(group, version, self.ns, plural, name)  # noqa: E731
+            patch = lambda: self.custom.patch_namespaced_custom_object(group, version, self.ns, plural, name, obj)  # noqa: E731
+        else:
+            api, suffix = {
+                "Job": (self.batch, "job"),
+                "Service": (self.core, "service"),
+                "Deployment": (self.apps, "deployment"),
+            }[kind]
+            create = lambda: getattr(api, f"create_namespaced_{suffix}")(self.ns, obj)  # noqa: E731
+            read = lambda: getattr(api, f"read_namespaced_{suffix}")(name, self.ns)  # noqa: E731
+            patch = lambda: getattr(api, f"patch_namespaced_{suffix}")(name, self.ns, obj)  # noqa: E731
+        try:
+            self._call(create)
+            return
+        except ApiException as exc:
+            if exc.status != 409:
+                raise _api_error(f"creating {kind} {name} in namespace {self.ns}", exc) from None
+        existing = self._dict(self._call(read))
+        labels = (existing.get("metadata") or {}).get("labels") or {}
+        if run_id is not None:
+            if labels.get(LABEL_RUN) == run_id:
+                return  # our own earlier create whose response was lost: nothing to do
+            raise RuntimeError(
+                f"{kind} {name} already exists in namespace {self.ns} and belongs to another run "
+                f"({LABEL_RUN}={labels.get(LABEL_RUN)}); delete it or pick another name"
+            )
+        # services (no run id) are applied: an existing one is brought to the new spec
+        self._call(patch)
+
+    def _delete(self, kind: str, name: str, api_version: str = "") -> None:
+        body = client.V1DeleteOptions(propagation_policy="Foreground")
+        try:
+            if kind == "PyTorchJob" or api_version.startswith("serving.knative.dev/"):
+                group, version, plural = _CUSTOM["PyTorchJob" if kind == "PyTorchJob" else "Service.serving.knative.dev"]
+                self._call(self.custom.delete_namespaced_custom_object, group, version, self.ns, plural, name, body=body)
+            elif kind == "Job":
+                self._call(self.batch.delete_namespaced_job, name, self.ns, body=body)
+            elif kind == "Deployment":
+                self._call(self.apps.delete_namespaced_deployment, name, self.ns, body=body)
+            elif kind == "Service":
+                self._call(self.core.delete_namespaced_service, name, self.ns, body=body)
+            elif kind == "Pod":
+                self._call(self.core.delete_namespaced_pod, name, self.ns, body=body)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def _pods(self, label: str, value: str) -> list[dict[str, Any]]:
+        listed = self._call(self.core.list_namespaced_pod, self.ns, label_selector=f"{label}={value}")
+        pods = [self._dict(p) for p in listed.items]
+        # Filter again: the selector is the server's job, but an old or partial API must not mix runs.
+        return [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(label) == value]
+
+    # --- run ------------------------------------------------------------------------------
+
+    def run(self, spec: JobSpec, on_log: LogSink | None = None) -> JobResult:
+        run_id = uuid.uuid4().hex[:6]
+        # room for "-<run id>" and the pod hostname suffix "-<index>" within 63 characters
+        name = f"{spec.name[:48].rstrip('-')}-{run_id}"
+        objects = [to_dict(o) for o in job_objects(spec, self.options, name=name, run_id=run_id)]
+        job_obj = objects[-1]
+        if self.preflight:
+            self.check(spec)
+        tail: collections.deque[str] = collections.deque(maxlen=50)
+        secrets = get_settings().secret_values()
+        lock = threading.Lock()
+
+        def emit(line: str) -> None:
+            line = redact(line, secrets)
+            with lock:
+                tail.append(line)
+            if on_log is not None:
+                on_log(line)
+
+        followers: dict[str, threading.Thread] = {}
+        created: list[dict[str, Any]] = []
+        ended_by_itself = False
+        try:
+            for obj in objects:
+                self._create(obj, run_id)
+                created.append(obj)
+            verdict, ended_by_itself = self._wait(job_obj, run_id, emit, followers)
+            for thread in followers.values():
+                thread.join(timeout=self.log_join_timeout_s)
+            with lock:
+                log_tail = list(tail)
+            return JobResult(
+                job_id=f"{self.ns}/{name}",
+                backend=self.name,
+                state=verdict.state,
+                exit_code=verdict.exit_code,
+                reason=redact(verdict.reason, secrets) if verdict.reason else None,
+                log_tail=log_tail,
+            )
+        finally:
+            if not ended_by_itself:
+                for obj in reversed(created):
+                    self._delete(obj["kind"], obj["metadata"]["name"], obj["apiVersion"])
+                # Foreground deletion removes the pods on a real cluster; deleting them here
+                # as well means none keeps running if the garbage collector lags.
+                for pod in self._pods(LABEL_RUN, run_id) if created else []:
+                    self._delete("Pod", pod["metadata"]["name"])
+            else:
+                # the rendezvous Service has no TTL of its own
+                for obj in created[:-1]:
+                    self._delete(obj["kind"], obj["metadata"]["name"], obj["apiVersion"])
+
+    def _read(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        name = obj["metadata"]["name"]
+        try:
+            if obj["kind"] == "PyTorchJob":
+                return self._call(self.custom.get_namespaced_custom_object, *_CUSTOM["PyTorchJob"][:2], self.ns,
+                                  _CUSTOM["PyTorchJob"][2], name)
+            return self._dict(self._call(self.batch.read_namespaced_job, name, self.ns))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def _wait(
+        self, job_obj: dict[str, Any], run_id: str, emit: LogSink, followers: dict[str, threading.Thread]
+    ) -> tuple[reasons.Verdict, bool]:
+        """The job's verdict, and whether the job ended by itself (else the caller deletes it)."""
+        name = job_obj["metadata"]["name"]
+        pending_since: float | None = None
+        announced: set[str] = set()
+        while True:
+            job = self._read(job_obj)
+            if job is None:
+                return reasons.Verdict(JobState.CANCELLED, f"{job_obj['kind']} {name} was deleted outside nemoflow"), True
+            pods = self._pods(LABEL_RUN, run_id)
+            self._follow_logs(pods, followers, emit)
+            verdict = (
+                reasons.pytorchjob_verdict(job, pods) if job_obj["kind"] == "PyTorchJob" else reasons.job_verdict(job, pods)
+            )
+            if verdict is not None:
+                return verdict, True
+            for pod in pods:
+                stuck = reasons.fatal_waiting(pod)
+                if stuck:
+                    return reasons.Verdict(JobState.FAILED, stuck), False
+            waiting = next((r for r in map(reasons.unschedulable, pods) if r), None)
+            if waiting:
+                if waiting not in announced:
+                    announced.add(waiting)
+                    emit(f"[k8s] {waiting}")
+                pending_since = pending_since or time.monotonic()
+                if self.pending_timeout_s is not None and time.monotonic() - pending_since > self.pending_timeout_s:
+                    return reasons.Verdict(
+                        JobState.FAILED, f"{waiting} (pending over {self.pending_timeout_s:g} s)"
+                    ), False
+            else:
+                pending_since = None
+            self._watch_change(job_obj, job, emit)
+
+    def _watch_change(self, job_obj: dict[str, Any], seen: dict[str, Any], emit: LogSink) -> None:
+        """Block until the job's status changes, or watch_timeout_s passes (pods are re-read then)."""
+        name = job_obj["metadata"]["name"]
+        seen_status = json.dumps(seen.get("status") or {}, sort_keys=True)
+        if job_obj["kind"] == "PyTorchJob":
+            group, version, plural = _CUSTOM["PyTorchJob"]
+            fn, args = self.custom.list_namespaced_custom_object, (group, version, self.ns, plural)
+        else:
+            fn, args = self.batch.list_namespaced_job, (self.ns,)
+        kwargs: dict[str, Any] = dict(
+            field_selector=f"metadata.name={name}",
+            timeout_seconds=max(1, int(self.watch_timeout_s)),
+            # the client-side read timeout also bounds servers that ignore timeoutSeconds
+            _request_timeout=(10, self.watch_timeout_s + 1),
+        )
+        rv = (seen.get("metadata") or {}).get("resourceVersion")
+        if rv:
+            kwargs["resource_version"] = rv
+        w = watch.Watch()
+        try:
+            # deserialize=False would be cheaper, but the client (37.0.1) then fails on
+            # ERROR events (410 Gone) with a KeyError: take the raw dict from a deserialized event.
+            for event in w.stream(fn, *args, **kwargs):
+                obj = event.get("raw_object") or {}
+                if (obj.get("metadata") or {}).get("name") != name:
+                    continue
+                if event.get("type") == "DELETED":
+                    return
+                if json.dumps(obj.get("status") or {}, sort_keys=True) != seen_status:
+                    return
+        except ApiException as exc:
+            if exc.status == 410:
+                emit(f"[k8s] watch of {name} expired (410 Gone); re-listing")
+                return  # the caller re-reads the job, which gives a fresh resourceVersion
+            if exc.status in RETRY_STATUSES:
+                time.sleep(self.backoff_s)
+                return
+            raise
+        except (urllib3.exceptions.HTTPError, ConnectionError):
+            # read timeout on a server that keeps the watch open, or a dropped connection: re-read
+            return
+        finally:
+            w.stop()
+
+    def _follow_logs(self, pods: list[dict[str, Any]], followers: dict[str, threading.Thread], emit: LogSink) -> None:
+        for pod in pods:
+            pod_name = pod["metadata"]["name"]
+            if pod_name in followers or not _started(pod):
+                continue
+            annotations = pod["metadata"].get("annotations") or {}
+            labels = pod["metadata"].get("labels") or {}
+            index = annotations.get(COMPLETION_INDEX_ANNOTATION) or labels.get(COMPLETION_INDEX_ANNOTATION)
+            prefix = f"[{index}] " if index is not None else ""
+            names = [c.get("name") for c in (pod.get("spec") or {}).get("containers") or []]
+            container = PYTORCH_CONTAINER_NAME if PYTORCH_CONTAINER_NAME in names else CONTAINER_NAME
+            thread = threading.Thread(
+                target=self._follow, args=(pod_name, container, prefix, emit), daemon=True, name=f"log-{pod_name}"
+            )
+            followers[pod_name] = thread
+            thread.start()
+
+    def _follow(self, pod_name: str, container: str, prefix: str, emit: LogSink) -> None:
+        try:
+            resp = self._call(
+                self.core.read_namespaced_pod_log, pod_name, self.ns, container=container, follow=True,
+                _preload_content=False,
+            )
+        except (ApiException, KubernetesUnavailable) as exc:
+            emit(f"[k8s] cannot read the log of pod {pod_name}: {_short(exc)}")
+            return
+        pending = b""
+        try:
+            for chunk in resp.stream(8192):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    emit(prefix + line.decode("utf-8", "replace").rstrip("\r"))
+            if pending:
+                emit(prefix + pending.decode("utf-8", "replace"))
+        except (urllib3.exceptions.HTTPError, ConnectionError) as exc:
+            emit(f"[k8s] log stream of pod {pod_name} ended early: {_short(exc)}")
+        finally:
+            resp.release_conn()
+
+    # --- services ---------------------------------------------------------------------
+
+    def start_service(self, spec: ServiceSpec) -> str:
+        """Create (or update) the inference Deployment + Service, wait until it is ready; return its URL."""
+        objects = [to_dict(o) for o in service_objects(spec, self.options)]
+        if self.preflight:
+            self.check(spec)
+        for obj in objects:
+            self._create(obj, None)
+        deadline = time.monotonic() + self.service_ready_timeout_s
+        knative = _custom_key(objects[0]) is not None
+        pending_since: float | None = None
+        while True:
+            if knative:
+                ksvc = self._call(self.custom.get_namespaced_custom_object, *_CUSTOM["Service.serving.knative.dev"][:2],
+                                  self.ns, "services", spec.name)
+                ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                            for c in (ksvc.get("status") or {}).get("conditions") or [])
+                if ready and (ksvc.get("status") or {}).get("url"):
+                    return ksvc["status"]["url"]
+            else:
+                dep = self._dict(self._call(self.apps.read_namespaced_deployment, spec.name, self.ns))
+                status = dep.get("status") or {}
+                if (status.get("readyReplicas") or 0) >= (dep.get("spec") or {}).get("replicas", 1):
+                    return f"http://{spec.name}.{self.ns}.svc.cluster.local:{spec.port}"
+            pods = self._pods(LABEL_JOB, spec.name)
+            problem = next((r for r in map(reasons.fatal_waiting, pods) if r), None)
+            waiting = next((r for r in map(reasons.unschedulable, pods) if r), None)
+            crashed = next((r for r in map(reasons.terminated_failure, pods) if r), None)
+            if waiting:
+                pending_since = pending_since or time.monotonic()
+            if (
+                problem
+                or (crashed and "CrashLoopBackOff" in json.dumps(pods))
+                or (waiting and self.pending_timeout_s is not None
+                    and time.monotonic() - pending_since > self.pending_timeout_s)
+            ):
+                self.stop_service(spec.name)
+                raise RuntimeError(f"service {spec.name} did not start: {problem or (crashed or (waiting,))[0]}")
+            if time.monotonic() > deadline:
+                self.stop_service(spec.name)
+                raise TimeoutError(
+                    f"service {spec.name} not ready after {self.service_ready_timeout_s:.0f} s"
+                    + (f": {waiting}" if waiting else "")
+                )
+            time.sleep(min(2.0, self.watch_timeout_s))
+
+    def stop_service(self, name: str) -> None:
+        """Delete the service's objects (absent ones are fine)."""
+        if self.options.inference_kind == "knative":
+            self._delete("Service", name, "serving.knative.dev/v1")
+            return
+        self._delete("Deployment", name)
+        self._delete("Service", name)
+
+
+def _started(pod: dict[str, Any]) -> bool:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        state = cs.get("state") or {}
+        if state.get("running") or state.get("terminated"):
+            return True
+    return False
+
+
+def _short(exc: BaseException | None) -> str:
+    text = str(exc) if exc is not None else "unknown error"
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def _api_error(what: str, exc: ApiException) -> RuntimeError:
+    message = exc.reason
+    try:
+        message = json.loads(exc.body or "{}").get("message") or message
+    except (TypeError, ValueError):
+        pass
+    return RuntimeError(f"{what} failed: {exc.status} {message}")

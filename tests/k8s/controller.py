@@ -1,0 +1,260 @@
+"""A stand-in for the parts of a cluster kmock lacks: the Job controller, the scheduler and the kubelet.
+
+kmock stores objects and serves watches, but nothing ever acts on them. This
+controller polls kmock's objects and, for each new Job, creates its pods over
+the API (so list/watch see them), moves them Pending -> Running -> Succeeded or
+Failed as a per-pod :class:`PodScript` says, serves their log as ``text/plain``
+(streamed, like ``?follow=true``), and sets the Job's conditions the way the
+real Job controller does (Complete; Failed with BackoffLimitExceeded or
+DeadlineExceeded). Deployments get one pod and ``readyReplicas``.
+What it deliberately does not do: garbage-collect pods of a deleted Job, so a
+test sees whether the backend itself leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import aiohttp
+
+INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+
+
+@dataclass
+class PodScript:
+    logs: list[str] = field(default_factory=lambda: ["hello from the pod"])
+    exit_code: int = 0
+    terminated_reason: str | None = None  # "OOMKilled", "Error"
+    waiting: tuple[str, str] | None = None  # ("ImagePullBackOff", "Back-off pulling image ...")
+    unschedulable: str | None = None  # the scheduler's message
+    hang: bool = False  # keep running (and logging) until deleted
+    line_delay_s: float = 0.02
+
+
+@dataclass
+class JobScript:
+    pod: Callable[[int], PodScript] = lambda index: PodScript()
+    deadline_after_s: float | None = None  # the Job controller fails it with DeadlineExceeded
+
+
+class FakeCluster:
+    def __init__(self, kmock, namespace: str = "team"):
+        self.kmock = kmock
+        self.namespace = namespace
+        self.url = str(kmock.url).rstrip("/")
+        self.scripts: dict[str, JobScript] = {}  # by job-name prefix (the spec name)
+        self.logs: dict[str, list[str]] = {}
+        self.hanging: set[str] = set()
+        self._seen: set[tuple] = set()
+        self._tasks: list[asyncio.Task] = []
+        self._session: aiohttp.ClientSession | None = None
+        for resource in ("v1/pods", "v1/services", "batch/v1/jobs", "apps/v1/deployments", "v1/namespaces",
+                         "v1/secrets", "v1/persistentvolumeclaims", "v1/nodes"):
+            kmock.resources[resource] = {}
+        kmock["get", re.compile(r"/api/v1/namespaces/[^/]+/pods/[^/]+/log")] << self._serve_log
+        # kmock parses /api/v1/namespaces/NAME as "namespace NAME" without a resource, so
+        # reading a Namespace object is served here.
+        self.namespaces: set[str] = set()
+        kmock["get", re.compile(r"^/api/v1/namespaces/[^/]+$")] << self._serve_namespace
+
+    # --- fixtures of a namespace ---
+    def add_namespace(self, name: str | None = None) -> None:
+        self.namespaces.add(name or self.namespace)
+
+    def _serve_namespace(self, request):
+        import kmock
+
+        name = request.url.path.rstrip("/").rsplit("/", 1)[-1]
+        if name not in self.namespaces:
+            raise kmock.KubernetesNotFoundError(message=f'namespaces "{name}" not found')
+        return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}, "status": {"phase": "Active"}}
+
+    def add_pvc(self, name: str) -> None:
+        self.kmock.objects["v1/persistentvolumeclaims", self.namespace, name] = {
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": self.namespace},
+            "spec": {"accessModes": ["ReadWriteMany"]}, "status": {"phase": "Bound"},
+        }
+
+    def add_secret(self, name: str, data: dict[str, str]) -> None:
+        import base64
+
+        self.kmock.objects["v1/secrets", self.namespace, name] = {
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": self.namespace},
+            "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
+        }
+
+    def add_node(self, name: str, gpus: int) -> None:
+        self.kmock.objects["v1/nodes", None, name] = {
+            "apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+            "status": {"allocatable": {"cpu": "64", "memory": "512Gi", "nvidia.com/gpu": str(gpus)}},
+        }
+
+    def live(self, resource: str) -> list[dict]:
+        return [obj.raw for (res, _, _), obj in self.kmock.objects.items()
+                if f"{res.group}/{res.version}/{res.plural}".lstrip("/") == resource and not obj.deleted]
+
+    # --- the control loop ---
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(base_url=self.url)
+        self._tasks.append(asyncio.create_task(self._loop()))
+
+    async def stop(self) -> None:
+        self.hanging.clear()  # open log streams end, so the server can shut down
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session:
+            await self._session.close()
+
+    async def _loop(self) -> None:
+        while True:
+            for (res, ns, name), obj in list(self.kmock.objects.items()):
+                key = (res.plural, ns, name)
+                if obj.deleted or key in self._seen:
+                    continue
+                if res.plural == "jobs":
+                    self._seen.add(key)
+                    self._tasks.append(asyncio.create_task(self._drive_job(obj.raw)))
+                elif res.plural == "deployments":
+                    self._seen.add(key)
+                    self._tasks.append(asyncio.create_task(self._drive_deployment(obj.raw)))
+            await asyncio.sleep(0.02)
+
+    def _script(self, job_name: str) -> JobScript:
+        for prefix, script in sorted(self.scripts.items(), key=lambda kv: -len(kv[0])):
+            if job_name.startswith(prefix):
+                return script
+        return JobScript()
+
+    async def _patch(self, path: str, body: dict) -> None:
+        async with self._session.patch(path, json=body, headers={"Content-Type": "application/merge-patch+json"}) as r:
+            assert r.status < 300, await r.text()
+
+    def _exists(self, plural: str, name: str) -> bool:
+        for (res, ns, n), obj in self.kmock.objects.items():
+            if res.plural == plural and n == name and ns == self.namespace and not obj.deleted:
+                return True
+        return False
+
+    async def _make_pod(self, owner: str, template: dict, index: int | None) -> str:
+        name = f"{owner}-{index if index is not None else 0}-x7k2p"
+        labels = dict((template.get("metadata") or {}).get("labels") or {}, **{"job-name": owner})
+        annotations = {INDEX_ANNOTATION: str(index)} if index is not None else {}
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": name, "namespace": self.namespace, "labels": labels, "annotations": annotations},
+               "spec": template["spec"], "status": {"phase": "Pending"}}
+        async with self._session.post(f"/api/v1/namespaces/{self.namespace}/pods", json=pod) as r:
+            assert r.status < 300, await r.text()
+        return name
+
+    async def _run_pod(self, name: str, container: str, script: PodScript) -> bool:
+        path = f"/api/v1/namespaces/{self.namespace}/pods/{name}"
+        await asyncio.sleep(0.05)
+        if script.unschedulable:
+            await self._patch(path, {"status": {"conditions": [{"type": "PodScheduled", "status": "False",
+                                                               "reason": "Unschedulable", "message": script.unschedulable}]}})
+            return await self._forever()
+        if script.waiting:
+            reason, message = script.waiting
+            await self._patch(path, {"status": {"containerStatuses": [{"name": container, "ready": False, "restartCount": 0,
+                                                                        "image": "x", "imageID": "",
+                                                                        "state": {"waiting": {"reason": reason, "message": message}}}]}})
+            return await self._forever()
+        self.logs[name] = list(script.logs)
+        if script.hang:
+            self.hanging.add(name)
+        await self._patch(path, {"status": {"phase": "Running", "containerStatuses": [
+            {"name": container, "ready": True, "restartCount": 0, "image": "x", "imageID": "",
+             "state": {"running": {"startedAt": "2026-11-29T20:00:00Z"}}}]}})
+        if script.hang:
+            return await self._forever()
+        await asyncio.sleep(script.line_delay_s * len(script.logs) + 0.05)
+        terminated = {"exitCode": script.exit_code, "reason": script.terminated_reason or ("Completed" if script.exit_code == 0 else "Error")}
+        await self._patch(path, {"status": {"phase": "Succeeded" if script.exit_code == 0 else "Failed", "containerStatuses": [
+            {"name": container, "ready": False, "restartCount": 0, "image": "x", "imageID": "", "state": {"terminated": terminated}}]}})
+        return script.exit_code == 0
+
+    async def _forever(self) -> bool:
+        await asyncio.Event().wait()
+        return False
+
+    async def _drive_job(self, job: dict) -> None:
+        name = job["metadata"]["name"]
+        spec = job["spec"]
+        script = self._script(name)
+        indexed = spec.get("completionMode") == "Indexed"
+        completions = spec.get("completions") or 1
+        container = spec["template"]["spec"]["containers"][0]["name"]
+        pods = [await self._make_pod(name, spec["template"], i if indexed else None) for i in range(completions)]
+        runs = [asyncio.create_task(self._run_pod(p, container, script.pod(i))) for i, p in enumerate(pods)]
+        self._tasks.extend(runs)
+        path = f"/apis/batch/v1/namespaces/{self.namespace}/jobs/{name}"
+        await self._patch(path, {"status": {"active": completions, "startTime": "2026-11-29T20:00:00Z"}})
+        pending = set(runs)
+        timeout = script.deadline_after_s
+        started = asyncio.get_running_loop().time()
+        while pending:
+            left = None if timeout is None else max(0.0, timeout - (asyncio.get_running_loop().time() - started))
+            done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if not self._exists("jobs", name):
+                return
+            if timeout is not None and not done and pending:
+                # the Job controller terminates the active pods of a Job past its deadline
+                for task in pending:
+                    task.cancel()
+                for pod in pods:
+                    self.hanging.discard(pod)
+                    async with self._session.delete(f"/api/v1/namespaces/{self.namespace}/pods/{pod}"):
+                        pass
+                await self._patch(path, {"status": {"active": 0, "conditions": [
+                    {"type": "Failed", "status": "True", "reason": "DeadlineExceeded",
+                     "message": "Job was active longer than specified deadline"}]}})
+                return
+            if any(not t.result() for t in done):
+                for t in pending:
+                    t.cancel()
+                await self._patch(path, {"status": {"active": 0, "failed": 1, "conditions": [
+                    {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+                     "message": "Job has reached the specified backoff limit"}]}})
+                return
+        await self._patch(path, {"status": {"active": 0, "succeeded": completions, "conditions": [
+            {"type": "Complete", "status": "True"}]}})
+
+    async def _drive_deployment(self, dep: dict) -> None:
+        name = dep["metadata"]["name"]
+        template = dep["spec"]["template"]
+        script = self._script(name)
+        pod = await self._make_pod(name, template, None)
+        container = template["spec"]["containers"][0]["name"]
+        pod_script = script.pod(0)
+        if pod_script.unschedulable or pod_script.waiting:
+            await self._run_pod(pod, container, pod_script)
+            return
+        pod_script.hang = True
+        self._tasks.append(asyncio.create_task(self._run_pod(pod, container, pod_script)))
+        await asyncio.sleep(0.1)
+        await self._patch(f"/apis/apps/v1/namespaces/{self.namespace}/deployments/{name}",
+                          {"status": {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1}})
+
+    # --- pod logs (kmock serves JSON by default; logs are text/plain) ---
+    async def _serve_log(self, request):
+        import kmock
+
+        name = request.name
+        if name not in self.logs:
+            return kmock.Response(status=400, payload={"kind": "Status", "code": 400, "message": f"pod {name} not started"})
+
+        async def stream():
+            for line in self.logs[name]:
+                yield (line + "\n").encode()
+                await asyncio.sleep(0.02)
+            # follow=true: a running container's log stays open until it ends
+            while name in self.hanging and self._exists("pods", name):
+                await asyncio.sleep(0.05)
+            if False:
+                yield b""
+
+        return kmock.Response(payload=stream(), headers={"Content-Type": "text/plain"})

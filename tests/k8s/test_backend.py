@@ -1,0 +1,249 @@
+"""The Kubernetes backend against kmock (an in-memory API server) plus tests/k8s/controller.py.
+
+No real cluster is involved: kmock answers the API calls, the stand-in
+controller plays Job controller, scheduler and kubelet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import textwrap
+
+import kmock as km
+import pytest
+
+from infra.backends.k8s import KubernetesBackend, KubernetesUnavailable, PreflightError
+from infra.jobs import JobSpec, JobState, Resources, ServiceSpec
+from infra.k8s.config import api_client_for_url
+from tests.k8s.controller import JobScript, PodScript
+
+IMAGE = "nvcr.io/nvidia/nemo:25.02"
+
+
+def spec(name="tok", **kwargs) -> JobSpec:
+    kwargs.setdefault("command", ["python", "-m", "workloads.tokenize"])
+    return JobSpec(name=name, container_image=IMAGE, **kwargs)
+
+
+async def run(backend: KubernetesBackend, job: JobSpec):
+    lines: list[str] = []
+    result = await asyncio.to_thread(backend.run, job, lines.append)
+    return result, lines
+
+
+async def test_array_job_completes_and_streams_every_pod_log(ready, make_backend, secret_env):
+    ready.scripts["tok"] = JobScript(
+        pod=lambda i: PodScript(logs=[f"group {i} start", f"group {i} wrote tokens", f"token {secret_env['HF_TOKEN']}"])
+    )
+    result, lines = await run(make_backend(ready), spec(array_size=3, secret_env=["HF_TOKEN"]))
+
+    assert result.state is JobState.COMPLETED and result.exit_code == 0, result
+    for i in range(3):
+        assert f"[{i}] group {i} start" in lines and f"[{i}] group {i} wrote tokens" in lines
+    # a secret printed by the workload is redacted before it reaches the Prefect log
+    assert not any(secret_env["HF_TOKEN"] in line for line in lines + result.log_tail)
+    assert "[0] token ***" in lines
+    log_requests = [r for r in ready.kmock if r.method == "GET" and r.url.path.endswith("/log")]
+    assert log_requests and all(r.params.get("follow") == "true" for r in log_requests)
+    jobs = ready.live("batch/v1/jobs")
+    assert len(jobs) == 1, "a finished Job stays for ttlSecondsAfterFinished"
+    assert jobs[0]["spec"]["completionMode"] == "Indexed" and jobs[0]["spec"]["completions"] == 3
+    assert jobs[0]["spec"]["ttlSecondsAfterFinished"] == 3600
+
+
+async def test_multinode_job_gets_rendezvous_service_removed_after(ready, make_backend):
+    job = spec("train", resources=Resources(nodes=2, gpus_per_node=8))
+    result, lines = await run(make_backend(ready), job)
+    assert result.state is JobState.COMPLETED
+    assert sum("hello from the pod" in line for line in lines) == 2
+    created = [r for r in ready.kmock if r.method == "POST" and r.url.path.endswith("/services")]
+    assert created and created[0].data["spec"]["clusterIP"] == "None"
+    assert ready.live("v1/services") == [], "the headless Service has no TTL: the backend removes it"
+
+
+@pytest.mark.parametrize(
+    "pod, state, expected",
+    [
+        (PodScript(logs=["allocating"], exit_code=137, terminated_reason="OOMKilled"), JobState.OUT_OF_MEMORY,
+         ["OOMKilled", "exit code 137", "BackoffLimitExceeded"]),
+        (PodScript(logs=["bad input"], exit_code=3), JobState.FAILED, ["BackoffLimitExceeded", "exit code 3"]),
+        (PodScript(waiting=("ImagePullBackOff", 'Back-off pulling image "nvcr.io/nvidia/nemo:99"')), JobState.FAILED,
+         ["ImagePullBackOff", 'Back-off pulling image "nvcr.io/nvidia/nemo:99"']),
+        (PodScript(unschedulable="0/4 nodes are available: 4 Insufficient nvidia.com/gpu."), JobState.FAILED,
+         ["Unschedulable", "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."]),
+    ],
+    ids=["oom", "exit-code", "image-pull", "unschedulable"],
+)
+async def test_failure_reasons(ready, make_backend, pod, state, expected):
+    ready.scripts["tok"] = JobScript(pod=lambda i: pod)
+    result, lines = await run(make_backend(ready, pending_timeout_s=0.3), spec())
+    assert result.state is state, result
+    for text in expected:
+        assert text in (result.reason or ""), result.reason
+    if pod.waiting or pod.unschedulable:
+        # the Job would never end by itself: the backend deletes it and its pods
+        assert ready.live("batch/v1/jobs") == [] and ready.live("v1/pods") == []
+    if pod.unschedulable:
+        assert any("0/4 nodes are available" in line for line in lines), "pending reason shown while waiting"
+
+
+async def test_deadline_exceeded_is_timeout(ready, make_backend):
+    ready.scripts["tok"] = JobScript(pod=lambda i: PodScript(hang=True), deadline_after_s=0.3)
+    result, _ = await run(make_backend(ready), spec(resources=Resources(time="00:01")))
+    assert result.state is JobState.TIMEOUT and "DeadlineExceeded" in result.reason
+    assert ready.live("batch/v1/jobs")[0]["spec"]["activeDeadlineSeconds"] == 1
+
+
+async def test_lost_create_response_and_5xx_are_retried_idempotently(ready, make_backend):
+    """The first create is stored but answered 503 (a lost response): the retry's 409 is our own Job."""
+    posts: list[int] = []
+
+    def flaky_create(request):
+        posts.append(1)
+        if len(posts) == 1:
+            # raised, not returned: a returned Response would make kmock keep its status for later calls
+            raise km.KubernetesError(status=503, reason="ServiceUnavailable", message="etcd leader changed")
+        return None  # fall through to the emulator
+
+    lists: list[int] = []
+
+    def flaky_list(request):
+        lists.append(1)
+        if len(lists) <= 2:
+            raise km.KubernetesError(status=500, reason="InternalError", message="internal")
+        return None
+
+    ready.kmock["post", km.resource("batch/v1/jobs")] << flaky_create
+    ready.kmock[km.action.LIST, km.resource("v1/pods")] << flaky_list
+    result, _ = await run(make_backend(ready), spec())
+    assert result.state is JobState.COMPLETED, result
+    job_posts = [r for r in ready.kmock if r.method == "POST" and r.url.path.endswith("/jobs")]
+    assert len(job_posts) == 2, "one retry after the 503; its 409 was taken as our own Job"
+    assert len(lists) > 2
+    assert len(ready.live("batch/v1/jobs")) == 1
+
+
+async def test_expired_watch_410_is_relisted(ready, make_backend):
+    watches: list[int] = []
+
+    def gone(request):
+        watches.append(1)
+        if len(watches) == 1:
+            return ({"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired",
+                                                  "message": "too old resource version"}},)
+        return None
+
+    ready.kmock[km.action.WATCH, km.resource("batch/v1/jobs")] << gone
+    result, lines = await run(make_backend(ready), spec())
+    assert result.state is JobState.COMPLETED
+    assert any("410 Gone" in line for line in lines) and len(watches) >= 2
+
+
+async def test_foreign_object_with_same_name_is_an_error(ready, make_backend):
+    backend = make_backend(ready)
+    obj = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x-1", "namespace": "team",
+                                                                  "labels": {"nemoflow.dev/run": "other"}}}
+    ready.kmock.objects["batch/v1/jobs", "team", "x-1"] = obj
+    with pytest.raises(RuntimeError, match="belongs to another run"):
+        await asyncio.to_thread(backend._create, dict(obj, metadata=dict(obj["metadata"], labels={"nemoflow.dev/run": "mine"})), "mine")
+
+
+def test_unreachable_api_server_is_a_clear_error(k8s_options):
+    backend = KubernetesBackend(k8s_options, api_client=api_client_for_url("http://127.0.0.1:9"), retries=1, backoff_s=0.01)
+    with pytest.raises(KubernetesUnavailable, match=r"http://127.0.0.1:9 unreachable after 2 attempts"):
+        backend.run(spec())
+
+
+@pytest.mark.parametrize(
+    "missing, message",
+    [
+        ("namespace", "namespace 'team' does not exist"),
+        ("pvc", "workspace PVC 'workspace' not found in namespace 'team'"),
+        ("secret", "Secret 'nemoflow-secrets' (for HF_TOKEN, WANDB_API_KEY) not found"),
+        ("secret-key", "has no key WANDB_API_KEY"),
+        ("gpus", "requests 16 nvidia.com/gpu per pod, more than any node can allocate (gpu-a=8)"),
+    ],
+)
+async def test_preflight_names_what_is_missing(cluster, make_backend, missing, message):
+    if missing != "namespace":
+        cluster.add_namespace()
+    if missing != "pvc":
+        cluster.add_pvc("workspace")
+    if missing == "secret-key":
+        cluster.add_secret("nemoflow-secrets", {"HF_TOKEN": "x"})
+    elif missing != "secret":
+        cluster.add_secret("nemoflow-secrets", {"HF_TOKEN": "x", "WANDB_API_KEY": "y"})
+    cluster.add_node("gpu-a", 8)
+    job = spec("train", secret_env=["HF_TOKEN", "WANDB_API_KEY"],
+               resources=Resources(gpus_per_node=16 if missing == "gpus" else 8))
+    with pytest.raises(PreflightError) as info:
+        await asyncio.to_thread(make_backend(cluster).run, job)
+    assert message in str(info.value)
+    assert cluster.live("batch/v1/jobs") == [], "nothing is submitted when preflight fails"
+
+
+async def test_inference_service_start_and_stop(ready, make_backend):
+    backend = make_backend(ready)
+    serve = ServiceSpec(name="llm-serve", command=["python", "-m", "workloads.serve"], port=8000,
+                        container_image=IMAGE, resources=Resources(gpus_per_node=2))
+    url = await asyncio.to_thread(backend.start_service, serve)
+    assert url == "http://llm-serve.team.svc.cluster.local:8000"
+    dep = ready.live("apps/v1/deployments")[0]
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    # starting again applies the spec to the existing objects instead of failing on 409
+    assert await asyncio.to_thread(backend.start_service, serve) == url
+    await asyncio.to_thread(backend.stop_service, "llm-serve")
+    assert ready.live("apps/v1/deployments") == [] and ready.live("v1/services") == []
+
+
+async def test_unschedulable_service_fails_with_scheduler_message(ready, make_backend):
+    ready.scripts["llm-serve"] = JobScript(pod=lambda i: PodScript(unschedulable="0/2 nodes are available: 2 Insufficient nvidia.com/gpu."))
+    backend = make_backend(ready, pending_timeout_s=0.3)
+    serve = ServiceSpec(name="llm-serve", command=["x"], port=8000, container_image=IMAGE)
+    with pytest.raises(RuntimeError, match="0/2 nodes are available"):
+        await asyncio.to_thread(backend.start_service, serve)
+    assert ready.live("apps/v1/deployments") == []
+
+
+CANCEL_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from infra.backends.k8s import KubernetesBackend
+    from infra.jobs import JobSpec
+    from infra.k8s.config import api_client_for_url
+    from infra.k8s.options import K8sOptions
+
+    backend = KubernetesBackend(K8sOptions(namespace="team", pvc_name="workspace"),
+                                api_client=api_client_for_url(sys.argv[1]), watch_timeout_s=0.5, backoff_s=0.05)
+    spec = JobSpec(name="train", command=["python", "-m", "workloads.train"], container_image="nvcr.io/nvidia/nemo:25.02",
+                   array_size=2)
+    backend.run(spec, on_log=lambda line: print(line, flush=True))
+    """
+)
+
+
+async def test_interrupted_run_deletes_job_and_pods(ready):
+    """Ctrl-C (or a Prefect cancellation) in the process running the job leaves no Job and no pod behind."""
+    ready.scripts["train"] = JobScript(pod=lambda i: PodScript(logs=[f"step 1 of rank {i}"], hang=True))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CANCEL_SCRIPT, ready.url, cwd=os.getcwd(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    seen = b""
+    async with asyncio.timeout(30):
+        while b"step 1 of rank" not in seen:
+            chunk = await proc.stdout.readline()
+            assert chunk, seen.decode()
+            seen += chunk
+    assert len(ready.live("v1/pods")) == 2
+    proc.send_signal(signal.SIGINT)
+    async with asyncio.timeout(30):
+        await proc.communicate()
+    assert ready.live("batch/v1/jobs") == [] and ready.live("v1/pods") == []
+    job_deletes = [r for r in ready.kmock if r.method == "DELETE" and "/jobs/" in r.url.path]
+    assert job_deletes and job_deletes[0].data["propagationPolicy"] == "Foreground"
