@@ -234,6 +234,8 @@ def train(config: TrainConfig) -> int:
     # ---------------------------------------------------------------- checks before any compute
     cuda = torch.cuda.is_available()
     plan = check_parallelism(config, on_cpu=not cuda)
+    if not config.data_prefix or not config.tokenizer_model:
+        raise ValueError("data_prefix and tokenizer_model must be set (the prepared dataset's blend and tokenizer)")
     run_dir = prepare_run_dir(config)
     check_prefixes(config.data_prefix)
     if config.valid_data_prefix:

@@ -37,10 +37,12 @@ class TrainConfig(BaseModel):
     vocab_size: int | None = Field(None, description="None = the tokenizer's vocabulary size")
 
     # ---- data
-    data_prefix: list = Field(..., description="NeMo blend: [w1, 'prefix1', w2, 'prefix2', ...] or ['prefix']")
+    data_prefix: list | None = Field(
+        None, description="NeMo blend: [w1, 'prefix1', w2, 'prefix2', ...] or ['prefix'] (the pretrain task fills it)"
+    )
     valid_data_prefix: list | None = Field(None, description="separate validation blend (else the split)")
     split: str = Field("98,1,1", description="train,validation,test proportions of each prefix's documents")
-    tokenizer_model: str = Field(..., description="sentencepiece .model of the dataset's tokenizer")
+    tokenizer_model: str | None = Field(None, description="sentencepiece .model of the dataset (the task fills it)")
     seq_length: int = Field(256, description="tokens per sample")
 
     # ---- batch and length of training

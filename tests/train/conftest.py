@@ -7,15 +7,17 @@ exactly what the data stage produces (``{prefix}.bin/.idx``, EOD after each docu
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.train.helpers import REPO, read_metrics, run_trainer, tiny_config, write_config
+
+# megatron-core warns on import that Apex / Transformer Engine are absent: expected on CPU.
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+
 # The first 929 KJV chapters are the Old Testament.
 OT_CHAPTERS = 929
 
@@ -53,59 +55,31 @@ def train_dataset(tmp_path_factory, kjv_chapters, mixtral_tokenizer_model):
     }
 
 
-def tiny_config(dataset: dict, run_dir: Path, **overrides) -> dict:
-    """A Llama small enough to train a few steps in seconds on 2 shared cores."""
-    config = dict(
-        arch="llama",
-        hidden_size=64,
-        num_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        ffn_hidden_size=128,
-        seq_length=64,
-        global_batch_size=8,
-        micro_batch_size=4,
-        max_steps=12,
-        lr=3e-3,
-        min_lr=3e-4,
-        warmup_steps=2,
-        val_check_interval=4,
-        limit_val_batches=2,
-        ckpt_every_n_steps=4,
-        save_top_k=2,
-        log_every_n_steps=1,
-        seed=1234,
-        data_prefix=dataset["blend"],
-        tokenizer_model=dataset["tokenizer_model"],
-        run_dir=str(run_dir),
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, train_dataset, fake_wandb):
+    """One uninterrupted 12-step run (checkpoints at 4, 8, 12); tests compare against it."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    config = tiny_config(train_dataset, run_dir)
+    # With the recording wandb stand-in importable but no WANDB_API_KEY: W&B must stay silent.
+    proc = run_trainer(write_config(config, run_dir.parent / "config.json"), PYTHONPATH=fake_wandb["pythonpath"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {"run_dir": run_dir, "config": config, "metrics": read_metrics(run_dir), "stdout": proc.stdout}
+
+
+@pytest.fixture(scope="session")
+def fake_wandb(tmp_path_factory):
+    """A stand-in ``wandb`` package that records every call (the real one would contact the service)."""
+    root = tmp_path_factory.mktemp("fake-wandb")
+    (root / "wandb").mkdir()
+    calls = root / "calls.jsonl"
+    (root / "wandb" / "__init__.py").write_text(
+        "import json, os\n"
+        f"_LOG = {str(calls)!r}\n"
+        "def _rec(kind, **kw):\n"
+        "    with open(_LOG, 'a') as fh: fh.write(json.dumps({'call': kind, 'pid': os.getpid(), **kw}) + '\\n')\n"
+        "class _Run:\n"
+        "    def log(self, data, step=None): _rec('log', step=step, keys=sorted(data))\n"
+        "    def finish(self): _rec('finish')\n"
+        "def init(**kw): _rec('init', project=kw.get('project'), key=os.environ.get('WANDB_API_KEY')); return _Run()\n"
     )
-    config.update(overrides)
-    return config
-
-
-def write_config(config: dict, path: Path) -> Path:
-    path.write_text(json.dumps(config))
-    return path
-
-
-def trainer_env(**extra) -> dict:
-    env = dict(os.environ)
-    env.pop("WANDB_API_KEY", None)
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
-    return env
-
-
-def run_trainer(config_path: Path, timeout: float = 180, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "workloads.train", "--config", str(config_path)],
-        cwd=REPO,
-        env=trainer_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {"pythonpath": f"{root}{os.pathsep}{REPO}", "calls": calls}

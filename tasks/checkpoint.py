@@ -1,0 +1,158 @@
+"""Checkpoint validation stage: files, checksums, weights, held-out loss; stop the flow on failure.
+
+    from tasks.checkpoint import validate_checkpoint
+    report = validate_checkpoint(ckpt, dataset, threshold=7.5, backend="slurm")
+
+The validator (``python -m workloads.validate_checkpoint``) runs as a job,
+since on a cluster it needs a GPU node; it writes a JSON report next to the
+run's checkpoints, which this task reads, publishes as a table artifact and
+turns into an error naming the failed checks, so nothing is deployed from a
+checkpoint that failed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from pydantic import BaseModel, Field
+
+from infra import storage
+from infra.jobs import JobSpec, Mount, Resources
+from tasks.common import cache_policy, logger, run_job
+from tasks.refs import CheckpointRef, DatasetRef, ImageRef
+from tasks.train import REPO_ROOT
+
+
+class ValidationCheck(BaseModel):
+    name: str
+    passed: bool
+    detail: str
+
+
+class ValidationReport(BaseModel):
+    checkpoint: str
+    passed: bool
+    checks: list[ValidationCheck]
+    failed: list[str] = Field(default_factory=list)
+    val_loss: float | None = None
+    untrained_loss: float | None = None
+    threshold: float
+    files: list[str] = Field(default_factory=list)
+    sizes: dict[str, int] = Field(default_factory=dict)
+    total_bytes: int = 0
+    report_uri: str | None = None
+
+
+class CheckpointValidationFailed(RuntimeError):
+    def __init__(self, report: ValidationReport):
+        self.report = report
+        failed = [c for c in report.checks if not c.passed]
+        super().__init__(
+            f"checkpoint {report.checkpoint} failed {len(failed)} check(s): "
+            + "; ".join(f"{c.name} ({c.detail})" for c in failed)
+        )
+
+
+def report_path(ckpt: CheckpointRef, threshold: float) -> str:
+    directory = storage.local_path(ckpt.uri)
+    run_dir = ckpt.run_dir or os.path.dirname(os.path.dirname(directory))
+    tag = hashlib.sha256(f"{directory}|{threshold}".encode()).hexdigest()[:8]
+    return os.path.join(storage.local_path(run_dir), "validation", f"{os.path.basename(directory)}-{tag}.json")
+
+
+def build_validate_job(
+    ckpt: CheckpointRef, dataset: DatasetRef, threshold: float, output: str, image: ImageRef | None = None,
+    num_batches: int = 8,
+) -> JobSpec:
+    in_container = image is not None and image.kind in ("sqsh", "registry")
+    python = "python" if in_container else (image.uri if image and image.kind == "python-env" else sys.executable)
+    command = [
+        python, "-m", "workloads.validate_checkpoint", storage.local_path(ckpt.uri),
+        "--threshold", repr(float(threshold)),
+        "--data-prefix", json.dumps(dataset.blend),
+        "--num-batches", str(num_batches),
+        "--output", output,
+        "--exit-zero",
+    ]
+    if dataset.tokenizer.model:
+        command += ["--tokenizer-model", dataset.tokenizer.model]
+    ckpt_dir = storage.local_path(ckpt.uri)
+    return JobSpec(
+        name="validate-" + hashlib.sha256(output.encode()).hexdigest()[:10],
+        command=command,
+        env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO_ROOT},
+        resources=Resources(gpus_per_node=1 if in_container else 0, cpus_per_task=2, time="01:00:00"),
+        container_image=image.uri if in_container else None,
+        mounts=[Mount(source=REPO_ROOT, target=REPO_ROOT, read_only=True),
+                Mount(source=os.path.dirname(output), target=os.path.dirname(output)),
+                Mount(source=ckpt_dir, target=ckpt_dir, read_only=True)]
+        if in_container
+        else [],
+        workdir=REPO_ROOT,
+    )
+
+
+def report_markdown(report: ValidationReport) -> str:
+    verdict = "PASSED" if report.passed else "FAILED: " + ", ".join(report.failed)
+    lines = [
+        f"# Checkpoint validation: {verdict}",
+        "",
+        f"checkpoint `{report.checkpoint}`; held-out loss `{report.val_loss}` "
+        f"(untrained `{report.untrained_loss}`, threshold `{report.threshold}`); "
+        f"{len(report.files)} files, {report.total_bytes / 1e6:.1f} MB",
+        "",
+        "| check | passed | detail |",
+        "|---|---|---|",
+    ]
+    for check in report.checks:
+        detail = check.detail.replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {check.name} | {'yes' if check.passed else '**NO**'} | {detail} |")
+    return "\n".join(lines)
+
+
+def _retry_unless_checks_failed(task, task_run, state) -> bool:
+    """Retry infrastructure failures, not a checkpoint that failed its checks."""
+    try:
+        state.result()
+    except CheckpointValidationFailed:
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+    return True
+
+
+@task(
+    name="validate-checkpoint",
+    task_run_name="validate step {ckpt.step}",
+    retries=1,
+    retry_delay_seconds=10,
+    retry_condition_fn=_retry_unless_checks_failed,
+    cache_policy=cache_policy("workloads.validate_checkpoint", "workloads.checkpoint", "tasks.checkpoint"),
+    persist_result=True,
+)
+def validate_checkpoint(
+    ckpt: CheckpointRef,
+    dataset: DatasetRef,
+    threshold: float,
+    backend: str = "local",
+    image: ImageRef | None = None,
+    num_batches: int = 8,
+) -> ValidationReport:
+    """Validate a checkpoint; raises :class:`CheckpointValidationFailed` naming the failed checks."""
+    log = logger()
+    output = report_path(ckpt, threshold)
+    storage.makedirs(os.path.dirname(output))
+    run_job(build_validate_job(ckpt, dataset, threshold, output, image, num_batches), backend)
+    report = ValidationReport.model_validate({**storage.read_json(output), "report_uri": output})
+    key = "checkpoint-validation-" + hashlib.sha256(report.checkpoint.encode()).hexdigest()[:10]
+    create_markdown_artifact(key=key, markdown=report_markdown(report), description="checkpoint validation checks")
+    if not report.passed:
+        raise CheckpointValidationFailed(report)
+    log.info("checkpoint %s passed: val_loss %.4f < threshold %s and < untrained %.4f",
+             report.checkpoint, report.val_loss, report.threshold, report.untrained_loss)
+    return report

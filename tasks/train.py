@@ -1,0 +1,223 @@
+"""Training stage: pretrain or continue pretraining on a prepared dataset.
+
+    from tasks.train import pretrain
+    ckpt = pretrain(TrainConfig(max_steps=300, ...), dataset, backend="slurm")
+
+The task checks the configuration (parallelism arithmetic, data files) before
+it spends compute, then runs ``python -m workloads.train`` as a job on the
+chosen backend. The run directory is derived from the inputs, so a retry (or
+a pre-empted job, exit 76) starts the trainer on the same directory and it
+resumes from ``checkpoints/latest``. The result is the best checkpoint by
+validation loss, and a loss-curve artifact is published to the Prefect UI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from infra import storage
+from infra.jobs import JobSpec, Mount, Resources
+from infra.settings import get_settings
+from tasks.common import cache_policy, logger, run_job
+from tasks.refs import CheckpointRef, DatasetRef, ImageRef
+from workloads.train_config import TrainConfig, check_parallelism
+
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+TRAIN_MODULES = (
+    "workloads.train",
+    "workloads.train_config",
+    "workloads.checkpoint",
+    "workloads.data_loader",
+    "tasks.train",
+)
+
+
+def run_dir_for(config: TrainConfig, dataset: DatasetRef | None = None) -> str:
+    """The run directory: config.run_dir, else one named by the config and data (stable across retries)."""
+    if config.run_dir:
+        return config.run_dir
+    identity = config.model_dump_json(exclude={"run_dir"}) + (dataset.manifest_uri if dataset else "")
+    name = f"{config.arch}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
+    work_dir = get_settings().work_dir
+    if not storage.is_local(work_dir):
+        raise ValueError(
+            f"work_dir {work_dir} is not a file system the trainer can write checkpoints to; "
+            "set TrainConfig.run_dir to a shared volume path (a PVC mount, Lustre, NFS)"
+        )
+    return storage.join(work_dir, "runs", name)
+
+
+def with_dataset(config: TrainConfig, dataset: DatasetRef) -> TrainConfig:
+    """The config with the dataset's blend and tokenizer filled in, and its run directory fixed."""
+    if not dataset.tokenizer.model:
+        raise ValueError("the dataset's tokenizer has no model file (a sentencepiece .model is needed)")
+    config = config.model_copy(update={"data_prefix": dataset.blend, "tokenizer_model": dataset.tokenizer.model})
+    return config.model_copy(update={"run_dir": storage.local_path(run_dir_for(config, dataset))})
+
+
+def build_train_job(config: TrainConfig, image: ImageRef | None = None) -> JobSpec:
+    """The job that runs the trainer; writes the config to ``<run_dir>/train_config.request.json``."""
+    if not config.run_dir:
+        raise ValueError("config.run_dir must be set (with_dataset() fills it)")
+    run_dir = storage.local_path(config.run_dir)
+    storage.makedirs(run_dir)
+    config_path = os.path.join(run_dir, "train_config.request.json")
+    storage.write_text(config_path, config.model_dump_json(indent=1))
+    in_container = image is not None and image.kind in ("sqsh", "registry")
+    python = "python" if in_container else (image.uri if image and image.kind == "python-env" else sys.executable)
+    name = "train-" + hashlib.sha256(run_dir.encode()).hexdigest()[:10]
+    return JobSpec(
+        name=name,
+        command=[python, "-m", "workloads.train", "--config", config_path],
+        env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO_ROOT, "TOKENIZERS_PARALLELISM": "false"},
+        secret_env=["WANDB_API_KEY"] if get_settings().wandb_api_key is not None else [],
+        resources=Resources(
+            nodes=config.num_nodes,
+            ntasks_per_node=1,
+            gpus_per_node=config.gpus_per_node,
+            cpus_per_task=config.cpus_per_task,
+            mem=config.mem,
+            time=config.time,
+        ),
+        container_image=image.uri if in_container else None,
+        # In a container the code and the run directory must be visible at the same paths.
+        mounts=[Mount(source=REPO_ROOT, target=REPO_ROOT, read_only=True), Mount(source=run_dir, target=run_dir)]
+        if in_container
+        else [],
+        workdir=REPO_ROOT,
+        log_dir=os.path.join(run_dir, "logs"),
+    )
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(storage.local_path(run_dir), "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 60) -> str:
+    """Unicode sparkline of ``values`` resampled to ``width`` characters (renders anywhere)."""
+    if not values:
+        return ""
+    if len(values) > width:
+        values = [values[int(i * len(values) / width)] for i in range(width)]
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - low) / span * (len(SPARK) - 1) + 0.5))] for v in values)
+
+
+def loss_curve_rows(metrics: list[dict], max_rows: int = 100) -> list[dict]:
+    """One row per logged step (val_loss merged in), thinned to at most ``max_rows`` (last kept)."""
+    by_step: dict[int, dict] = {}
+    for record in metrics:
+        row = by_step.setdefault(record["step"], {"step": record["step"]})
+        for key in ("loss", "val_loss", "lr", "tokens_per_s", "grad_norm"):
+            if key in record:
+                row[key] = record[key]
+    rows = [by_step[s] for s in sorted(by_step)]
+    if len(rows) > max_rows:
+        stride = len(rows) / max_rows
+        rows = [rows[int(i * stride)] for i in range(max_rows - 1)] + [rows[-1]]
+    for row in rows:
+        for key in ("loss", "val_loss", "grad_norm"):
+            if key in row:
+                row[key] = round(row[key], 4)
+        if "lr" in row:
+            row["lr"] = float(f"{row['lr']:.3g}")
+        if "tokens_per_s" in row:
+            row["tokens_per_s"] = round(row["tokens_per_s"])
+    return rows
+
+
+def loss_curve_markdown(metrics: list[dict], best: CheckpointRef | None, run_dir: str) -> str:
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    vals = [m["val_loss"] for m in metrics if "val_loss" in m]
+    lines = [f"# Training run `{os.path.basename(run_dir)}`", ""]
+    if losses:
+        lines += [
+            f"train loss `{losses[0]:.3f}` {sparkline(losses)} `{losses[-1]:.3f}`  ",
+        ]
+    if vals:
+        lines += [f"val loss `{vals[0]:.3f}` {sparkline(vals)} `{vals[-1]:.3f}`", ""]
+    if best is not None:
+        lines += [f"best checkpoint: `{best.uri}` (step {best.step}, val_loss {best.val_loss})", ""]
+    rows = loss_curve_rows(metrics, max_rows=20)
+    if rows:
+        lines += ["| step | loss | val_loss | lr | tokens/s |", "|---:|---:|---:|---:|---:|"]
+        for row in rows:
+            lines.append(
+                f"| {row['step']} | {row.get('loss', '')} | {row.get('val_loss', '')} | {row.get('lr', '')} "
+                f"| {row.get('tokens_per_s', '')} |"
+            )
+    lines += ["", f"run directory: `{run_dir}` (metrics.jsonl has every logged step)"]
+    return "\n".join(lines)
+
+
+def _artifact_key(run_dir: str) -> str:
+    # Artifact keys: lowercase letters, digits and dashes only.
+    return "loss-curve-" + hashlib.sha256(run_dir.encode()).hexdigest()[:10]
+
+
+@task(
+    name="pretrain",
+    task_run_name="pretrain {config.arch}",
+    retries=2,
+    retry_delay_seconds=10,
+    cache_policy=cache_policy(*TRAIN_MODULES),
+    persist_result=True,
+)
+def pretrain(
+    config: TrainConfig, dataset: DatasetRef, image: ImageRef | None = None, backend: str = "local"
+) -> CheckpointRef:
+    """Train on ``dataset``; returns the best checkpoint by validation loss (the latest without one)."""
+    from workloads import checkpoint as ckpt
+
+    log = logger()
+    config = with_dataset(config, dataset)
+    plan = check_parallelism(config)
+    log.info(
+        "training %s for %d steps: world %d, data parallel %d, gradient accumulation %d; run_dir %s",
+        config.arch,
+        plan.total_steps,
+        plan.world_size,
+        plan.data_parallel_size,
+        plan.gradient_accumulation_steps,
+        config.run_dir,
+    )
+    spec = build_train_job(config, image)
+    run_job(spec, backend)
+
+    best = ckpt.best_checkpoint(config.run_dir)
+    latest = ckpt.latest_checkpoint(config.run_dir)
+    if best is None or latest is None:
+        raise RuntimeError(f"the trainer finished but {config.run_dir}/checkpoints holds no complete checkpoint")
+    result = CheckpointRef(
+        uri=str(best.path),
+        step=best.step,
+        val_loss=best.val_loss,
+        run_dir=config.run_dir,
+        image=image,
+        dataset_manifest=dataset.manifest_uri,
+    )
+    log.info("latest checkpoint %s; best %s (val_loss %s)", latest, best.path, best.val_loss)
+    metrics = read_metrics(config.run_dir)
+    key = _artifact_key(config.run_dir)
+    create_markdown_artifact(
+        key=key, markdown=loss_curve_markdown(metrics, result, config.run_dir), description="training loss curve"
+    )
+    rows = loss_curve_rows(metrics)
+    if rows:
+        create_table_artifact(key=key + "-table", table=rows, description="loss, val_loss, lr, tokens/s by step")
+    return result

@@ -1,0 +1,74 @@
+"""Helpers shared by the training tests (run the trainer as users do, read its metrics)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny_config(dataset: dict, run_dir: Path, **overrides) -> dict:
+    """A Llama small enough to train a few steps in seconds on 2 shared cores."""
+    config = dict(
+        arch="llama",
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        ffn_hidden_size=128,
+        seq_length=64,
+        global_batch_size=8,
+        micro_batch_size=4,
+        max_steps=12,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=2,
+        val_check_interval=4,
+        limit_val_batches=2,
+        ckpt_every_n_steps=4,
+        save_top_k=2,
+        log_every_n_steps=1,
+        seed=1234,
+        data_prefix=dataset["blend"],
+        tokenizer_model=dataset["tokenizer_model"],
+        run_dir=str(run_dir),
+    )
+    config.update(overrides)
+    return config
+
+
+def write_config(config: dict, path: Path) -> Path:
+    path.write_text(json.dumps(config))
+    return path
+
+
+def trainer_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.pop("WANDB_API_KEY", None)
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def run_trainer(config_path: Path, timeout: float = 180, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "workloads.train", "--config", str(config_path)],
+        cwd=REPO,
+        env=trainer_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def deterministic_part(metrics: list[dict]) -> list[dict]:
+    """Metrics without wall-clock fields: these must match exactly between runs."""
+    return [{k: v for k, v in m.items() if k != "tokens_per_s"} for m in metrics]

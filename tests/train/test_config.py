@@ -1,0 +1,92 @@
+"""The parallelism arithmetic, the blend parser and the schedule: pure functions, no torch."""
+
+from __future__ import annotations
+
+import pytest
+
+from workloads.train_config import ParallelismError, TrainConfig, check_parallelism, lr_at, parse_blend
+
+BLEND = [0.7, "/d/ot_text_document", 0.3, "/d/nt_text_document"]
+
+
+def config(**overrides) -> TrainConfig:
+    base = dict(data_prefix=BLEND, tokenizer_model="/t/tokenizer.model", max_steps=100, hidden_size=256,
+                num_attention_heads=8, num_layers=4, global_batch_size=32, micro_batch_size=4)
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def test_batch_not_divisible_names_the_numbers():
+    bad = config(global_batch_size=30, micro_batch_size=4, num_nodes=1, gpus_per_node=2)
+    with pytest.raises(ParallelismError) as err:
+        check_parallelism(bad)
+    assert "global_batch_size=30 is not divisible by micro_batch_size(4) x data_parallel_size(2) = 8" in str(err.value)
+
+
+def test_every_broken_rule_is_reported_at_once():
+    bad = config(
+        num_nodes=1, gpus_per_node=6, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
+        num_attention_heads=6, hidden_size=384, num_key_value_heads=4, num_layers=3,
+    )
+    with pytest.raises(ParallelismError) as err:
+        check_parallelism(bad)
+    message = str(err.value)
+    assert "world size 6 (num_nodes=1 x gpus_per_node=6) is not divisible by tensor(4) x pipeline(1) x context(1)" in message
+    assert "num_attention_heads=6 is not divisible by tensor_model_parallel_size=4" in message
+    assert "num_attention_heads=6 is not divisible by num_key_value_heads=4" in message
+
+
+def test_pipeline_and_expert_rules():
+    with pytest.raises(ParallelismError, match=r"num_layers=6 is not divisible by pipeline_model_parallel_size=4"):
+        check_parallelism(config(num_layers=6, pipeline_model_parallel_size=4, gpus_per_node=8))
+    with pytest.raises(ParallelismError, match=r"num_moe_experts=6 is not divisible by expert_model_parallel_size=4"):
+        check_parallelism(config(arch="mixtral", num_moe_experts=6, expert_model_parallel_size=4, gpus_per_node=8))
+    with pytest.raises(ParallelismError, match=r"moe_router_topk=3 exceeds num_moe_experts=2"):
+        check_parallelism(config(arch="mixtral", num_moe_experts=2, moe_router_topk=3))
+    with pytest.raises(ParallelismError, match=r"expert_model_parallel_size=2 needs arch='mixtral'"):
+        check_parallelism(config(expert_model_parallel_size=2))
+
+
+def test_valid_plan_gives_data_parallel_and_accumulation():
+    plan = check_parallelism(
+        config(num_nodes=2, gpus_per_node=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+               global_batch_size=64, micro_batch_size=2)
+    )
+    # 16 GPUs / (2 x 2) = 4 data-parallel ranks; 64 / (2 x 4) = 8 micro batches each.
+    assert (plan.world_size, plan.data_parallel_size, plan.gradient_accumulation_steps) == (16, 4, 8)
+    cpu = check_parallelism(config(gpus_per_node=0, global_batch_size=32, micro_batch_size=4))
+    assert (cpu.world_size, cpu.gradient_accumulation_steps) == (1, 8)
+
+
+def test_token_budget_sets_steps():
+    # The seed's arithmetic: 300,000 steps from a token budget at gbs 8 x seq 2048.
+    cfg = config(max_steps=None, max_tokens=300_000 * 8 * 2048 + 5, global_batch_size=8, micro_batch_size=1,
+                 seq_length=2048)
+    assert cfg.total_steps == 300_000
+    with pytest.raises(ValueError, match="exactly one of max_steps and max_tokens"):
+        config(max_steps=10, max_tokens=1000)
+
+
+def test_blend_parsing_and_errors():
+    assert parse_blend(BLEND) == (["/d/ot_text_document", "/d/nt_text_document"], [0.7, 0.3])
+    assert parse_blend(["0.5", "/d/a", "0.5", "/d/b"]) == (["/d/a", "/d/b"], [0.5, 0.5])
+    with pytest.raises(ValueError, match="odd length"):
+        parse_blend([0.5, "/d/a", 0.5])
+    with pytest.raises(ValueError, match=r"weight 'x' \(before '/d/a'\)"):
+        parse_blend(["x", "/d/a", 1, "/d/b"])
+    with pytest.raises(ValueError, match="is not a path prefix"):
+        parse_blend([0.5, 0.5, "/d/a", "/d/b"])
+    with pytest.raises(ValueError, match="split '98,2' must be three"):
+        config(split="98,2")
+
+
+def test_lr_schedule_warmup_cosine_constant():
+    cfg = config(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
+    assert lr_at(0, cfg) == pytest.approx(1e-4)  # (0 + 1) / 10 of the peak
+    assert lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(60, cfg) == pytest.approx((1e-3 + 1e-4) / 2)  # half-way through the decay
+    assert lr_at(110, cfg) == pytest.approx(1e-4)
+    decay = [lr_at(s, cfg) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+    constant = cfg.model_copy(update={"lr_schedule": "constant"})
+    assert lr_at(100, constant) == 1e-3

@@ -1,0 +1,214 @@
+"""The trainer as users run it: ``python -m workloads.train --config FILE`` in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.train.helpers import (
+    REPO,
+    deterministic_part,
+    read_metrics,
+    run_trainer,
+    tiny_config,
+    trainer_env,
+    write_config,
+)
+
+from workloads import checkpoint as ckpt
+from workloads.train_config import EXIT_OUT_OF_MEMORY, EXIT_PREEMPTED
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*Transformer Engine and Apex")
+
+PAUSE = "NEMOFLOW_TRAIN_TEST_PAUSE_AFTER_STEP"
+
+
+def test_loss_decreases_on_real_text(reference_run):
+    losses = [m["loss"] for m in reference_run["metrics"] if "loss" in m]
+    vals = [m["val_loss"] for m in reference_run["metrics"] if "val_loss" in m]
+    assert len(losses) == 12
+    # Untrained loss is ~ln(32000) = 10.4; a dozen steps on the KJV must clearly beat it.
+    assert losses[0] > 10.0
+    assert losses[-1] < losses[0] - 1.0
+    assert vals[-1] < vals[0]
+    line = next(l for l in reference_run["stdout"].splitlines() if l.startswith("step=10 "))
+    for field in ("loss=", "lr=", "tokens_per_s=", "grad_norm="):
+        assert field in line
+
+
+def test_checkpoint_layout_and_manifest(reference_run):
+    root = reference_run["run_dir"] / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step-000012"
+    names = sorted(p.name for p in root.iterdir())
+    # save_top_k=2 with falling val_loss keeps steps 8 and 12; no temporary directories remain.
+    assert names == ["best", "latest", "step-000008", "step-000012"]
+    step = root / "step-000012"
+    for name in ("config.json", "model.safetensors", "tokenizer.model", "trainer_state.pt", "meta.json", "MANIFEST.json"):
+        assert (step / name).is_file(), name
+    manifest = json.loads((step / "MANIFEST.json").read_text())["files"]
+    assert set(manifest) >= {"config.json", "model.safetensors", "tokenizer.model", "trainer_state.pt", "meta.json"}
+    assert manifest["model.safetensors"]["size"] == (step / "model.safetensors").stat().st_size
+    assert manifest["model.safetensors"]["sha256"] == ckpt.sha256_file(step / "model.safetensors")
+    assert ckpt.verify_manifest(step) == []
+    meta = json.loads((step / "meta.json").read_text())
+    assert meta["step"] == 12 and meta["consumed_samples"] == 12 * 8 and meta["tokens_seen"] == 12 * 8 * 64
+    assert meta["data_prefix"] == reference_run["config"]["data_prefix"]
+    logged_val = [m["val_loss"] for m in reference_run["metrics"] if m.get("step") == 12 and "val_loss" in m]
+    assert meta["val_loss"] == logged_val[0]
+    # The weights load with plain transformers: what the serving stage does.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(step)
+    assert model.config.vocab_size == 32000 and model.config.num_hidden_layers == 2
+
+
+def _start(config_path: Path, **env) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "workloads.train", "--config", str(config_path)],
+        cwd=REPO,
+        env=trainer_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 120) -> list[str]:
+    seen = []
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(prefix):
+            return seen
+        assert time.monotonic() < deadline, "".join(seen)
+    raise AssertionError(f"trainer ended before {prefix!r}:\n" + "".join(seen))
+
+
+def test_kill_9_mid_run_then_resume_matches_uninterrupted(tmp_path, train_dataset, reference_run):
+    run_dir = tmp_path / "run"
+    config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
+    proc = _start(config_path, **{PAUSE: "6"})
+    try:
+        _wait_for_line(proc, "step=6 ")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    # Killed after step 6; the last complete checkpoint is step 4 and steps 5-6 are lost.
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-000004"
+
+    resumed = run_trainer(config_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resuming from" in resumed.stdout and "at step 4 (consumed_samples=32)" in resumed.stdout
+    # Same data order, optimizer, schedule and RNG: identical numbers on CPU, not merely close.
+    assert deterministic_part(read_metrics(run_dir)) == deterministic_part(reference_run["metrics"])
+
+
+def test_sigterm_saves_checkpoint_exits_76_and_resumes(tmp_path, train_dataset, reference_run):
+    run_dir = tmp_path / "run"
+    config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
+    proc = _start(config_path, **{PAUSE: "6"})
+    try:
+        _wait_for_line(proc, "step=6 ")
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stdout.read()
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, rest
+    assert "received SIGTERM: checkpoint saved at step 6" in rest
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-000006"
+    assert ckpt.verify_manifest(run_dir / "checkpoints" / "step-000006") == []
+
+    resumed = run_trainer(config_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "at step 6 (consumed_samples=48)" in resumed.stdout
+    metrics = read_metrics(run_dir)
+    # The pre-emption checkpoint was validated (an extra val_loss at step 6); training itself is identical.
+    extra = [m for m in metrics if m not in reference_run["metrics"] and "val_loss" in m]
+    assert [m["step"] for m in extra] == [6]
+    assert deterministic_part([m for m in metrics if m not in extra]) == deterministic_part(reference_run["metrics"])
+
+
+def test_crash_during_save_leaves_no_step_directory(tmp_path, train_dataset, reference_run):
+    run_dir = tmp_path / "run"
+    config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
+    crashed = run_trainer(config_path, NEMOFLOW_TRAIN_TEST_CRASH_IN_SAVE_AT_STEP="8")
+    assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
+    root = run_dir / "checkpoints"
+    assert not (root / "step-000008").exists()
+    half = [p for p in root.iterdir() if p.name.startswith(".tmp-step-000008")]
+    assert half and (half[0] / "model.safetensors").exists() and not (half[0] / "MANIFEST.json").exists()
+    assert (root / "latest").read_text().strip() == "step-000004"
+    assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [4]
+
+    resumed = run_trainer(config_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
+    assert deterministic_part(read_metrics(run_dir)) == deterministic_part(reference_run["metrics"])
+
+
+def test_out_of_memory_exits_75_and_backend_reports_it(tmp_path, train_dataset):
+    from infra.backends.local import EXIT_OUT_OF_MEMORY as BACKEND_OOM
+    from infra.backends.local import LocalBackend
+    from infra.jobs import JobState
+    from tasks.train import build_train_job
+    from workloads.train_config import TrainConfig
+
+    assert EXIT_OUT_OF_MEMORY == BACKEND_OOM
+    config = TrainConfig(**tiny_config(train_dataset, tmp_path / "run", micro_batch_size=2))
+    spec = build_train_job(config)
+    spec.env["NEMOFLOW_TRAIN_TEST_OOM_AT_STEP"] = "2"
+    lines: list[str] = []
+    result = LocalBackend().run(spec, on_log=lines.append)
+    assert result.exit_code == 75 and result.state is JobState.OUT_OF_MEMORY
+    assert any(
+        "out of memory at step 2 with micro_batch_size=2, seq_length=64: lower micro_batch_size" in l for l in lines
+    ), lines
+
+
+def test_bad_inputs_fail_before_training_with_clear_errors(tmp_path, train_dataset):
+    missing = tiny_config(train_dataset, tmp_path / "run", data_prefix=[0.5, train_dataset["prefixes"][0], 0.5, str(tmp_path / "nope")])
+    proc = run_trainer(write_config(missing, tmp_path / "missing.json"))
+    assert proc.returncode == 2
+    assert f"{tmp_path / 'nope'}.bin" in proc.stderr and f"{tmp_path / 'nope'}.idx" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    unwritable = tiny_config(train_dataset, blocker / "run")
+    proc = run_trainer(write_config(unwritable, tmp_path / "unwritable.json"))
+    assert proc.returncode == 2
+    assert f"checkpoint directory {blocker / 'run' / 'checkpoints'} is not writable" in proc.stderr
+
+    arithmetic = tiny_config(train_dataset, tmp_path / "run2", global_batch_size=10, micro_batch_size=4)
+    proc = run_trainer(write_config(arithmetic, tmp_path / "arith.json"))
+    assert proc.returncode == 2
+    assert "global_batch_size=10 is not divisible by micro_batch_size(4) x data_parallel_size(1) = 4" in proc.stderr
+
+
+def test_wandb_only_when_key_is_set(tmp_path, train_dataset, reference_run, fake_wandb):
+    # The reference run had the stand-in importable and no key: not one call reached it.
+    calls = fake_wandb["calls"]
+    assert not calls.exists() or not calls.read_text().strip()
+
+    secret = "wandb-test-secret-0123456789"
+    config = tiny_config(train_dataset, tmp_path / "on", max_steps=2, limit_val_batches=0, ckpt_every_n_steps=2)
+    on = run_trainer(write_config(config, tmp_path / "on.json"), WANDB_API_KEY=secret,
+                     PYTHONPATH=fake_wandb["pythonpath"])
+    assert on.returncode == 0, on.stderr
+    records = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [r["call"] for r in records if r["call"] != "log"] == ["init", "finish"]
+    assert [r["step"] for r in records if r["call"] == "log"] == [1, 2]
+    assert {"loss", "lr", "grad_norm"} <= set(records[1]["keys"])
+    assert secret not in on.stdout + on.stderr
+    assert secret not in (tmp_path / "on" / "train_config.json").read_text()
+    assert secret not in (tmp_path / "on" / "metrics.jsonl").read_text()
