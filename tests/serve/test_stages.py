@@ -1,0 +1,124 @@
+"""The Prefect stages: deploy_inference / stop_inference and smoke_test, on a real Prefect server."""
+
+from __future__ import annotations
+
+import sys
+
+import httpx
+import pytest
+from prefect import flow
+
+from infra import services
+from tasks.common import result_storage
+from tasks.refs import CheckpointRef, EndpointRef
+from tasks.serve import deploy_inference, service_name, stop_inference
+from tasks.smoke import SmokeTestFailed, run_smoke, seed_request, smoke_test
+from tests.conftest import free_port
+from tests.serve.test_services import standin
+
+MODEL = "tiny-llama-stage"
+
+
+@flow(name="test-deploy-and-smoke")
+def deploy_and_smoke(checkpoint: CheckpointRef, port: int):
+    results = result_storage()
+    deployed = deploy_inference.with_options(result_storage=results)(
+        checkpoint, port=port, model_name=MODEL, ready_timeout_s=90, return_state=True
+    )
+    endpoint = deployed.result()
+    smoked = smoke_test.with_options(result_storage=results)(endpoint, max_tokens=8, return_state=True)
+    return deployed.name, smoked.name, endpoint, smoked.result()
+
+
+@flow(name="test-teardown")
+def teardown(endpoint: EndpointRef) -> bool:
+    return stop_inference(endpoint)
+
+
+@flow(name="test-smoke-only")
+def smoke_only(endpoint: EndpointRef, timeout_s: float = 30):
+    return smoke_test(endpoint, timeout_s=timeout_s)
+
+
+@pytest.fixture
+def cleanup(work_dir):
+    yield
+    for entry in services.list_services():
+        services.stop_service(entry.name, grace_s=1)
+
+
+@pytest.mark.slow
+def test_deploy_is_cached_while_serving_and_redeploys_otherwise(prefect_server, work_dir, cleanup, tiny_checkpoint):
+    port = free_port()
+    checkpoint = CheckpointRef(uri=str(tiny_checkpoint), step=1)
+
+    deploy_state, smoke_state, endpoint, smoke = deploy_and_smoke(checkpoint, port)
+    assert (deploy_state, smoke_state) == ("Completed", "Completed")
+    assert endpoint.url == f"http://127.0.0.1:{port}" and endpoint.model == MODEL
+    assert smoke.passed and smoke.output.strip() and smoke.latency_s < 30
+    first = services.get_service(service_name(MODEL))
+    assert first is not None and first.checkpoint == str(tiny_checkpoint)
+
+    # nothing changed and the server still answers: every stage is a cache hit, same process
+    deploy_state, smoke_state, endpoint2, _ = deploy_and_smoke(checkpoint, port)
+    assert (deploy_state, smoke_state) == ("Cached", "Cached")
+    assert endpoint2 == endpoint
+    assert services.get_service(service_name(MODEL)).pid == first.pid
+    answer = httpx.post(endpoint.url + "/v1/completions", json={"prompt": "Amen", "max_tokens": 2}, timeout=30)
+    assert answer.status_code == 200
+
+    # a new checkpoint under the same name: the old server is replaced, not left running
+    newer = CheckpointRef(uri=str(tiny_checkpoint), step=2)
+    deploy_state, smoke_state, _, _ = deploy_and_smoke(newer, port)
+    assert (deploy_state, smoke_state) == ("Completed", "Completed")
+    second = services.get_service(service_name(MODEL))
+    assert second.pid != first.pid and not services.pid_alive(first.pid, first.proc_start)
+
+    # after an explicit teardown the cached result is stale: the next run deploys again
+    assert teardown(endpoint) is True
+    assert not services.pid_alive(second.pid, second.proc_start)
+    deploy_state, _, _, _ = deploy_and_smoke(newer, port)
+    assert deploy_state == "Completed"
+    assert services.is_healthy(services.get_service(service_name(MODEL)))
+    assert teardown(endpoint) is True
+    assert services.list_services() == []
+
+
+def test_deploy_rejects_unimplemented_backends(prefect_server, work_dir, tiny_checkpoint):
+    with pytest.raises(ValueError, match="backend 'slurm' cannot serve yet"):
+        deploy_inference.fn(CheckpointRef(uri=str(tiny_checkpoint), step=1), backend="slurm")
+
+
+def test_smoke_fails_clearly_on_an_empty_completion(prefect_server, work_dir, cleanup, tmp_path):
+    from prefect.artifacts import Artifact
+
+    port = free_port()
+    services.start_service(standin("standin-empty", port, "empty"), tmp_path / "logs")
+    endpoint = EndpointRef(url=f"http://127.0.0.1:{port}", model="standin-empty", handle="standin-empty")
+    with pytest.raises(SmokeTestFailed, match="returned an empty completion"):
+        smoke_only(endpoint)
+    report = Artifact.get("smoke-test-standin-empty")
+    assert report is not None
+    assert "FAILED" in report.data and "empty completion" in report.data and "In the beginning" in report.data
+
+
+def test_smoke_reports_timeouts_and_unreachable_endpoints(work_dir, cleanup, tmp_path):
+    port = free_port()
+    services.start_service(standin("standin-slow", port, "slow"), tmp_path / "logs")
+    slow = EndpointRef(url=f"http://127.0.0.1:{port}", model="slow")
+    result = run_smoke(slow, seed_request(slow, "In the beginning", 20, 0.7, 0.9, 1), timeout_s=1)
+    assert not result.passed and result.status == f"no answer from {slow.url}/v1/completions within 1s"
+
+    nowhere = EndpointRef(url=f"http://127.0.0.1:{free_port()}", model="none")
+    result = run_smoke(nowhere, seed_request(nowhere, "x", 5, 0.7, 0.9, 1), timeout_s=5)
+    assert not result.passed and result.status.startswith(f"could not reach {nowhere.url}/v1/completions")
+
+
+def test_smoke_sends_the_seed_body(live_server):
+    endpoint = EndpointRef(url=live_server, model="tiny-llama")
+    body = seed_request(endpoint, "In the beginning", 20, 0.7, 0.9, 1)
+    assert set(body) == {"prompt", "model", "max-tokens", "temperature", "top_p", "top_k"}
+    result = run_smoke(endpoint, body, timeout_s=30)
+    assert result.passed, result.status
+    assert result.http_status == 200 and 0 < result.completion_tokens <= 20 and result.output.strip()
+    assert sys.getsizeof(result.output) > 0
