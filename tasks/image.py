@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import uuid
 from typing import Any
 
 from prefect import task
@@ -121,11 +122,12 @@ def stage(
 
 
 def image_cache_key(context, parameters: dict[str, Any]) -> str | None:
-    """Source URL + the source's checksum + destination + the staged copy's state + code version.
+    """Source URL + the source's checksum + destination + backend + code version.
 
-    The staged copy's sidecar is part of the key so a deleted or replaced
-    image is staged again instead of a stale cached ref being returned.
-    None (no caching) for what is cheap to redo or cannot be keyed.
+    A cached ImageRef is only as good as the file it points at: when the staged
+    copy is gone or no longer matches the source, and a record exists under the
+    key, a one-off key makes this run stage again instead of returning the
+    stale record. None (no caching) for what is cheap to redo or cannot be keyed.
     """
     if parameters.get("force"):
         return None
@@ -137,20 +139,28 @@ def image_cache_key(context, parameters: dict[str, Any]) -> str | None:
         source = images.resolve_region(source)
         dest = storage.normalize(parameters.get("dest") or default_dest())
         if images.is_docker_source(source):
-            plan_ref = images.parse_docker_ref(source)
-            identity = plan_ref.digest or f"tag:{plan_ref.canonical}"
-            final = storage.join(dest, plan_ref.sqsh_name)
+            parsed = images.parse_docker_ref(source)
+            identity = parsed.digest or f"tag:{parsed.canonical}"
+            final = storage.join(dest, parsed.sqsh_name)
         else:
             info = images.probe_source(source)
-            identity = info.identity
+            source, identity = info.uri, info.identity
             final = storage.join(dest, images.destination_name(source))
-        sidecar = images._read_sidecar(final) if storage.exists(final) else None
-        staged_state = f"{sidecar.get('checksum')}:{sidecar.get('size')}" if sidecar else "absent"
+        sidecar = images._read_sidecar(final)
+        staged = bool(sidecar) and sidecar.get("source_checksum") == identity and storage.exists(final)
     except Exception:  # the task body raises the clear error; a key must not
         return None
-    parts = [source, identity, dest, backend, str(bool(parameters.get("convert"))), staged_state,
-             code_fingerprint(*CODE_MODULES)]  # fmt: skip
-    return "stage-image-" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+    parts = [source, identity, dest, backend, str(bool(parameters.get("convert"))), code_fingerprint(*CODE_MODULES)]
+    key = "stage-image-" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+    if not staged:
+        store = getattr(context, "result_store", None)
+        try:
+            stale = store is None or store.exists(key)
+        except Exception:
+            stale = True
+        if stale:
+            return f"{key}-restage-{uuid.uuid4().hex[:8]}"
+    return key
 
 
 def _retry_transient(task, task_run, state) -> bool:

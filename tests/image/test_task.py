@@ -1,0 +1,113 @@
+"""The stage_image Prefect task, the `nemoflow stage-image` command and lineage helpers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from infra.jobs import JobSpec
+from tasks.image import lineage, lineage_markdown, stage, with_image
+from tasks.refs import ImageRef
+
+
+@pytest.mark.prefect
+def test_task_caches_on_source_checksum_and_publishes_artifact(prefect_server, served, tmp_path):
+    from prefect import flow
+    from prefect.artifacts import Artifact
+
+    from tasks.image import stage_image
+
+    server, root = served
+    url = server.url("nemo-test.sqsh")
+    dest = str(tmp_path / "images")
+
+    @flow
+    def twice():
+        first = stage_image(url, dest=dest, return_state=True)
+        second = stage_image(url, dest=dest, return_state=True)
+        return first, second
+
+    first, second = twice()
+    assert first.name == "Completed" and second.name == "Cached"
+    ref = second.result()
+    assert isinstance(ref, ImageRef) and ref.kind == "sqsh"
+    assert ref.checksum == "md5:" + hashlib.md5((root / "nemo-test.sqsh").read_bytes()).hexdigest()
+    assert server.count("/nemo-test.sqsh", "GET") == 1
+    artifact = Artifact.get("staged-image")
+    assert artifact is not None and ref.checksum in artifact.data and "| kind | sqsh |" in artifact.data
+
+    # Deleting the staged copy changes the key: the next run stages it again instead of trusting the cache.
+    (tmp_path / "images" / "nemo-test.sqsh").unlink()
+
+    @flow
+    def once():
+        return stage_image(url, dest=dest, return_state=True)
+
+    third = once()
+    assert third.name == "Completed"
+    assert (tmp_path / "images" / "nemo-test.sqsh").exists()
+    assert server.count("/nemo-test.sqsh", "GET") == 2
+
+
+def test_local_backend_records_the_python_environment():
+    ref, facts = stage(None, backend="local")
+    assert ref.kind == "python-env" and ref.uri == sys.executable
+    assert ref.source.startswith("Python %d.%d." % sys.version_info[:2])
+    frozen = subprocess.run([sys.executable, "-m", "pip", "freeze", "--all"], capture_output=True, text=True).stdout
+    expected = hashlib.sha256("\n".join(sorted(line for line in frozen.splitlines() if line.strip())).encode())
+    assert ref.checksum == "sha256:" + expected.hexdigest()
+
+
+def test_backend_rules_give_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="the slurm backend runs stages in a container"):
+        stage(None, backend="slurm")
+    with pytest.raises(ValueError, match="pass --convert"):
+        stage("docker://nvcr.io/nvidia/nemo:25.02", str(tmp_path), backend="slurm")
+    with pytest.raises(ValueError, match="Kubernetes needs|only docker:// references"):
+        stage("gs://bucket/nemo.sqsh", backend="k8s")
+    with pytest.raises(ValueError, match="unknown backend 'lsf'"):
+        stage("x.sqsh", backend="lsf")
+
+
+def test_kubernetes_records_reference_and_digest():
+    digest = "sha256:" + "0f" * 32
+    ref, _ = stage(f"nvcr.io/nvidia/nemo:25.02@{digest}", backend="k8s")
+    assert (ref.kind, ref.uri, ref.digest) == ("registry", f"nvcr.io/nvidia/nemo:25.02@{digest}", digest)
+
+
+def test_lineage_reaches_the_job():
+    image = ImageRef(kind="sqsh", uri="/lustre/images/nemo.sqsh", checksum="md5:abc", source="gs://b/nemo.sqsh")
+    spec = with_image(JobSpec(name="train", command=["python", "-m", "workloads.train"]), image)
+    assert spec.container_image == "/lustre/images/nemo.sqsh"
+    assert spec.env["NEMOFLOW_IMAGE"] == "/lustre/images/nemo.sqsh"
+    assert spec.env["NEMOFLOW_IMAGE_CHECKSUM"] == "md5:abc"
+    assert lineage(image)["image_source"] == "gs://b/nemo.sqsh"
+    assert "`/lustre/images/nemo.sqsh`" in lineage_markdown(image)
+    local = with_image(JobSpec(name="train", command=["python"]), ImageRef(kind="python-env", uri=sys.executable))
+    assert local.container_image is None and local.env["NEMOFLOW_IMAGE_KIND"] == "python-env"
+
+
+def test_cli_copies_and_reports(served, tmp_path, capsys):
+    from nemoflow.cli import main
+
+    server, _ = served
+    dest = tmp_path / "images"
+    assert main(["stage-image", server.url("nemo-test.sqsh"), "--dest", str(dest), "--no-prefect", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kind"] == "sqsh" and out["uri"] == str(dest / "nemo-test.sqsh") and out["checksum"].startswith("md5:")
+    assert main(["stage-image", server.url("nemo-test.sqsh"), "--dest", str(dest), "--no-prefect"]) == 0
+    assert "already staged, nothing copied" in capsys.readouterr().out
+    assert main(["stage-image", "docker://nvcr.io/nvidia/nemo", "--backend", "k8s", "--no-prefect"]) == 2
+    assert "has no tag or digest" in capsys.readouterr().err
+
+
+def test_cli_help_explains():
+    out = subprocess.run(
+        [sys.executable, "-m", "nemoflow.cli", "stage-image", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for phrase in ("--convert", "NEMOFLOW_REGISTRY_PASSWORD", "<region>", "meta.json", "--backend"):
+        assert phrase in out
