@@ -17,6 +17,7 @@ COMMANDS = [
     "preprocess",
     "render",
     "local_slurm",
+    "stage_image",
     "serve",
 ]
 
