@@ -415,9 +415,10 @@ def knative_service(spec: ServiceSpec, options: K8sOptions) -> dict[str, Any]:
     main, volumes = container(
         spec, options, ports=[k.V1ContainerPort(name="http1", container_port=spec.port)], readiness=_probe(spec)
     )
+    # The probe keeps the container's own port: the only one Knative accepts there.
+    # Knative accepts the PVC and emptyDir volumes only with its features
+    # kubernetes.podspec-persistent-volume-claim / -emptydir enabled.
     pod = to_dict(pod_spec(main, volumes, options, restart_policy=None))
-    # Knative routes to the container port itself and rejects a probe naming another one.
-    pod["containers"][0]["readinessProbe"]["httpGet"].pop("port", None)
     pod.pop("restartPolicy", None)
     return {
         "apiVersion": "serving.knative.dev/v1",
