@@ -150,7 +150,7 @@ class SlurmBackend:
         return job_id, req
 
     def cancel(self, job_id: str, wait_s: float = 15.0) -> None:
-        """scancel and wait until squeue no longer lists the job as pending or running."""
+        """scancel and wait until squeue no longer lists the job (pending, running or completing)."""
         try:
             self.cli.scancel([job_id])
         except Exception as exc:  # never mask the exception that got us here
@@ -162,8 +162,7 @@ class SlurmBackend:
                 rows = self.cli.squeue([job_id])
             except Exception:
                 return
-            if not any(r.state.job_state in (JobState.PENDING, JobState.RUNNING) and r.raw_state != "COMPLETING"
-                       for r in rows):
+            if not any(r.state.job_state in (JobState.PENDING, JobState.RUNNING) for r in rows):
                 return
             time.sleep(0.3)
 
@@ -188,7 +187,7 @@ class SlurmBackend:
             job_id, req = self.submit(spec, indices, attempts, extra_env, check=self.check and attempts == 1)
             emit(f"[slurm] submitted job {job_id} (attempt {attempts}"
                  + (f", array {req.array}" if req.array else "") + ")")
-            status = self._wait(job_id, req, indices, emit)
+            status = self.wait(job_id, req, indices, emit)
             if status.state.is_resumable and attempts <= self.options.max_resubmits:
                 if indices is not None:
                     indices = sorted(i for i, row in status.tasks.items()
@@ -212,7 +211,7 @@ class SlurmBackend:
             reason=reason, log_tail=list(tail), attempts=attempts,
         )
 
-    def _wait(self, job_id: str, req: SbatchRequest, indices: list[int] | None, emit: LogSink) -> JobStatus:
+    def wait(self, job_id: str, req: SbatchRequest, indices: list[int] | None, emit: LogSink) -> JobStatus:
         if indices is None:
             tails = [OutputTail(expand_output(req.output, job_id, None, req.job_name))]
         else:

@@ -16,7 +16,7 @@ from infra.jobs import parse_time_limit
 from infra.slurm.states import SlurmState
 
 # sacct -X -n --parsable2 -o <SACCT_FIELDS> -j IDS
-SACCT_FIELDS = "JobID,JobIDRaw,State,ExitCode,Reason,NodeList,Restarts"
+SACCT_FIELDS = "JobID,JobIDRaw,State,ExitCode,Reason,NodeList"
 # squeue -h -o <SQUEUE_FORMAT> -j IDS  (%i: 123 or 123_4 or 123_[5-9%2])
 SQUEUE_FORMAT = "%i|%T|%r|%N"
 # sinfo -h -o <SINFO_FORMAT>  (one line per partition and node configuration)
@@ -99,11 +99,11 @@ def _reason(text: str) -> str | None:
 
 
 def parse_sacct(output: str) -> list[JobRow]:
-    """Rows of ``sacct -X -n --parsable2 -o JobID,JobIDRaw,State,ExitCode,Reason,NodeList,Restarts``.
+    """Rows of ``sacct -X -n --parsable2 -o JobID,JobIDRaw,State,ExitCode,Reason,NodeList``.
 
-    >>> parse_sacct("7|7|FAILED|3:0|None|vm|0")[0].exit_code
+    >>> parse_sacct("7|7|FAILED|3:0|None|vm")[0].exit_code
     3
-    >>> parse_sacct("9_1|10|CANCELLED by 0|0:15|None|vm|0")[0].state
+    >>> parse_sacct("9_1|10|CANCELLED by 0|0:15|None|vm")[0].state
     <SlurmState.CANCELLED: 'CANCELLED'>
     """
     rows = []
