@@ -15,10 +15,12 @@ import sys
 COMMANDS = [
     "settings",
     "preprocess",
+    "prepare",
     "render",
-    "local_slurm",
     "stage_image",
     "serve",
+    "fetch",
+    "local_slurm",
 ]
 
 DESCRIPTION = """\

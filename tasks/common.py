@@ -51,8 +51,9 @@ _result_storage_cache: dict[str, Any] = {}
 def result_storage():
     """The Prefect file system for persisted results (local directory or gs://).
 
-    A remote storage is saved as a block once: Prefect needs a saved block to
-    read results written by another process (a worker, a Slurm job).
+    Prefect requires result storage to be a saved block (so that another
+    process, a worker or a cluster job, can read the results back): we save one
+    per location, named after a hash of its URI, and reuse it.
     """
     uri = get_settings().result_storage_uri
     if uri in _result_storage_cache:
@@ -68,8 +69,8 @@ def result_storage():
         if settings.gcs_endpoint:
             options = {"endpoint_url": settings.gcs_endpoint, "token": "anon"}
         block = RemoteFileSystem(basepath=uri, settings=options)
-        name = "nemoflow-results-" + hashlib.sha256(uri.encode()).hexdigest()[:10]
-        block.save(name, overwrite=True)
+    name = "nemoflow-results-" + hashlib.sha256(uri.encode()).hexdigest()[:12]
+    block.save(name, overwrite=True)
     _result_storage_cache[uri] = block
     return block
 

@@ -119,6 +119,9 @@ def prefect_server(tmp_path_factory):
     os.environ["PREFECT_HOME"] = str(home)
     with temporary_settings(updates={PREFECT_API_URL: api, PREFECT_HOME: str(home)}):
         yield api
+        from prefect.logging.handlers import APILogHandler
+
+        APILogHandler.flush()  # send buffered run logs before the server goes away
     _stop(proc)
 
 

@@ -1,0 +1,211 @@
+"""The prepare-dataset flow end to end, against a real Prefect server, real files and real text.
+
+Outputs are read back with megatron-core's own reader and dataset builder.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import sentencepiece
+
+from flows.prepare_dataset import PrepareConfig, prepare_dataset
+from infra import storage
+from tasks.data import auto_blend_text, blend_weights, read_index_counts
+from tasks.refs import TokenizerRef
+from tests.support.fault_server import Fault, FaultServer
+from workloads.demo_data import write_slimpajama_layout
+
+pytestmark = pytest.mark.prefect
+
+
+def _task_states(flow_run_id) -> dict[str, str]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200
+        )
+    return {r.name: r.state.name for r in runs}
+
+
+def _run(config: PrepareConfig):
+    state = prepare_dataset(config, return_state=True)
+    assert state.is_completed(), state.message
+    return state.result(), state.state_details.flow_run_id
+
+
+def test_demo_dataset_matches_megatron_reader_and_blend(prefect_server, work_dir, mixtral_tokenizer_model):
+    dataset, _ = _run(PrepareConfig())
+
+    # The blend is NeMo's data_prefix: weights proportional to .bin sizes, summing to ~1.
+    assert len(dataset.prefixes) == 4 and dataset.documents == 1189
+    sizes = [os.path.getsize(p + ".bin") for p in dataset.prefixes]
+    assert dataset.blend[1::2] == dataset.prefixes
+    assert dataset.blend[0::2] == [round(s / sum(sizes), 6) for s in sizes]
+    root = storage.local_path(storage.parent(dataset.manifest_uri))
+    assert json.loads(open(os.path.join(root, "blend.json")).read()) == dataset.blend
+    printed = open(os.path.join(root, "data_prefix.txt")).read().strip()
+    assert " " not in printed and ast.literal_eval(printed) == dataset.blend  # auto_blend.py's format
+
+    # Tokens read back by megatron-core equal sentencepiece's encoding plus EOD.
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(mixtral_tokenizer_model))
+    first = IndexedDataset(dataset.prefixes[0])
+    first_docs = [json.loads(line)["text"] for line in open(os.path.join(root, "concat", "part-00000.jsonl"))]
+    assert len(first) == len(first_docs)
+    for i in (0, 1, len(first_docs) - 1):
+        assert first[i].tolist() == sp.encode(first_docs[i]) + [sp.eos_id()]
+    assert first[0].dtype == np.uint16  # vocab 32000 < 65500
+    assert sum(read_index_counts(p)[1] for p in dataset.prefixes) == dataset.tokens
+
+
+def test_gpt_dataset_builds_from_the_blend(prefect_server, work_dir):
+    dataset, _ = _run(PrepareConfig())
+    import torch.distributed as dist
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    class Tok:
+        eod = 2
+        pad = 0
+        vocab_size = 32000
+        unique_identifiers = {"name": "mixtral"}
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    config = GPTDatasetConfig(
+        random_seed=1234,
+        sequence_length=128,
+        blend=(dataset.blend[1::2], dataset.blend[0::2]),
+        split="98,1,1",
+        tokenizer=Tok(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        path_to_cache=str(work_dir / "index-cache"),
+        mid_level_dataset_surplus=0.005,
+    )
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [64, 8, 0], lambda: True, config).build()
+    sample = train[0]
+    assert sample["tokens"].shape[0] == 128 and len(train) >= 64 and len(valid) >= 8
+
+
+def test_rerun_is_cached_and_added_shards_are_processed_alone(prefect_server, work_dir, tmp_path):
+    source = tmp_path / "src"
+    write_slimpajama_layout(source, chunks=1, shards_per_chunk=4)
+    template = str(source / "train" / "chunk{chunk}" / "example_train_{shard}.jsonl.zst")
+    config = PrepareConfig(name="grow", sources=template, chunks="1", shards="0-2", shards_per_file=1)
+    first, _ = _run(config)
+    mtimes = {p: os.path.getmtime(p + ".bin") for p in first.prefixes}
+
+    again, run_id = _run(config)
+    states = _task_states(run_id)
+    assert again.blend == first.blend
+    assert states and all(state == "Cached" for state in states.values()), states
+
+    grown, run_id = _run(config.model_copy(update={"shards": "0-3"}))
+    assert len(grown.prefixes) == 4
+    for prefix, mtime in mtimes.items():
+        assert os.path.getmtime(prefix + ".bin") == mtime, f"{prefix} was tokenized again"
+    states = _task_states(run_id)
+    fresh = sorted(name for name, state in states.items() if state != "Cached")
+    assert any("example_train_3" in name for name in fresh)
+    assert not any("example_train_0" in name or "example_train_1" in name for name in fresh), fresh
+
+
+def test_https_source_with_faults_to_gcs_output(prefect_server, work_dir, tmp_path, gcs_bucket):
+    root = tmp_path / "site"
+    write_slimpajama_layout(root, chunks=1, shards_per_chunk=2)
+    with FaultServer(root) as server:
+        server.add_faults("/train/chunk1/example_train_0.jsonl.zst", Fault(status=429, retry_after="0"), Fault(status=503))
+        server.add_faults("/train/chunk1/example_train_1.jsonl.zst", Fault(truncate_at=500))
+        config = PrepareConfig(
+            name="remote",
+            sources=server.url("/train/chunk{chunk}/example_train_{shard}.jsonl.zst"),
+            chunks="1",
+            shards="0-1",
+            output=f"{gcs_bucket}/datasets/remote",
+        )
+        dataset, _ = _run(config)
+    assert dataset.prefixes[0].startswith(f"{gcs_bucket}/datasets/remote/tokenized/")
+    for prefix in dataset.prefixes:
+        assert storage.exists(prefix + ".bin") and storage.exists(prefix + ".idx")
+    manifest = storage.read_json(dataset.manifest_uri)
+    assert [s["name"] for s in manifest["shards"]] == ["chunk1/example_train_0.jsonl.zst", "chunk1/example_train_1.jsonl.zst"]
+    expected_docs = sum(1 for _ in open_jsonl_zst_lines(root))
+    assert dataset.documents == expected_docs
+
+
+def open_jsonl_zst_lines(root):
+    from workloads.demo_data import read_jsonl_zst
+
+    for path in sorted(root.rglob("*.jsonl.zst")):
+        yield from read_jsonl_zst(path)
+
+
+def test_corrupt_shard_is_fetched_again_once_then_fails_naming_it(prefect_server, work_dir, tmp_path):
+    source = tmp_path / "src"
+    files = write_slimpajama_layout(source, chunks=1, shards_per_chunk=1)
+    data = files[0].read_bytes()
+    files[0].write_bytes(data[: len(data) // 2])  # a truncated archive at the source itself
+    config = PrepareConfig(name="corrupt", sources=str(files[0]))
+    state = prepare_dataset(config, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(Exception, match="example_train_0"):
+        state.result()
+
+
+def test_malformed_line_names_file_and_line_and_finished_parts_survive(prefect_server, work_dir, tmp_path):
+    good = tmp_path / "good.jsonl"
+    bad = tmp_path / "bad.jsonl"
+    good.write_text("".join(json.dumps({"text": f"verse {i}"}) + "\n" for i in range(20)))
+    bad.write_text(json.dumps({"text": "fine"}) + "\n{not json\n")
+    config = PrepareConfig(name="mixed", sources=[str(good), str(bad)], shards_per_file=1)
+    state = prepare_dataset(config, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(Exception, match=r"bad\.jsonl:2: malformed JSON"):
+        state.result()
+    # Fix the input and run again: the part made from good.jsonl is not tokenized twice.
+    tokenized = storage.join(config.dataset_uri(), "tokenized")
+    done = [p for p in storage.listdir(tokenized) if p.endswith(".bin")]
+    assert len(done) == 1
+    mtime = os.path.getmtime(done[0])
+    bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": "mended"}) + "\n")
+    dataset, _ = _run(config)
+    assert os.path.getmtime(done[0]) == mtime and len(dataset.prefixes) == 2
+
+
+def test_skip_malformed_counts_lines(prefect_server, work_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "fine"}) + "\n{not json\n" + json.dumps({"text": "also fine"}) + "\n")
+    dataset, _ = _run(PrepareConfig(name="skip", sources=str(bad), skip_malformed=True))
+    assert dataset.documents == 2
+    manifest = storage.read_json(dataset.manifest_uri)
+    assert manifest["parts"][0]["skipped_malformed"] == 1
+
+
+def test_invalid_configs_fail_before_any_work(work_dir):
+    with pytest.raises(ValueError, match="backend"):
+        PrepareConfig(backend="nomad")
+    with pytest.raises(ValueError, match="without sources"):
+        PrepareConfig(chunks="1-2")
+    with pytest.raises(Exception, match="tokenizer"):
+        PrepareConfig(tokenizer=TokenizerRef(type="NoSuchTokenizer", model="x")).resolved()
+
+
+def test_blend_weights_follow_auto_blend():
+    assert blend_weights([("a", 300), ("b", 100)]) == [0.75, "a", 0.25, "b"]
+    assert blend_weights([("a", 300), ("b", 100)], alpha=0.5)[0] == round(300**0.5 / (300**0.5 + 100**0.5), 6)
+    assert auto_blend_text([0.75, "a", 0.25, "b"]) == "[0.75,'a',0.25,'b']"
+    with pytest.raises(ValueError, match="nothing to blend"):
+        blend_weights([])
