@@ -325,17 +325,29 @@ class KubernetesBackend:
                 log_tail=log_tail,
             )
         finally:
-            if not ended_by_itself:
-                for obj in reversed(created):
-                    self._delete(obj["kind"], obj["metadata"]["name"], obj["apiVersion"])
-                # Foreground deletion removes the pods on a real cluster; deleting them here
-                # as well means none keeps running if the garbage collector lags.
-                for pod in self._pods(LABEL_RUN, run_id) if created else []:
+            self._clean_up(created, run_id, everything=not ended_by_itself, emit=emit)
+
+    def _clean_up(self, created: list[dict[str, Any]], run_id: str, *, everything: bool, emit: LogSink) -> None:
+        """Delete what a run created: all of it when the run did not end by itself, else the
+        rendezvous Service only (it has no TTL; the Job has one and keeps its logs until then).
+        Never raises: a failure here must not hide the run's own error; it names what is left."""
+        doomed = list(reversed(created)) if everything else created[:-1]
+        left: list[str] = []
+        for obj in doomed:
+            try:
+                self._delete(obj["kind"], obj["metadata"]["name"], obj["apiVersion"])
+            except Exception as exc:  # noqa: BLE001 - reported below, with the objects' names
+                left.append(f"{obj['kind']}/{obj['metadata']['name']} ({_short(exc)})")
+        if everything and created:
+            # Foreground deletion removes the pods on a real cluster; deleting them here
+            # as well means none keeps running if the garbage collector lags.
+            try:
+                for pod in self._pods(LABEL_RUN, run_id):
                     self._delete("Pod", pod["metadata"]["name"])
-            else:
-                # the rendezvous Service has no TTL of its own
-                for obj in created[:-1]:
-                    self._delete(obj["kind"], obj["metadata"]["name"], obj["apiVersion"])
+            except Exception as exc:  # noqa: BLE001
+                left.append(f"pods with label {LABEL_RUN}={run_id} ({_short(exc)})")
+        if left:
+            emit(f"[k8s] could not delete, remove by hand in namespace {self.ns}: " + "; ".join(left))
 
     def _read(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         name = obj["metadata"]["name"]
@@ -437,6 +449,9 @@ class KubernetesBackend:
             annotations = pod["metadata"].get("annotations") or {}
             labels = pod["metadata"].get("labels") or {}
             index = annotations.get(COMPLETION_INDEX_ANNOTATION) or labels.get(COMPLETION_INDEX_ANNOTATION)
+            replica = labels.get("training.kubeflow.org/replica-type")
+            if replica:  # a PyTorchJob's pods: master-0, worker-0, ...
+                index = f"{replica}-{labels.get('training.kubeflow.org/replica-index', '0')}"
             prefix = f"[{index}] " if index is not None else ""
             names = [c.get("name") for c in (pod.get("spec") or {}).get("containers") or []]
             container = PYTORCH_CONTAINER_NAME if PYTORCH_CONTAINER_NAME in names else CONTAINER_NAME
@@ -491,8 +506,7 @@ class KubernetesBackend:
                     return ksvc["status"]["url"]
             else:
                 dep = self._dict(self._call(self.apps.read_namespaced_deployment, spec.name, self.ns))
-                status = dep.get("status") or {}
-                if (status.get("readyReplicas") or 0) >= (dep.get("spec") or {}).get("replicas", 1):
+                if _deployment_ready(dep):
                     return f"http://{spec.name}.{self.ns}.svc.cluster.local:{spec.port}"
             pods = self._pods(LABEL_JOB, spec.name)
             problem = next((r for r in map(reasons.fatal_waiting, pods) if r), None)
@@ -523,6 +537,18 @@ class KubernetesBackend:
             return
         self._delete("Deployment", name)
         self._delete("Service", name)
+
+
+def _deployment_ready(dep: dict[str, Any]) -> bool:
+    """Every replica of the CURRENT spec is ready (after a re-apply, old ready pods do not count)."""
+    want = (dep.get("spec") or {}).get("replicas", 1)
+    status = dep.get("status") or {}
+    generation = (dep.get("metadata") or {}).get("generation")
+    if generation is not None and (status.get("observedGeneration") or 0) < generation:
+        return False
+    if "updatedReplicas" in status and (status.get("updatedReplicas") or 0) < want:
+        return False
+    return (status.get("readyReplicas") or 0) >= want
 
 
 def _started(pod: dict[str, Any]) -> bool:

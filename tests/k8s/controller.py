@@ -52,7 +52,8 @@ class FakeCluster:
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
         for resource in ("v1/pods", "v1/services", "batch/v1/jobs", "apps/v1/deployments", "v1/namespaces",
-                         "v1/secrets", "v1/persistentvolumeclaims", "v1/nodes"):
+                         "v1/secrets", "v1/persistentvolumeclaims", "v1/nodes", "kubeflow.org/v1/pytorchjobs",
+                         "serving.knative.dev/v1/services"):
             kmock.resources[resource] = {}
         kmock["get", re.compile(r"/api/v1/namespaces/[^/]+/pods/[^/]+/log")] << self._serve_log
         # kmock parses /api/v1/namespaces/NAME as "namespace NAME" without a resource, so
@@ -121,6 +122,12 @@ class FakeCluster:
                 elif res.plural == "deployments":
                     self._seen.add(key)
                     self._tasks.append(asyncio.create_task(self._drive_deployment(obj.raw)))
+                elif res.plural == "pytorchjobs":
+                    self._seen.add(key)
+                    self._tasks.append(asyncio.create_task(self._drive_pytorchjob(obj.raw)))
+                elif res.plural == "services" and res.group == "serving.knative.dev":
+                    self._seen.add(key)
+                    self._tasks.append(asyncio.create_task(self._drive_ksvc(obj.raw)))
             await asyncio.sleep(0.02)
 
     def _script(self, job_name: str) -> JobScript:
@@ -139,10 +146,11 @@ class FakeCluster:
                 return True
         return False
 
-    async def _make_pod(self, owner: str, template: dict, index: int | None) -> str:
-        name = f"{owner}-{index if index is not None else 0}-x7k2p"
-        labels = dict((template.get("metadata") or {}).get("labels") or {}, **{"job-name": owner})
-        annotations = {INDEX_ANNOTATION: str(index)} if index is not None else {}
+    async def _make_pod(self, owner: str, template: dict, index: int | None, suffix: str = "x7k2p",
+                        extra_labels: dict | None = None) -> str:
+        name = f"{owner}-{index if index is not None else 0}-{suffix}"
+        labels = dict((template.get("metadata") or {}).get("labels") or {}, **{"job-name": owner}, **(extra_labels or {}))
+        annotations = {INDEX_ANNOTATION: str(index)} if index is not None and not extra_labels else {}
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": name, "namespace": self.namespace, "labels": labels, "annotations": annotations},
                "spec": template["spec"], "status": {"phase": "Pending"}}
@@ -237,7 +245,34 @@ class FakeCluster:
         self._tasks.append(asyncio.create_task(self._run_pod(pod, container, pod_script)))
         await asyncio.sleep(0.1)
         await self._patch(f"/apis/apps/v1/namespaces/{self.namespace}/deployments/{name}",
-                          {"status": {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1}})
+                          {"status": {"replicas": 1, "updatedReplicas": 1, "readyReplicas": 1, "availableReplicas": 1}})
+
+    async def _drive_pytorchjob(self, job: dict) -> None:
+        """The training operator: one pod per replica (pytorch-master-0, pytorch-worker-N), then Succeeded/Failed."""
+        name = job["metadata"]["name"]
+        script = self._script(name)
+        pods = []
+        for rtype, replica in job["spec"]["pytorchReplicaSpecs"].items():
+            for i in range(replica.get("replicas", 1)):
+                pods.append(await self._make_pod(name, replica["template"], i, suffix=rtype.lower(), extra_labels={
+                    "training.kubeflow.org/replica-type": rtype.lower(), "training.kubeflow.org/replica-index": str(i)}))
+        container = "pytorch"
+        results = await asyncio.gather(*(self._run_pod(p, container, script.pod(i)) for i, p in enumerate(pods)))
+        path = f"/apis/kubeflow.org/v1/namespaces/{self.namespace}/pytorchjobs/{name}"
+        if all(results):
+            condition = {"type": "Succeeded", "status": "True", "reason": "PyTorchJobSucceeded",
+                         "message": f"PyTorchJob {self.namespace}/{name} successfully completed."}
+        else:
+            condition = {"type": "Failed", "status": "True", "reason": "PyTorchJobFailed",
+                         "message": f"PyTorchJob {self.namespace}/{name} has failed because 1 Worker replica(s) failed."}
+        await self._patch(path, {"status": {"conditions": [condition]}})
+
+    async def _drive_ksvc(self, ksvc: dict) -> None:
+        name = ksvc["metadata"]["name"]
+        await asyncio.sleep(0.1)
+        await self._patch(f"/apis/serving.knative.dev/v1/namespaces/{self.namespace}/services/{name}", {"status": {
+            "url": f"http://{name}.{self.namespace}.example.com",
+            "conditions": [{"type": "Ready", "status": "True"}]}})
 
     # --- pod logs (kmock serves JSON by default; logs are text/plain) ---
     async def _serve_log(self, request):

@@ -247,3 +247,28 @@ async def test_interrupted_run_deletes_job_and_pods(ready):
     assert ready.live("batch/v1/jobs") == [] and ready.live("v1/pods") == []
     job_deletes = [r for r in ready.kmock if r.method == "DELETE" and "/jobs/" in r.url.path]
     assert job_deletes and job_deletes[0].data["propagationPolicy"] == "Foreground"
+
+
+async def test_pytorchjob_variant_runs_and_reports_worker_failure(ready, make_backend, k8s_options):
+    options = k8s_options.model_copy(update={"training_kind": "pytorchjob"})
+    ready.scripts["train"] = JobScript(pod=lambda i: PodScript(logs=[f"rank {i} step 1"]))
+    job = spec("train", resources=Resources(nodes=2, gpus_per_node=8))
+    result, lines = await run(make_backend(ready, options=options), job)
+    assert result.state is JobState.COMPLETED, result
+    assert "[master-0] rank 0 step 1" in lines and "[worker-0] rank 1 step 1" in lines
+    created = ready.live("kubeflow.org/v1/pytorchjobs")
+    assert created and created[0]["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+
+    ready.scripts["train"] = JobScript(pod=lambda i: PodScript(logs=["x"], exit_code=1 if i == 1 else 0))
+    result, _ = await run(make_backend(ready, options=options), job)
+    assert result.state is JobState.FAILED and "PyTorchJobFailed" in result.reason and "exit code 1" in result.reason
+
+
+async def test_knative_inference_service(ready, make_backend, k8s_options):
+    options = k8s_options.model_copy(update={"inference_kind": "knative"})
+    backend = make_backend(ready, options=options)
+    serve = ServiceSpec(name="llm-serve", command=["python", "-m", "workloads.serve"], port=8000, container_image=IMAGE)
+    assert await asyncio.to_thread(backend.start_service, serve) == "http://llm-serve.team.example.com"
+    assert len(ready.live("serving.knative.dev/v1/services")) == 1
+    await asyncio.to_thread(backend.stop_service, "llm-serve")
+    assert ready.live("serving.knative.dev/v1/services") == []
