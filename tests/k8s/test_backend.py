@@ -272,3 +272,15 @@ async def test_knative_inference_service(ready, make_backend, k8s_options):
     assert len(ready.live("serving.knative.dev/v1/services")) == 1
     await asyncio.to_thread(backend.stop_service, "llm-serve")
     assert ready.live("serving.knative.dev/v1/services") == []
+
+
+def test_cleanup_failure_is_reported_not_raised(k8s_options):
+    """If the API server is gone when a run is interrupted, the run's own error must surface;
+    what could not be deleted is named in the log."""
+    backend = KubernetesBackend(k8s_options, api_client=api_client_for_url("http://127.0.0.1:9"), retries=0)
+    lines: list[str] = []
+    created = [{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "train-ab12cd"}},
+               {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "train-ab12cd"}}]
+    backend._clean_up(created, "ab12cd", everything=True, emit=lines.append)
+    assert len(lines) == 1 and "remove by hand in namespace team" in lines[0]
+    assert "Job/train-ab12cd" in lines[0] and "Service/train-ab12cd" in lines[0] and "nemoflow.dev/run=ab12cd" in lines[0]

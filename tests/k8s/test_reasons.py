@@ -1,0 +1,97 @@
+"""Failure reasons read from Job and pod status, on payloads shaped like a v1.30 API server's."""
+
+from __future__ import annotations
+
+from infra.jobs import JobState
+from infra.k8s import reasons
+
+
+def pod(name="train-0-abcde", *, state=None, last_state=None, conditions=None, phase="Running", **status):
+    cs = {"name": "main", "ready": False, "restartCount": 0, "image": "nvcr.io/nvidia/nemo:25.02", "imageID": "",
+          "state": state or {}, "lastState": last_state or {}}
+    return {"metadata": {"name": name}, "status": {"phase": phase, "conditions": conditions or [],
+                                                   "containerStatuses": [cs], **status}}
+
+
+def job(*conditions):
+    return {"metadata": {"name": "train"}, "status": {"conditions": list(conditions)}}
+
+
+FAILED_BACKOFF = {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+                  "message": "Job has reached the specified backoff limit"}
+OOM = {"terminated": {"exitCode": 137, "reason": "OOMKilled", "containerID": "containerd://1f"}}
+
+
+def test_running_job_has_no_verdict():
+    assert reasons.job_verdict(job({"type": "SuccessCriteriaMet", "status": "True"}), [pod()]) is None
+    assert reasons.job_verdict(job({"type": "Failed", "status": "False"}), [pod()]) is None
+
+
+def test_complete():
+    verdict = reasons.job_verdict(job({"type": "Complete", "status": "True"}), [])
+    assert verdict.state is JobState.COMPLETED and verdict.exit_code == 0
+
+
+def test_oom_killed_pod_makes_out_of_memory():
+    verdict = reasons.job_verdict(job(FAILED_BACKOFF), [pod(state=OOM, phase="Failed")])
+    assert verdict.state is JobState.OUT_OF_MEMORY and verdict.exit_code == 137
+    assert verdict.reason.startswith("OOMKilled in pod train-0-abcde") and "BackoffLimitExceeded" in verdict.reason
+
+
+def test_oom_in_a_restarted_container_is_found_in_last_state():
+    restarted = pod(state={"running": {}}, last_state=OOM)
+    assert reasons.job_verdict(job(FAILED_BACKOFF), [restarted]).state is JobState.OUT_OF_MEMORY
+
+
+def test_sigkill_without_oom_reason_is_a_plain_failure():
+    killed = pod(state={"terminated": {"exitCode": 137, "reason": "Error"}}, phase="Failed")
+    verdict = reasons.job_verdict(job(FAILED_BACKOFF), [killed])
+    assert verdict.state is JobState.FAILED and "exit code 137" in verdict.reason
+
+
+def test_deadline_is_timeout():
+    deadline = {"type": "Failed", "status": "True", "reason": "DeadlineExceeded",
+                "message": "Job was active longer than specified deadline"}
+    verdict = reasons.job_verdict(job(deadline), [])
+    assert verdict.state is JobState.TIMEOUT
+    assert verdict.reason == "DeadlineExceeded: Job was active longer than specified deadline"
+
+
+def test_failure_target_counts_as_failed():
+    target = dict(FAILED_BACKOFF, type="FailureTarget")
+    assert reasons.job_verdict(job(target), []).state is JobState.FAILED
+
+
+def test_evicted_pod_reason():
+    evicted = pod(phase="Failed", reason="Evicted", message="The node was low on resource: memory.")
+    evicted["status"]["containerStatuses"] = []
+    verdict = reasons.job_verdict(job(FAILED_BACKOFF), [evicted])
+    assert "Evicted in pod train-0-abcde: The node was low on resource: memory." in verdict.reason
+
+
+def test_image_pull_and_config_errors_are_fatal_while_waiting():
+    pulling = pod(state={"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "nvcr.io/x:1"'}},
+                  phase="Pending")
+    assert reasons.fatal_waiting(pulling) == 'ImagePullBackOff in pod train-0-abcde: Back-off pulling image "nvcr.io/x:1"'
+    secret = pod(state={"waiting": {"reason": "CreateContainerConfigError",
+                                    "message": 'secret "nemoflow-secrets" not found'}}, phase="Pending")
+    assert 'secret "nemoflow-secrets" not found' in reasons.fatal_waiting(secret)
+    creating = pod(state={"waiting": {"reason": "ContainerCreating"}}, phase="Pending")
+    assert reasons.fatal_waiting(creating) is None
+
+
+def test_unschedulable_carries_the_scheduler_message():
+    message = ("0/3 nodes are available: 3 Insufficient nvidia.com/gpu. preemption: 0/3 nodes are available: "
+               "3 No preemption victims found for incoming pod.")
+    pending = pod(phase="Pending", conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                                "message": message, "lastProbeTime": None}])
+    assert reasons.unschedulable(pending) == f"Unschedulable: pod train-0-abcde: {message}"
+    scheduled = pod(conditions=[{"type": "PodScheduled", "status": "True"}])
+    assert reasons.unschedulable(scheduled) is None
+
+
+def test_pytorchjob_conditions():
+    ok = {"status": {"conditions": [{"type": "Created", "status": "True"}, {"type": "Succeeded", "status": "True"}]}}
+    assert reasons.pytorchjob_verdict(ok, []).state is JobState.COMPLETED
+    running = {"status": {"conditions": [{"type": "Running", "status": "True"}]}}
+    assert reasons.pytorchjob_verdict(running, []) is None
