@@ -38,10 +38,12 @@ import dataclasses
 import errno
 import hashlib
 import os
+import queue
 import re
 import shlex
 import shutil
 import struct
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -70,6 +72,8 @@ NETRC_HOSTS = {
     "nvcr.io": ["nvcr.io", "authn.nvidia.com"],
     "docker.io": ["registry-1.docker.io", "auth.docker.io"],
 }
+PROGRESS_EVERY = 256 << 20
+STALE_TMP_S = 3600
 # mksquashfs pads images to 4 KiB; anything much longer is not a plain image.
 MAX_TRAILING_BYTES = 64 << 10
 
@@ -554,6 +558,59 @@ def _prepare_destination(dest_dir: str, needed: int | None) -> None:
     check_free_space(dest_dir, needed)
 
 
+class _HashWriter:
+    """Hash and write blocks on a second thread while the next block is read.
+
+    hashlib and file writes release the GIL, so network, checksum and disk
+    overlap instead of taking turns: on a multi-core node a copy runs at the
+    speed of the slowest of the three, not of their sum.
+    """
+
+    def __init__(self, hasher, out, depth: int = 4):
+        self._hasher, self._out = hasher, out
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="image-copy-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (block := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._hasher.update(block)
+                    self._out.write(block)
+                except BaseException as exc:  # re-raised in the reading thread
+                    self._error = exc
+
+    def put(self, block: bytes) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put(block)
+
+    def close(self, raise_error: bool = True) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if raise_error and self._error is not None:
+            raise self._error
+
+
+def _remove_stale_temporaries(dest_dir: str, name: str, log: LogSink) -> None:
+    """Delete what a crashed copy of ``name`` left behind: images are large, and nobody else cleans up.
+
+    Only local temporaries untouched for STALE_TMP_S go: a copy in progress
+    writes continuously, so its file's mtime stays fresh.
+    """
+    if not storage.is_local(dest_dir):
+        return
+    now = time.time()
+    for path in Path(storage.local_path(dest_dir)).glob(f"{storage.TMP_MARK}*-{name}"):
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            if now - st.st_mtime > STALE_TMP_S:
+                path.unlink()
+                log(f"removed {path}, {human_bytes(st.st_size)} left by an interrupted copy")
+
+
 def _read_source(fh, chunk: int, source: str, copied: int, size: int | None) -> bytes:
     """One block of the source; a dropped connection becomes an error that names the source."""
     try:
@@ -577,12 +634,14 @@ def copy_image(
     *,
     force: bool = False,
     log: LogSink | None = None,
+    progress: Callable[[int, int | None], None] | None = None,
     chunk: int = CHUNK,
 ) -> StagedImage:
     """Stream a ``.sqsh`` from ``source`` into the directory ``dest_dir``, verified; reuse a verified copy.
 
     Nothing appears under the final name unless the bytes match the source's
-    checksum (and size) and the superblock is sound.
+    checksum (and size) and the superblock is sound. ``progress(copied, total)``
+    is called about every 256 MiB and at the end (total is None when unknown).
     """
     log = log or (lambda line: None)
     source = resolve_region(source)
@@ -599,6 +658,7 @@ def copy_image(
         log(f"{final} already verified from {info.uri} ({hit.checksum}); nothing copied")
         return hit
     _prepare_destination(dest_dir, info.size)
+    _remove_stale_temporaries(dest_dir, storage.basename(final), log)
     algorithm = info.checksum.split(":", 1)[0] if info.checksum else "sha256"
     hasher = new_hasher(algorithm)
     tmp = storage.join(dest_dir, f"{storage.TMP_MARK}{uuid.uuid4().hex[:12]}-{storage.basename(final)}")
@@ -616,16 +676,24 @@ def copy_image(
         except FileNotFoundError as exc:
             raise ImageNotFound(f"image source not found: {source}") from exc
         with src_fh, fs_dst.open(tmp_path, "wb") as out:
-            next_report = 1 << 30
-            while block := _read_source(src_fh, chunk, source, copied, info.size):
-                if len(header) < SUPERBLOCK_SIZE:
-                    header += block[: SUPERBLOCK_SIZE - len(header)]
-                hasher.update(block)
-                out.write(block)
-                copied += len(block)
-                if copied >= next_report:
-                    log(f"  {human_bytes(copied)} of {human_bytes(info.size)}")
-                    next_report += 1 << 30
+            next_log, next_progress = 1 << 30, PROGRESS_EVERY
+            pipeline = _HashWriter(hasher, out)
+            try:
+                while block := _read_source(src_fh, chunk, source, copied, info.size):
+                    if len(header) < SUPERBLOCK_SIZE:
+                        header += block[: SUPERBLOCK_SIZE - len(header)]
+                    pipeline.put(block)
+                    copied += len(block)
+                    if copied >= next_log:
+                        log(f"  {human_bytes(copied)} of {human_bytes(info.size)}")
+                        next_log += 1 << 30
+                    if progress is not None and copied >= next_progress:
+                        progress(copied, info.size)
+                        next_progress += PROGRESS_EVERY
+            except BaseException:
+                pipeline.close(raise_error=False)
+                raise
+            pipeline.close()
             if storage.is_local(tmp):
                 out.flush()
                 os.fsync(out.fileno())
@@ -666,6 +734,8 @@ def copy_image(
         superblock=superblock,
     )
     _write_sidecar(image)
+    if progress is not None:
+        progress(copied, info.size)
     rate = copied / image.seconds / (1 << 20) if image.seconds > 0 else 0.0
     log(f"verified {final}: {actual}, squashfs {superblock.version} {superblock.compression}, "
         f"{superblock.inodes} inodes; {human_bytes(copied)} in {image.seconds:.1f} s ({rate:.0f} MiB/s)")

@@ -85,6 +85,7 @@ def stage(
     convert: bool = False,
     force: bool = False,
     log=None,
+    progress=None,
 ) -> tuple[ImageRef, dict[str, Any]]:
     """Stage an image without Prefect; returns the ref and facts for the report (cached, bytes, seconds)."""
     log = log or (lambda line: None)
@@ -116,7 +117,7 @@ def stage(
     else:
         if convert:
             raise ValueError(f"--convert needs a docker:// reference, not {source}")
-        staged = images.copy_image(source, dest, force=force, log=log)
+        staged = images.copy_image(source, dest, force=force, log=log, progress=progress)
     ref = _from_staged(staged)
     return ref, {"cached": staged.cached, "bytes_copied": staged.bytes_copied, "seconds": staged.seconds}
 
@@ -193,6 +194,31 @@ def artifact_markdown(ref: ImageRef, facts: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+class _ProgressArtifact:
+    """A Prefect progress artifact for long copies, created on the first report (small copies make none)."""
+
+    def __init__(self) -> None:
+        self.artifact_id = None
+
+    def __call__(self, copied: int, total: int | None) -> None:
+        if not total:
+            return
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+        percent = min(100.0, 100.0 * copied / total)
+        try:
+            if self.artifact_id is None:
+                if copied >= total:
+                    return
+                self.artifact_id = create_progress_artifact(
+                    progress=percent, key="staged-image-progress", description="image copy"
+                )
+            else:
+                update_progress_artifact(self.artifact_id, progress=percent)
+        except Exception as exc:  # progress display must never fail a copy
+            logger().debug("progress artifact: %s", exc)
+
+
 @task(
     name="stage-image",
     cache_key_fn=image_cache_key,
@@ -213,7 +239,9 @@ def stage_image(
     from prefect.artifacts import create_markdown_artifact
 
     log = logger()
-    ref, facts = stage(source, dest, backend, convert, force, log=lambda line: log.info("%s", line))
+    ref, facts = stage(
+        source, dest, backend, convert, force, log=lambda line: log.info("%s", line), progress=_ProgressArtifact()
+    )
     create_markdown_artifact(
         key="staged-image",
         markdown=artifact_markdown(ref, facts),

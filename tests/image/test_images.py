@@ -334,3 +334,31 @@ def test_sqsh_name_is_distinct_per_registry_and_tag():
     }
     assert len(names) == 3 and all(n.endswith(".sqsh") and "/" not in n for n in names)
     assert DockerRef("nvcr.io", "nvidia/nemo", "24.07").sqsh_name == "nvcr.io+nvidia+nemo+24.07.sqsh"
+
+
+def test_progress_is_reported_during_long_copies(served, tmp_path, monkeypatch, sqsh_image):
+    server, _ = served
+    monkeypatch.setattr(images, "PROGRESS_EVERY", 256 << 10)
+    reports: list[tuple[int, int | None]] = []
+    copy_image(server.url("nemo-test.sqsh"), str(tmp_path / "images"), chunk=64 << 10,
+               progress=lambda c, t: reports.append((c, t)))  # fmt: skip
+    size = sqsh_image.stat().st_size
+    assert len(reports) >= size // (256 << 10)
+    assert [c for c, _ in reports] == sorted(c for c, _ in reports)
+    assert reports[-1] == (size, size) and all(t == size for _, t in reports)
+
+
+def test_interrupted_copies_are_cleaned_up_only_when_stale(served, tmp_path):
+    server, _ = served
+    dest = tmp_path / "images"
+    dest.mkdir()
+    stale = dest / ".tmp-0123456789ab-nemo-test.sqsh"
+    stale.write_bytes(b"x" * 1000)
+    os.utime(stale, (1, 1))
+    live = dest / ".tmp-ba9876543210-nemo-test.sqsh"  # another copy still writing
+    live.write_bytes(b"y" * 10)
+    other = dest / ".tmp-0123456789ab-other.sqsh"
+    other.write_bytes(b"z")
+    os.utime(other, (1, 1))
+    copy_image(server.url("nemo-test.sqsh"), str(dest))
+    assert not stale.exists() and live.exists() and other.exists()
