@@ -186,6 +186,19 @@ class KubernetesBackend:
                         "(nemoflow render writes persistentvolumeclaim-<name>.yaml) or set NEMOFLOW_K8S_PVC_NAME"
                     ) from None
                 raise
+        for kind, reader, name in [
+            ("ServiceAccount", self.core.read_namespaced_service_account, self.options.service_account),
+            *[("image pull Secret", self.core.read_namespaced_secret, n) for n in self.options.image_pull_secrets],
+        ]:
+            if not name:
+                continue
+            try:
+                self._call(reader, name, ns)
+            except ApiException as exc:
+                if exc.status == 404:
+                    raise PreflightError(f"{kind} {name!r} not found in namespace {ns!r}") from None
+                if exc.status != 403:
+                    raise
         by_secret: dict[str, list[str]] = collections.defaultdict(list)
         for env_name in spec.secret_env:
             by_secret[self.options.secret_for(env_name)].append(env_name)

@@ -37,6 +37,7 @@ def ready(cluster):
     """A namespace with everything a run needs: the PVC, the secrets, two GPU nodes."""
     cluster.add_namespace()
     cluster.add_pvc("workspace")
+    cluster.add_service_account("nemoflow")
     cluster.add_secret("nemoflow-secrets", SECRET_VALUES)
     cluster.add_node("gpu-a", 8)
     cluster.add_node("gpu-b", 8)

@@ -52,7 +52,7 @@ class FakeCluster:
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
         for resource in ("v1/pods", "v1/services", "batch/v1/jobs", "apps/v1/deployments", "v1/namespaces",
-                         "v1/secrets", "v1/persistentvolumeclaims", "v1/nodes", "kubeflow.org/v1/pytorchjobs",
+                         "v1/secrets", "v1/serviceaccounts", "v1/persistentvolumeclaims", "v1/nodes", "kubeflow.org/v1/pytorchjobs",
                          "serving.knative.dev/v1/services"):
             kmock.resources[resource] = {}
         kmock["get", re.compile(r"/api/v1/namespaces/[^/]+/pods/[^/]+/log")] << self._serve_log
@@ -78,6 +78,10 @@ class FakeCluster:
             "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": self.namespace},
             "spec": {"accessModes": ["ReadWriteMany"]}, "status": {"phase": "Bound"},
         }
+
+    def add_service_account(self, name: str) -> None:
+        self.kmock.objects["v1/serviceaccounts", self.namespace, name] = {
+            "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": self.namespace}}
 
     def add_secret(self, name: str, data: dict[str, str]) -> None:
         import base64

@@ -165,6 +165,7 @@ def test_unreachable_api_server_is_a_clear_error(k8s_options):
         ("secret", "Secret 'nemoflow-secrets' (for HF_TOKEN, WANDB_API_KEY) not found"),
         ("secret-key", "has no key WANDB_API_KEY"),
         ("gpus", "requests 16 nvidia.com/gpu per pod, more than any node can allocate (gpu-a=8)"),
+        ("service-account", "ServiceAccount 'nemoflow' not found in namespace 'team'"),
     ],
 )
 async def test_preflight_names_what_is_missing(cluster, make_backend, missing, message):
@@ -172,6 +173,8 @@ async def test_preflight_names_what_is_missing(cluster, make_backend, missing, m
         cluster.add_namespace()
     if missing != "pvc":
         cluster.add_pvc("workspace")
+    if missing != "service-account":
+        cluster.add_service_account("nemoflow")
     if missing == "secret-key":
         cluster.add_secret("nemoflow-secrets", {"HF_TOKEN": "x"})
     elif missing != "secret":
