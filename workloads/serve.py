@@ -207,7 +207,12 @@ def _held_back(text: str, stops: list[str]) -> int:
 
 
 class Engine:
-    """One model and its sentencepiece tokenizer; generation is serialised (one CPU model)."""
+    """One model and its sentencepiece tokenizer.
+
+    Forward passes are serialised by a lock (one CPU model: parallel passes would only
+    fight over the cores); concurrent requests interleave step by step, each with its own
+    KV cache.
+    """
 
     def __init__(self, checkpoint: Path, add_bos: bool = True, threads: int | None = None):
         self.checkpoint = checkpoint
@@ -260,35 +265,38 @@ class Engine:
         generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little"))
         out_ids: list[int] = []
         text, sent = "", 0
-        finish = "length"
-        with self.lock, torch.inference_mode():
-            input_ids = torch.tensor([prompt_ids], dtype=torch.long)
-            past = None
-            for _ in range(params.max_tokens):
+        finish, hit_eos = "length", False
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+        past = None
+        for _ in range(params.max_tokens):
+            # Lock and inference mode per step, never across a yield: a streaming client may
+            # go away mid-answer (the generator is then abandoned, not resumed), and each
+            # step may run on a different thread of the pool.
+            with self.lock, torch.inference_mode():
                 out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
                 past = out.past_key_values
                 next_id = self._pick(out.logits[0, -1].float(), params, generator)
-                if next_id == eos:
-                    finish = "stop"
-                    break
-                out_ids.append(next_id)
-                text = self._continuation(prompt_ids, out_ids)
-                cut = _first_stop(text, params.stop)
-                if cut is not None:
-                    text, finish = text[:cut], "stop"
-                    break
-                # An incomplete UTF-8 sequence (byte-fallback pieces) decodes to U+FFFD until it is complete.
-                safe = len(text) - _held_back(text, params.stop)
-                while safe > sent and text[safe - 1] == "\ufffd":
-                    safe -= 1
-                if safe > sent:
-                    yield text[sent:safe], None
-                    sent = safe
-                input_ids = torch.tensor([[next_id]], dtype=torch.long)
+            if next_id == eos:
+                finish, hit_eos = "stop", True
+                break
+            out_ids.append(next_id)
+            text = self._continuation(prompt_ids, out_ids)
+            cut = _first_stop(text, params.stop)
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+                break
+            # An incomplete UTF-8 sequence (byte-fallback pieces) decodes to U+FFFD until it is complete.
+            safe = len(text) - _held_back(text, params.stop)
+            while safe > sent and text[safe - 1] == "\ufffd":
+                safe -= 1
+            if safe > sent:
+                yield text[sent:safe], None
+                sent = safe
+            input_ids = torch.tensor([[next_id]], dtype=torch.long)
         if len(text) > sent:
             yield text[sent:], None
-        completion_tokens = len(out_ids) + (1 if finish == "stop" and _first_stop(text, params.stop) is None else 0)
-        yield "", Generation(text, len(prompt_ids), min(completion_tokens, params.max_tokens), finish)
+        # The end-of-sequence token was generated too: it counts, as in OpenAI's usage.
+        yield "", Generation(text, len(prompt_ids), len(out_ids) + hit_eos, finish)
 
     def _continuation(self, prompt_ids: list[int], out_ids: list[int]) -> str:
         """The generated text as it continues the prompt.

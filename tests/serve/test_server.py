@@ -183,3 +183,13 @@ def test_openai_client_raises_on_unknown_model(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4o", prompt="hi", max_tokens=1)
     assert "gpt-4o" in str(info.value)
+
+
+def test_client_leaving_mid_stream_does_not_wedge_the_server(live_server):
+    body = {"prompt": "In the beginning", "max_tokens": 64, "temperature": 0, "stream": True}
+    with httpx.stream("POST", live_server + "/v1/completions", json=body, timeout=60) as response:
+        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+    assert json.loads(first[len("data: ") :])["choices"][0]["text"]
+    # generation is serialised by a lock; a stream abandoned half-way must release it
+    after = httpx.post(live_server + "/v1/completions", json={"prompt": "Amen", "max_tokens": 2}, timeout=20)
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] <= 2
