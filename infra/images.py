@@ -167,8 +167,15 @@ class DockerRef:
 
     @property
     def enroot_uri(self) -> str:
-        """The form ``enroot import`` takes: the registry is separated by ``#``."""
-        return f"docker://{self.registry}#{self._name_tag_digest}"
+        """The form ``enroot import`` takes: ``docker://REGISTRY#IMAGE:TAG``.
+
+        enroot has no ``@digest`` syntax; it puts the text after ``:`` into the
+        manifest URL (``/v2/IMAGE/manifests/<it>``), and since 3.2 accepts ``:``
+        there, so a digest goes where the tag would (``IMAGE:sha256:...``).
+        Docker Hub's registry API is served by registry-1.docker.io, not docker.io.
+        """
+        registry = "registry-1.docker.io" if self.registry == "docker.io" else self.registry
+        return f"docker://{registry}#{self.repository}:{self.digest or self.tag}"
 
     @property
     def _name_tag_digest(self) -> str:

@@ -292,12 +292,17 @@ def test_disk_full_mid_copy_leaves_nothing(tmp_path, sqsh_image):
     [
         ("docker://nvcr.io/nvidia/nemo:24.07", "nvcr.io/nvidia/nemo:24.07", "docker://nvcr.io#nvidia/nemo:24.07"),
         ("docker://nvcr.io#nvidia/nemo:24.07", "nvcr.io/nvidia/nemo:24.07", "docker://nvcr.io#nvidia/nemo:24.07"),
-        ("ubuntu:22.04", "docker.io/library/ubuntu:22.04", "docker://docker.io#library/ubuntu:22.04"),
+        ("ubuntu:22.04", "docker.io/library/ubuntu:22.04", "docker://registry-1.docker.io#library/ubuntu:22.04"),
         ("localhost:5000/team/img:v1", "localhost:5000/team/img:v1", "docker://localhost:5000#team/img:v1"),
+        (
+            "nvcr.io/nvidia/nemo:24.07@sha256:" + "cd" * 32,
+            "nvcr.io/nvidia/nemo:24.07@sha256:" + "cd" * 32,
+            "docker://nvcr.io#nvidia/nemo:sha256:" + "cd" * 32,  # the digest, not the movable tag
+        ),
         (
             "ghcr.io/org/app@sha256:" + "ab" * 32,
             "ghcr.io/org/app@sha256:" + "ab" * 32,
-            "docker://ghcr.io#org/app@sha256:" + "ab" * 32,
+            "docker://ghcr.io#org/app:sha256:" + "ab" * 32,
         ),
     ],
 )
@@ -305,6 +310,8 @@ def test_docker_references_normalise_like_docker(reference, canonical, enroot):
     ref = parse_docker_ref(reference)
     assert ref.canonical == canonical
     assert ref.enroot_uri == enroot
+    # enroot's grammar: docker://[REGISTRY#]IMAGE[:TAG], lowercase image, no '@'.
+    assert re.fullmatch(r"docker://[^#@]+#[a-z0-9/._-]+:[A-Za-z0-9._:-]+", ref.enroot_uri)
 
 
 @pytest.mark.parametrize(
