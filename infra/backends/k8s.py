@@ -28,7 +28,9 @@ What :meth:`KubernetesBackend.run` does:
 from __future__ import annotations
 
 import collections
+import datetime
 import json
+import re
 import threading
 import time
 import uuid
@@ -57,6 +59,10 @@ from infra.k8s.options import K8sOptions
 from infra.settings import get_settings, redact
 
 RETRY_STATUSES = {429, 500, 502, 503, 504}
+# Re-requested log starts this much before the last line seen (clock skew between node and client);
+# the overlap is skipped by timestamp.
+LOG_RESUME_MARGIN_S = 10
+_TIMESTAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)$")
 _CUSTOM = {
     "PyTorchJob": ("kubeflow.org", "v1", "pytorchjobs"),
     "Service.serving.knative.dev": ("serving.knative.dev", "v1", "services"),
@@ -97,6 +103,7 @@ class KubernetesBackend:
         pending_timeout_s: float | None = 900.0,
         service_ready_timeout_s: float = 1800.0,
         log_join_timeout_s: float = 10.0,
+        log_reconnects: int = 20,
     ):
         self.options = options or K8sOptions()
         self._api_client = api_client
@@ -108,6 +115,7 @@ class KubernetesBackend:
         self.pending_timeout_s = pending_timeout_s
         self.service_ready_timeout_s = service_ready_timeout_s
         self.log_join_timeout_s = log_join_timeout_s
+        self.log_reconnects = log_reconnects
 
     # --- API access ---------------------------------------------------------------
 
@@ -475,27 +483,60 @@ class KubernetesBackend:
             thread.start()
 
     def _follow(self, pod_name: str, container: str, prefix: str, emit: LogSink) -> None:
-        try:
-            resp = self._call(
-                self.core.read_namespaced_pod_log, pod_name, self.ns, container=container, follow=True,
-                _preload_content=False,
-            )
-        except (ApiException, KubernetesUnavailable) as exc:
-            emit(f"[k8s] cannot read the log of pod {pod_name}: {_short(exc)}")
-            return
-        pending = b""
-        try:
-            for chunk in resp.stream(8192):
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    emit(prefix + line.decode("utf-8", "replace").rstrip("\r"))
+        """Stream one container's log into ``emit`` until the container ends.
+
+        A followed log is a single long HTTP response; API server restarts and idle
+        proxies cut it. Lines are requested with timestamps, so after a cut the log is
+        re-requested from shortly before the last line seen and lines already emitted
+        are skipped: nothing is lost or repeated.
+        """
+        cursor = _LogCursor()
+        for attempt in range(self.log_reconnects + 1):
+            kwargs: dict[str, Any] = dict(container=container, follow=True, timestamps=True, _preload_content=False)
+            if cursor.last_time is not None:
+                age = (datetime.datetime.now(datetime.timezone.utc) - cursor.last_time).total_seconds()
+                kwargs["since_seconds"] = max(1, int(age) + LOG_RESUME_MARGIN_S)
+            try:
+                resp = self._call(self.core.read_namespaced_pod_log, pod_name, self.ns, **kwargs)
+            except (ApiException, KubernetesUnavailable) as exc:
+                if not (isinstance(exc, ApiException) and exc.status == 404):
+                    emit(f"[k8s] cannot read the log of pod {pod_name}: {_short(exc)}")
+                return
+            cursor.resume()
+            complete = False
+            pending = b""
+            try:
+                for chunk in resp.stream(8192):
+                    pending += chunk
+                    *lines, pending = pending.split(b"\n")
+                    for line in lines:
+                        text = cursor.accept(line.decode("utf-8", "replace").rstrip("\r"))
+                        if text is not None:
+                            emit(prefix + text)
+                complete = True
+            except (urllib3.exceptions.HTTPError, ConnectionError):
+                pass
+            finally:
+                resp.release_conn()
             if pending:
-                emit(prefix + pending.decode("utf-8", "replace"))
-        except (urllib3.exceptions.HTTPError, ConnectionError) as exc:
-            emit(f"[k8s] log stream of pod {pod_name} ended early: {_short(exc)}")
-        finally:
-            resp.release_conn()
+                text = cursor.accept(pending.decode("utf-8", "replace"))
+                if text is not None:
+                    emit(prefix + text)
+            if complete and not self._container_running(pod_name, container):
+                return
+            emit(f"[k8s] log stream of pod {pod_name} was interrupted; resuming")
+            time.sleep(min(self.backoff_s * 2**attempt, 10.0))
+        emit(f"[k8s] stopped following the log of pod {pod_name} after {self.log_reconnects} reconnects")
+
+    def _container_running(self, pod_name: str, container: str) -> bool:
+        try:
+            pod = self._dict(self._call(self.core.read_namespaced_pod, pod_name, self.ns))
+        except (ApiException, KubernetesUnavailable):
+            return False
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            if cs.get("name") == container and (cs.get("state") or {}).get("running") is not None:
+                return True
+        return False
 
     # --- services ---------------------------------------------------------------------
 
@@ -550,6 +591,41 @@ class KubernetesBackend:
             return
         self._delete("Deployment", name)
         self._delete("Service", name)
+
+
+class _LogCursor:
+    """Position in a timestamped log (``timestamps=true``), to resume after a cut without repeats."""
+
+    def __init__(self) -> None:
+        self.last_key: tuple[str, str] | None = None
+        self.last_time: datetime.datetime | None = None
+        self.at_last = 0  # lines emitted carrying last_key
+        self.skip_equal = 0
+
+    def resume(self) -> None:
+        self.skip_equal = self.at_last
+
+    def accept(self, line: str) -> str | None:
+        """The line without its timestamp, or None if it was already emitted."""
+        stamp, _, text = line.partition(" ")
+        match = _TIMESTAMP.match(stamp)
+        if not match:
+            return line  # a server that ignores timestamps=true: nothing to resume by
+        base, fraction, offset = match.groups()
+        when = datetime.datetime.fromisoformat(base + ("+00:00" if offset == "Z" else offset))
+        when = when.astimezone(datetime.timezone.utc)
+        key = (when.strftime("%Y-%m-%dT%H:%M:%S"), (fraction or "").ljust(9, "0"))
+        if self.last_key is not None and key <= self.last_key:
+            if key < self.last_key:
+                return None
+            if self.skip_equal > 0:
+                self.skip_equal -= 1
+                return None
+            self.at_last += 1
+        else:
+            self.last_key, self.at_last, self.skip_equal = key, 1, 0
+        self.last_time = when
+        return text
 
 
 def _deployment_ready(dep: dict[str, Any]) -> bool:

@@ -14,7 +14,9 @@ test sees whether the backend itself leaves nothing behind.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -32,6 +34,7 @@ class PodScript:
     unschedulable: str | None = None  # the scheduler's message
     hang: bool = False  # keep running (and logging) until deleted
     line_delay_s: float = 0.02
+    cut_log_after: int | None = None  # the first log connection drops after this many lines
 
 
 @dataclass
@@ -46,8 +49,9 @@ class FakeCluster:
         self.namespace = namespace
         self.url = str(kmock.url).rstrip("/")
         self.scripts: dict[str, JobScript] = {}  # by job-name prefix (the spec name)
-        self.logs: dict[str, list[str]] = {}
-        self.hanging: set[str] = set()
+        self.logs: dict[str, list[tuple[float, str]]] = {}  # pod -> (time written, line)
+        self.running: set[str] = set()  # pods whose container runs (their log can be followed)
+        self.cut: dict[str, int] = {}
         self._seen: set[tuple] = set()
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
@@ -107,7 +111,7 @@ class FakeCluster:
         self._tasks.append(asyncio.create_task(self._loop()))
 
     async def stop(self) -> None:
-        self.hanging.clear()  # open log streams end, so the server can shut down
+        self.running.clear()  # open log streams end, so the server can shut down
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -175,15 +179,20 @@ class FakeCluster:
                                                                         "image": "x", "imageID": "",
                                                                         "state": {"waiting": {"reason": reason, "message": message}}}]}})
             return await self._forever()
-        self.logs[name] = list(script.logs)
-        if script.hang:
-            self.hanging.add(name)
+        self.logs[name] = []
+        self.running.add(name)
+        if script.cut_log_after:
+            self.cut[name] = script.cut_log_after
         await self._patch(path, {"status": {"phase": "Running", "containerStatuses": [
             {"name": container, "ready": True, "restartCount": 0, "image": "x", "imageID": "",
              "state": {"running": {"startedAt": "2026-11-29T20:00:00Z"}}}]}})
+        for line in script.logs:  # the workload writing its output
+            self.logs[name].append((time.time(), line))
+            await asyncio.sleep(script.line_delay_s)
         if script.hang:
             return await self._forever()
-        await asyncio.sleep(script.line_delay_s * len(script.logs) + 0.05)
+        await asyncio.sleep(0.05)
+        self.running.discard(name)
         terminated = {"exitCode": script.exit_code, "reason": script.terminated_reason or ("Completed" if script.exit_code == 0 else "Error")}
         await self._patch(path, {"status": {"phase": "Succeeded" if script.exit_code == 0 else "Failed", "containerStatuses": [
             {"name": container, "ready": False, "restartCount": 0, "image": "x", "imageID": "", "state": {"terminated": terminated}}]}})
@@ -218,7 +227,7 @@ class FakeCluster:
                 for task in pending:
                     task.cancel()
                 for pod in pods:
-                    self.hanging.discard(pod)
+                    self.running.discard(pod)
                     async with self._session.delete(f"/api/v1/namespaces/{self.namespace}/pods/{pod}"):
                         pass
                 await self._patch(path, {"status": {"active": 0, "conditions": [
@@ -278,22 +287,39 @@ class FakeCluster:
             "url": f"http://{name}.{self.namespace}.example.com",
             "conditions": [{"type": "Ready", "status": "True"}]}})
 
-    # --- pod logs (kmock serves JSON by default; logs are text/plain) ---
+    # --- pod logs, like the kubelet: text/plain, ?follow, ?timestamps, ?sinceSeconds ---
     async def _serve_log(self, request):
         import kmock
 
         name = request.name
         if name not in self.logs:
-            return kmock.Response(status=400, payload={"kind": "Status", "code": 400, "message": f"pod {name} not started"})
+            # raised, not returned: a returned Response's status would stick to this reaction
+            raise kmock.KubernetesError(status=400, reason="BadRequest",
+                                        message=f'container in pod "{name}" is waiting to start: ContainerCreating')
+        follow = request.params.get("follow") == "true"
+        stamps = request.params.get("timestamps") == "true"
+        since = request.params.get("sinceSeconds")
+        cutoff = time.time() - int(since) if since else 0.0
+        cut = self.cut.pop(name, None)
 
         async def stream():
-            for line in self.logs[name]:
-                yield (line + "\n").encode()
+            yield b""  # send the headers at once, as the API server does for a followed log
+            i = sent = 0
+            while True:
+                lines = self.logs[name]
+                while i < len(lines):
+                    written, text = lines[i]
+                    i += 1
+                    if written < cutoff:
+                        continue
+                    stamp = datetime.datetime.fromtimestamp(written, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+                    yield ((stamp + " " if stamps else "") + text + "\n").encode()
+                    sent += 1
+                    if cut is not None and sent >= cut:
+                        return  # the connection drops (an API server restart, a proxy timeout)
+                still_running = name in self.running and self._exists("pods", name)
+                if not follow or not still_running:
+                    return
                 await asyncio.sleep(0.02)
-            # follow=true: a running container's log stays open until it ends
-            while name in self.hanging and self._exists("pods", name):
-                await asyncio.sleep(0.05)
-            if False:
-                yield b""
 
         return kmock.Response(payload=stream(), headers={"Content-Type": "text/plain"})

@@ -287,3 +287,15 @@ def test_cleanup_failure_is_reported_not_raised(k8s_options):
     backend._clean_up(created, "ab12cd", everything=True, emit=lines.append)
     assert len(lines) == 1 and "remove by hand in namespace team" in lines[0]
     assert "Job/train-ab12cd" in lines[0] and "Service/train-ab12cd" in lines[0] and "nemoflow.dev/run=ab12cd" in lines[0]
+
+
+async def test_log_stream_cut_midway_resumes_without_loss_or_repeats(ready, make_backend):
+    lines_written = [f"step {i} loss {10 - i * 0.5:.1f}" for i in range(12)]
+    ready.scripts["train"] = JobScript(pod=lambda i: PodScript(logs=lines_written, cut_log_after=4, line_delay_s=0.03))
+    result, lines = await run(make_backend(ready), spec("train"))
+    assert result.state is JobState.COMPLETED
+    assert [line for line in lines if not line.startswith("[k8s]")] == lines_written
+    assert any("was interrupted; resuming" in line for line in lines)
+    log_requests = [r for r in ready.kmock if r.method == "GET" and r.url.path.endswith("/log")]
+    assert len(log_requests) >= 2 and "sinceSeconds" in log_requests[1].params
+    assert all(r.params.get("timestamps") == "true" for r in log_requests)

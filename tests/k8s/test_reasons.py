@@ -95,3 +95,17 @@ def test_pytorchjob_conditions():
     assert reasons.pytorchjob_verdict(ok, []).state is JobState.COMPLETED
     running = {"status": {"conditions": [{"type": "Running", "status": "True"}]}}
     assert reasons.pytorchjob_verdict(running, []) is None
+
+
+def test_log_cursor_skips_exactly_what_was_emitted():
+    from infra.backends.k8s import _LogCursor
+
+    cursor = _LogCursor()
+    first = ["2026-11-29T20:00:00.1Z a", "2026-11-29T20:00:00.12Z b", "2026-11-29T20:00:00.12Z c"]
+    assert [cursor.accept(line) for line in first] == ["a", "b", "c"]
+    cursor.resume()
+    # the re-requested log overlaps: same lines again (one written in another offset), then new ones
+    again = ["2026-11-29T20:00:00.1Z a", "2026-11-29T21:00:00.12+01:00 b", "2026-11-29T20:00:00.12Z c",
+             "2026-11-29T20:00:00.12Z d", "2026-11-29T20:00:01Z e"]
+    assert [cursor.accept(line) for line in again] == [None, None, None, "d", "e"]
+    assert cursor.accept("no timestamp here") == "no timestamp here"
