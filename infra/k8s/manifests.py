@@ -152,6 +152,7 @@ def container(
     readiness: k.V1Probe | None = None,
 ) -> tuple[k.V1Container, list[k.V1Volume]]:
     image = validate_image_reference(spec.container_image or options.image)
+    _refuse_inline_secrets(spec)
     volumes, volume_mounts = _volumes(spec.mounts, options)
     return (
         k.V1Container(
@@ -168,6 +169,19 @@ def container(
         ),
         volumes,
     )
+
+
+def _refuse_inline_secrets(spec: JobSpec | ServiceSpec) -> None:
+    """A secret value in ``env`` would be written into the manifest: refuse, naming the variable only."""
+    from infra.settings import get_settings
+
+    secrets = [v for v in get_settings().secret_values() if len(v) >= 4]
+    for key, value in spec.env.items():
+        if any(secret in value for secret in secrets):
+            raise ValueError(
+                f"{spec.name}: env {key} holds a secret value; list the secret's name in secret_env instead "
+                "(it is then read from a Kubernetes Secret)"
+            )
 
 
 def pod_spec(

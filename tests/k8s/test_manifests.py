@@ -210,3 +210,10 @@ def test_memory_quantities_and_mounts():
     outside = JobSpec(name="m", command=["x"], mounts=[Mount(source="/scratch/data", target="/data")])
     with pytest.raises(ValueError, match="/scratch/data"):
         job_objects(outside, K8sOptions())
+
+
+def test_secret_value_in_plain_env_is_refused_without_echoing_it(secret_env):
+    leaky = JobSpec(name="leaky", command=["x"], env={"TOKEN_COPY": f"Bearer {secret_env['HF_TOKEN']}"})
+    with pytest.raises(ValueError, match="env TOKEN_COPY holds a secret value") as info:
+        job_objects(leaky, K8sOptions())
+    assert secret_env["HF_TOKEN"] not in str(info.value)
