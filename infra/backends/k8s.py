@@ -104,7 +104,12 @@ class KubernetesBackend:
         service_ready_timeout_s: float = 1800.0,
         log_join_timeout_s: float = 10.0,
         log_reconnects: int = 20,
+        **option_fields: Any,
     ):
+        # K8sOptions fields may be passed directly: get_backend("k8s", namespace="llm")
+        if option_fields:
+            base = options.model_dump() if options is not None else {}
+            options = K8sOptions(**{**base, **option_fields})
         self.options = options or K8sOptions()
         self._api_client = api_client
         self._config_source = dict(credentials_block=credentials_block, kubeconfig=kubeconfig, context=context)

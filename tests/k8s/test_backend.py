@@ -299,3 +299,14 @@ async def test_log_stream_cut_midway_resumes_without_loss_or_repeats(ready, make
     log_requests = [r for r in ready.kmock if r.method == "GET" and r.url.path.endswith("/log")]
     assert len(log_requests) >= 2 and "sinceSeconds" in log_requests[1].params
     assert all(r.params.get("timestamps") == "true" for r in log_requests)
+
+
+def test_get_backend_takes_option_fields_and_rejects_unknown_ones(monkeypatch):
+    from infra.backends import get_backend
+
+    monkeypatch.setenv("NEMOFLOW_K8S_SCHEDULER_NAME", "runai-scheduler")
+    backend = get_backend("k8s", namespace="llm", pvc_name="shared")
+    assert (backend.options.namespace, backend.options.pvc_name, backend.options.scheduler_name) == (
+        "llm", "shared", "runai-scheduler")
+    with pytest.raises(ValueError, match="namespaec"):
+        get_backend("k8s", namespaec="llm")
