@@ -31,7 +31,6 @@ import os
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -78,6 +77,14 @@ class Request:
     headers: dict[str, str]
     status: int | None = None
     attempt: int = 0  # n-th GET of this path (HEADs are 0)
+
+
+@dataclass(frozen=True)
+class _Digests:
+    sha256: str
+    md5: bytes
+    sha256_bad: str  # of the content plus junk: what a wrong checksum header states
+    md5_bad: bytes
 
 
 @dataclass
@@ -180,6 +187,18 @@ class FaultServer:
                 return state.faults.pop(0)
             return self.always.get(path)
 
+    def _digests(self, file: Path) -> _Digests:
+        """Hashes of ``file`` as it is now (not cached: a test may rewrite it within one clock tick)."""
+        sha, md5 = hashlib.sha256(), hashlib.md5()
+        with file.open("rb") as fh:
+            while block := fh.read(1 << 20):
+                sha.update(block)
+                md5.update(block)
+        sha_bad, md5_bad = sha.copy(), md5.copy()
+        sha_bad.update(b"corrupted")
+        md5_bad.update(b"corrupted")
+        return _Digests(sha.hexdigest(), md5.digest(), sha_bad.hexdigest(), md5_bad.digest())
+
     def _sleep(self, seconds: float) -> bool:
         """Sleep unless the server stops; True when it stopped."""
         return self._stop.wait(seconds)
@@ -238,9 +257,10 @@ class _Handler(BaseHTTPRequestHandler):
             record.status = 404
             self.send_error(404)
             return
-        data = file.read_bytes()
-        etag = f'"{fault.etag or hashlib.sha256(data).hexdigest()}"'
-        start, end = 0, len(data) - 1
+        size = file.stat().st_size
+        digests = srv._digests(file)
+        etag = f'"{fault.etag or digests.sha256}"'
+        start, end = 0, size - 1
         status = 200
         wanted = self.headers.get("Range")
         if_range = self.headers.get("If-Range")
@@ -249,34 +269,40 @@ class _Handler(BaseHTTPRequestHandler):
             lo, _, hi = spec.partition("-")
             if lo.isdigit() and (hi == "" or hi.isdigit()):
                 start = int(lo)
-                end = min(int(hi), len(data) - 1) if hi else len(data) - 1
-                if start >= len(data):
+                end = min(int(hi), size - 1) if hi else size - 1
+                if start >= size:
                     record.status = 416
                     self.send_response(416)
-                    self.send_header("Content-Range", f"bytes */{len(data)}")
+                    self.send_header("Content-Range", f"bytes */{size}")
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
                 status = 206
-        body = data[start : end + 1]
+        length = end + 1 - start
         record.status = status
         self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Length", str(length))
         self.send_header("ETag", etag)
         self.send_header("Last-Modified", email.utils.formatdate(file.stat().st_mtime, usegmt=True))
         if srv.ranges:
             self.send_header("Accept-Ranges", "bytes")
         if status == 206:
-            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
-        self._checksum_headers(data, body, status, fault.bad_checksum)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self._checksum_headers(digests, status, fault.bad_checksum)
         self.end_headers()
         if head:
             return
         cut = next((n for n in (fault.truncate_at, fault.reset_at, fault.stall_at) if n is not None), None)
+        limit = length if cut is None else min(cut, length)
+        # Streamed from disk, so large files (container images) cost no memory.
+        with file.open("rb") as fh:
+            fh.seek(start)
+            sent = 0
+            while sent < limit and (block := fh.read(min(64 << 10, limit - sent))):
+                self.wfile.write(block)
+                sent += len(block)
         if cut is None:
-            self.wfile.write(body)
             return
-        self.wfile.write(body[:cut])
         self.wfile.flush()
         if fault.stall_at is not None:
             srv._sleep(fault.stall)
@@ -301,22 +327,13 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def _checksum_headers(self, data: bytes, body: bytes, status: int, bad: bool) -> None:
+    def _checksum_headers(self, digests: _Digests, status: int, bad: bool) -> None:
         srv = self.server_state
-        source = data if not bad else data + b"corrupted"
+        md5 = digests.md5_bad if bad else digests.md5
+        sha256 = digests.sha256_bad if bad else digests.sha256
         if "x-goog-hash" in srv.checksums:
-            md5 = base64.b64encode(hashlib.md5(source).digest()).decode()
-            self.send_header("x-goog-hash", f"md5={md5}")
+            self.send_header("x-goog-hash", f"md5={base64.b64encode(md5).decode()}")
         if "content-md5" in srv.checksums and status == 200:
-            self.send_header("Content-MD5", base64.b64encode(hashlib.md5(source if bad else body).digest()).decode())
+            self.send_header("Content-MD5", base64.b64encode(md5).decode())
         if "x-linked-etag" in srv.checksums:
-            self.send_header("X-Linked-Etag", f'"{hashlib.sha256(source).hexdigest()}"')
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
+            self.send_header("X-Linked-Etag", f'"{sha256}"')
