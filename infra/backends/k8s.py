@@ -546,45 +546,54 @@ class KubernetesBackend:
     # --- services ---------------------------------------------------------------------
 
     def start_service(self, spec: ServiceSpec) -> str:
-        """Create (or update) the inference Deployment + Service, wait until it is ready; return its URL."""
+        """Create (or update) the inference Deployment + Service, wait until it is ready; return its URL.
+
+        If it cannot become ready (image pull, crash loop, unschedulable, timeout) or the
+        caller is interrupted, its objects are deleted before the error propagates.
+        """
         objects = [to_dict(o) for o in service_objects(spec, self.options)]
         if self.preflight:
             self.check(spec)
-        for obj in objects:
-            self._create(obj, None)
+        try:
+            for obj in objects:
+                self._create(obj, None)
+            return self._wait_service(spec, knative=_custom_key(objects[0]) is not None)
+        except BaseException:
+            try:
+                self.stop_service(spec.name)
+            except Exception:  # noqa: BLE001 - the original error matters more
+                pass
+            raise
+
+    def _wait_service(self, spec: ServiceSpec, *, knative: bool) -> str:
         deadline = time.monotonic() + self.service_ready_timeout_s
-        knative = _custom_key(objects[0]) is not None
         pending_since: float | None = None
         while True:
             if knative:
-                ksvc = self._call(self.custom.get_namespaced_custom_object, *_CUSTOM["Service.serving.knative.dev"][:2],
-                                  self.ns, "services", spec.name)
-                ready = any(c.get("type") == "Ready" and c.get("status") == "True"
-                            for c in (ksvc.get("status") or {}).get("conditions") or [])
-                if ready and (ksvc.get("status") or {}).get("url"):
-                    return ksvc["status"]["url"]
+                group, version, plural = _CUSTOM["Service.serving.knative.dev"]
+                ksvc = self._call(self.custom.get_namespaced_custom_object, group, version, self.ns, plural, spec.name)
+                status = ksvc.get("status") or {}
+                ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+                if ready and status.get("url"):
+                    return status["url"]
             else:
                 dep = self._dict(self._call(self.apps.read_namespaced_deployment, spec.name, self.ns))
                 if _deployment_ready(dep):
                     return f"http://{spec.name}.{self.ns}.svc.cluster.local:{spec.port}"
             pods = self._pods(LABEL_JOB, spec.name)
-            problem = next((r for r in map(reasons.fatal_waiting, pods) if r), None)
+            fatal = next((r for r in map(reasons.fatal_waiting, pods) if r), None) or next(
+                (r for r in map(reasons.crash_looping, pods) if r), None
+            )
+            if fatal:
+                raise RuntimeError(f"service {spec.name} did not start: {fatal}")
             waiting = next((r for r in map(reasons.unschedulable, pods) if r), None)
-            crashed = next((r for r in map(reasons.terminated_failure, pods) if r), None)
             if waiting:
                 pending_since = pending_since or time.monotonic()
-            if (
-                problem
-                or (crashed and "CrashLoopBackOff" in json.dumps(pods))
-                or (waiting and self.pending_timeout_s is not None
-                    and time.monotonic() - pending_since > self.pending_timeout_s)
-            ):
-                self.stop_service(spec.name)
-                raise RuntimeError(f"service {spec.name} did not start: {problem or (crashed or (waiting,))[0]}")
+                if self.pending_timeout_s is not None and time.monotonic() - pending_since > self.pending_timeout_s:
+                    raise RuntimeError(f"service {spec.name} did not start: {waiting}")
             if time.monotonic() > deadline:
-                self.stop_service(spec.name)
                 raise TimeoutError(
-                    f"service {spec.name} not ready after {self.service_ready_timeout_s:.0f} s"
+                    f"service {spec.name} not ready after {self.service_ready_timeout_s:g} s"
                     + (f": {waiting}" if waiting else "")
                 )
             time.sleep(min(2.0, self.watch_timeout_s))

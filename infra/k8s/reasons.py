@@ -59,6 +59,17 @@ def fatal_waiting(pod: dict[str, Any]) -> str | None:
     return None
 
 
+def crash_looping(pod: dict[str, Any]) -> str | None:
+    """``CrashLoopBackOff in pod X: <last exit>`` for a server that keeps dying (restartPolicy Always)."""
+    for cs in _containers(pod):
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") == "CrashLoopBackOff":
+            last = ((cs.get("lastState") or {}).get("terminated")) or {}
+            detail = f"last exit {last.get('reason', 'Error')} (exit code {last.get('exitCode')})" if last else ""
+            return f"CrashLoopBackOff in pod {pod_name(pod)}" + (f": {detail}" if detail else "")
+    return None
+
+
 def unschedulable(pod: dict[str, Any]) -> str | None:
     """The scheduler's message for a pending pod it could not place, e.g. ``0/4 nodes are available: ...``."""
     for cond in _conditions(pod):

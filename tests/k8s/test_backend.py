@@ -310,3 +310,12 @@ def test_get_backend_takes_option_fields_and_rejects_unknown_ones(monkeypatch):
         "llm", "shared", "runai-scheduler")
     with pytest.raises(ValueError, match="namespaec"):
         get_backend("k8s", namespaec="llm")
+
+
+async def test_service_never_ready_times_out_and_is_removed(ready, make_backend):
+    ready.scripts["llm-serve"] = JobScript(pod=lambda i: PodScript(waiting=("ContainerCreating", "")))
+    backend = make_backend(ready, service_ready_timeout_s=0.5)
+    serve = ServiceSpec(name="llm-serve", command=["x"], port=8000, container_image=IMAGE)
+    with pytest.raises(TimeoutError, match="llm-serve not ready after 0.5 s"):
+        await asyncio.to_thread(backend.start_service, serve)
+    assert ready.live("apps/v1/deployments") == [] and ready.live("v1/services") == []

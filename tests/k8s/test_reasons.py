@@ -109,3 +109,10 @@ def test_log_cursor_skips_exactly_what_was_emitted():
              "2026-11-29T20:00:00.12Z d", "2026-11-29T20:00:01Z e"]
     assert [cursor.accept(line) for line in again] == [None, None, None, "d", "e"]
     assert cursor.accept("no timestamp here") == "no timestamp here"
+
+
+def test_crash_loop_names_the_last_exit():
+    looping = pod(state={"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s restarting failed container"}},
+                  last_state={"terminated": {"exitCode": 1, "reason": "Error"}})
+    assert reasons.crash_looping(looping) == "CrashLoopBackOff in pod train-0-abcde: last exit Error (exit code 1)"
+    assert reasons.crash_looping(pod(state={"running": {}})) is None
