@@ -177,10 +177,14 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
 # ---------------------------------------------------------------- the registry
 
 
-def registry_path() -> Path:
+def local_state_dir() -> Path:
+    """Where machine-local state lives: the work dir when it is local, else ``~/.nemoflow``."""
     work_dir = get_settings().work_dir
-    base = Path(storage.local_path(work_dir)) if storage.is_local(work_dir) else Path(DEFAULT_HOME)
-    return base / "services" / "registry.json"
+    return Path(storage.local_path(work_dir)) if storage.is_local(work_dir) else Path(DEFAULT_HOME)
+
+
+def registry_path() -> Path:
+    return local_state_dir() / "services" / "registry.json"
 
 
 @contextlib.contextmanager

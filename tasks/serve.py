@@ -30,7 +30,6 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
@@ -38,7 +37,6 @@ from prefect.cache_policies import CachePolicy
 
 from infra import services, storage
 from infra.jobs import ServiceSpec
-from infra.settings import DEFAULT_HOME
 from tasks.common import code_fingerprint, logger
 from tasks.refs import CheckpointRef, EndpointRef
 
@@ -47,6 +45,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_MODEL_NAME = "nemoflow-model"
 SERVER_MODULES = ("workloads.serve", "infra.services", "tasks.serve")
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.model", "generation_config.json")
+OPTIONAL_CHECKPOINT_FILES = ("generation_config.json",)
 
 
 def service_name(model_name: str) -> str:
@@ -77,21 +76,32 @@ def serve_command(checkpoint_dir: str, port: int, model_name: str, host: str = D
 
 
 def local_checkpoint(uri: str) -> str:
-    """A local directory holding the checkpoint: the path itself, or a verified copy of a gs:// one."""
+    """A local directory holding the checkpoint: the path itself, or a verified copy of a remote one.
+
+    Remote (gs://) checkpoints are copied once into ``<work_dir>/cache/checkpoints/``;
+    a copy is reused only while every file's fingerprint (md5/crc32c on GCS) is unchanged.
+    """
     if storage.is_local(uri):
         return storage.local_path(uri)
     digest = hashlib.sha256(storage.normalize(uri).encode()).hexdigest()[:16]
-    dest = Path(DEFAULT_HOME) / "cache" / "checkpoints" / digest
+    dest = services.local_state_dir() / "cache" / "checkpoints" / digest
+    manifest_path = dest / ".nemoflow-source.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (FileNotFoundError, ValueError):
+        manifest = {}
     for name in CHECKPOINT_FILES:
         source = storage.join(uri, name)
         if not storage.exists(source):
-            if name == "generation_config.json":
+            if name in OPTIONAL_CHECKPOINT_FILES:
                 continue
             raise FileNotFoundError(f"checkpoint {uri} has no {name}")
-        target = dest / name
-        if target.exists() and target.stat().st_size == storage.size(source):
+        fingerprint = storage.fingerprint(source)
+        if manifest.get(name) == fingerprint and (dest / name).exists():
             continue
-        storage.get_file(source, str(target))  # atomic: never a half file under its name
+        storage.get_file(source, str(dest / name))  # atomic: never a half file under its name
+        manifest[name] = fingerprint
+        storage.write_json(str(manifest_path), manifest)
     return str(dest)
 
 
@@ -191,7 +201,7 @@ def deploy_inference(
         services.stop_service(current)
     local_dir = local_checkpoint(checkpoint.uri)
     spec = ServiceSpec(name=name, command=serve_command(local_dir, port, model_name, host), port=port)
-    log_dir = Path(services.registry_path().parent) / "logs"
+    log_dir = services.registry_path().parent / "logs"
     log.info("starting %s: %s", name, " ".join(spec.command))
     handle = services.start_service(
         spec,

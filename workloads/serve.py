@@ -358,9 +358,9 @@ class ServerState:
         try:
             self.engine.load()
             self.ready.set()
-        except Exception:
-            self.load_error = traceback.format_exc()
-            log.error("loading %s failed:\n%s", self.engine.checkpoint, self.load_error)
+        except Exception as exc:
+            log.error("loading %s failed:\n%s", self.engine.checkpoint, traceback.format_exc())
+            self.load_error = f"{type(exc).__name__}: {exc}"
             raise
 
 
@@ -692,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving %s as %r on http://%s:%d", checkpoint, state.model_name, args.host, args.port)
     server.run()
     if state.load_error:
+        # last, so it is the line a supervisor's log tail ends with
+        print(f"serve: cannot serve {checkpoint}: {state.load_error}", file=sys.stderr, flush=True)
         return 1
     # uvicorn returns when it could not bind as well; say so with a non-zero code.
     return 0 if server.started else 3

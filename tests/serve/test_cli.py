@@ -1,0 +1,88 @@
+"""``nemoflow serve`` against the real server, and checkpoints that cannot be served."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+
+from infra import services, storage
+from nemoflow.cli import main
+from tasks.serve import local_checkpoint
+from tests.conftest import free_port
+
+
+@pytest.fixture
+def cleanup(work_dir):
+    yield
+    for entry in services.list_services():
+        services.stop_service(entry.name, grace_s=1)
+
+
+def test_start_status_list_stop(work_dir, cleanup, tiny_checkpoint, capsys):
+    port = free_port()
+    args = ["serve", "start", "--checkpoint", str(tiny_checkpoint), "--port", str(port), "--model-name", "Tiny Llama"]
+    assert main(args + ["--max-tokens-cap", "8"]) == 0
+    out = capsys.readouterr().out
+    assert f"serving Tiny Llama at http://127.0.0.1:{port}" in out and "nemoflow serve stop tiny-llama" in out
+    answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "max_tokens": 9}, timeout=30)
+    assert answer.status_code == 400 and "cap of 8" in answer.json()["error"]["message"]
+
+    assert main(["serve", "status", "tiny-llama", "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["healthy"] is True and status["model"] == "Tiny Llama" and status["port"] == port
+    assert main(["serve", "list", "--json"]) == 0
+    assert [e["name"] for e in json.loads(capsys.readouterr().out)] == ["tiny-llama"]
+
+    # the same port again: refused before anything starts, naming the owner
+    assert main(args[:-1] + ["Other"]) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} is already in use (by pid {status['pid']}, service 'tiny-llama')" in err
+
+    assert main(["serve", "stop", "tiny-llama"]) == 0
+    assert main(["serve", "status", "tiny-llama"]) == 1
+    assert main(["serve", "stop", "tiny-llama"]) == 1
+    assert "not running" in capsys.readouterr().out
+    assert not services.pid_alive(status["pid"])
+
+
+def test_unloadable_checkpoint_fails_with_the_reason(work_dir, cleanup, tiny_checkpoint, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, broken)
+    (broken / "model.safetensors").write_bytes((tiny_checkpoint / "model.safetensors").read_bytes()[:1000])
+    assert main(["serve", "start", "--checkpoint", str(broken), "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "exited with code 1 before it became ready" in err
+    assert f"cannot serve {broken}: SafetensorError" in err  # the server's own last line, from the log tail
+    assert services.list_services() == []
+
+    (broken / "tokenizer.model").unlink()
+    assert main(["serve", "start", "--checkpoint", str(broken), "--port", str(free_port())]) == 2
+    assert "lacks tokenizer.model" in capsys.readouterr().err
+
+
+def test_help_explains(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "start", "--help"])
+    out = capsys.readouterr().out
+    assert "--checkpoint" in out and "/health" in out
+
+
+def test_gs_checkpoint_is_copied_once_and_refreshed_on_change(work_dir, gcs_bucket, tiny_checkpoint):
+    uri = f"{gcs_bucket}/runs/tiny/step-1"
+    for path in tiny_checkpoint.iterdir():
+        storage.put_file(str(path), storage.join(uri, path.name))
+    local = local_checkpoint(uri)
+    assert str(work_dir) in local
+    for name in ("config.json", "model.safetensors", "tokenizer.model"):
+        assert storage.file_sha256(f"{local}/{name}") == storage.file_sha256(str(tiny_checkpoint / name))
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    config["use_cache"] = not config.get("use_cache", True)
+    storage.write_text(storage.join(uri, "config.json"), json.dumps(config))
+    assert local_checkpoint(uri) == local
+    assert json.loads(open(f"{local}/config.json").read())["use_cache"] == config["use_cache"]
+    with pytest.raises(FileNotFoundError, match="has no tokenizer.model"):
+        storage.remove(storage.join(uri, "tokenizer.model"))
+        local_checkpoint(uri)
