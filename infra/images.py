@@ -21,7 +21,10 @@ truncated or wrong file even when the source states no checksum. It is written
 under a temporary name and renamed only once verified. Beside each image a
 sidecar ``<image>.meta.json`` records the source, the source's checksum, the
 image's checksum, its size and when it was verified; a later copy of the same
-source with the same checksum finds it and copies nothing.
+source with the same checksum finds it and copies nothing. A local (or fuse)
+source states no checksum: its identity is its stat (inode, size, mtime, ctime),
+the copy records its sha256, and a touched-but-unchanged source is recognised
+by comparing that sha256 instead of copying again.
 
 Registry credentials (``NEMOFLOW_REGISTRY_USER`` / ``NEMOFLOW_REGISTRY_PASSWORD``;
 for nvcr.io the user defaults to ``$oauthtoken`` and the password is the NGC
@@ -373,7 +376,10 @@ class SourceInfo:
     uri: str
     size: int | None
     checksum: str | None  # "md5:<hex>" / "crc32c:<hex>" / "sha256:<hex>": what the copy must match
-    identity: str  # cache key part: the checksum, else the strongest validator the source has
+    # Cache key part: the stated checksum, else the strongest validator the source has;
+    # for a local or fuse-mounted file its stat identity, so a 20 GB image is not read
+    # an extra time just to find out it was staged already.
+    identity: str
 
     @property
     def name(self) -> str:
@@ -394,6 +400,12 @@ def _local_sha256(path: str) -> str:
                 digest.update(block)
         _local_sha256_memo[key] = "sha256:" + digest.hexdigest()
     return _local_sha256_memo[key]
+
+
+def _stat_identity(path: str) -> str:
+    """Inode, size, mtime and ctime: any rewrite or replacement of the file changes one of them."""
+    st = os.stat(path)
+    return f"stat:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
 def _http_checksum(headers) -> str | None:
@@ -457,8 +469,7 @@ def probe_source(source: str) -> SourceInfo:
             raise ImageNotFound(f"image source not found: no such file {path}")
         if os.path.isdir(path):
             raise ImageNotFound(f"image source {path} is a directory, not a .sqsh file")
-        checksum = _local_sha256(path)
-        return SourceInfo(path, os.path.getsize(path), checksum, f"{checksum}:{os.path.getsize(path)}")
+        return SourceInfo(path, os.path.getsize(path), None, _stat_identity(path))
     raise ImageError(
         f"image source {source!r}: unsupported scheme {kind}:// (use gs://, https://, file://, a path, or docker://)"
     )
@@ -525,7 +536,30 @@ def cached_image(image_uri: str, source: str, source_identity: str, log: LogSink
     )
 
 
-def _write_sidecar(image: StagedImage) -> None:
+def _revalidate_local(final: str, info: SourceInfo, log: LogSink) -> StagedImage | None:
+    """A local source whose stat changed (touched, re-mounted) but whose bytes may not have.
+
+    Reading it once to compare with the staged copy's sha256 is cheaper than
+    copying it again; on a match the sidecar learns the new stat identity.
+    """
+    if not info.identity.startswith("stat:"):
+        return None
+    meta = _read_sidecar(final)
+    if not meta or meta.get("source") != info.uri or meta.get("size") != info.size:
+        return None
+    if not str(meta.get("checksum", "")).startswith("sha256:") or not storage.exists(final):
+        return None
+    log(f"{info.uri} was touched since it was staged; comparing its sha256 with the staged copy")
+    if _local_sha256(info.uri) != meta["checksum"]:
+        return None
+    hit = cached_image(final, info.uri, meta.get("source_checksum"), log)
+    if hit is not None:
+        hit.source_checksum = info.identity
+        _write_sidecar(hit, verified_at=meta.get("verified_at"))
+    return hit
+
+
+def _write_sidecar(image: StagedImage, verified_at: str | None = None) -> None:
     storage.write_json(
         sidecar_uri(image.uri),
         {
@@ -534,7 +568,7 @@ def _write_sidecar(image: StagedImage) -> None:
             "checksum": image.checksum,
             "size": image.size,
             "digest": image.digest,
-            "verified_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "verified_at": verified_at or datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "superblock": dataclasses.asdict(image.superblock) if image.superblock else None,
         },
     )
@@ -661,7 +695,7 @@ def copy_image(
     final = storage.join(dest_dir, destination_name(source))
     if storage.is_local(final) and storage.is_local(source) and os.path.abspath(final) == source:
         raise ImageError(f"destination {final} is the source itself; choose another --dest")
-    if not force and (hit := cached_image(final, info.uri, info.identity, log)):
+    if not force and (hit := cached_image(final, info.uri, info.identity, log) or _revalidate_local(final, info, log)):
         log(f"{final} already verified from {info.uri} ({hit.checksum}); nothing copied")
         return hit
     _prepare_destination(dest_dir, info.size)
@@ -715,6 +749,8 @@ def copy_image(
                 "(copy discarded)"
             )
         superblock = check_superblock(header, copied, source)
+        if info.identity.startswith("stat:") and _stat_identity(source) != info.identity:
+            raise ImageCorrupted(f"{source} changed while it was being copied (copy discarded)")
         storage.commit(tmp, final)
     except OSError as exc:
         with contextlib.suppress(Exception):

@@ -20,10 +20,12 @@ By backend:
 * ``local``: no container; the interpreter and a hash of ``pip freeze``.
 
 Caching: the Prefect cache key is the source URL, the source's checksum (GCS
-md5/crc32c, HTTP hash headers or validators, sha256 of a local file, the
-digest of a registry image), the destination and the state of the staged copy;
-even without Prefect's cache, the sidecar ``<image>.meta.json`` makes a second
-copy of the same source a no-op.
+md5/crc32c, HTTP hash headers or validators, the digest of a registry image;
+for a local or fuse-mounted file its inode/size/mtime/ctime, so a 20 GB image
+is not read once more only to compute a key), the destination and the code
+version; a key whose staged copy has vanished is not trusted. Even without
+Prefect's cache, the sidecar ``<image>.meta.json`` makes a second copy of the
+same source a no-op.
 """
 
 from __future__ import annotations

@@ -369,3 +369,45 @@ def test_interrupted_copies_are_cleaned_up_only_when_stale(served, tmp_path):
     os.utime(other, (1, 1))
     copy_image(server.url("nemo-test.sqsh"), str(dest))
     assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_local_source_cache_survives_touch_but_not_edit(sqsh_image, tmp_path):
+    source = tmp_path / "fuse" / "nemo-test.sqsh"
+    source.parent.mkdir()
+    shutil.copyfile(sqsh_image, source)
+    dest = tmp_path / "images"
+    first = copy_image(str(source), str(dest))
+    assert first.checksum == "sha256:" + sha256(sqsh_image)
+    staged = os.stat(dest / "nemo-test.sqsh")
+
+    assert copy_image(str(source), str(dest)).cached
+    os.utime(source, (1_700_000_000, 1_700_000_000))  # touched (or re-mounted): same bytes, new stat
+    touched = copy_image(str(source), str(dest))
+    assert touched.cached
+    assert os.stat(dest / "nemo-test.sqsh").st_ino == staged.st_ino
+    meta = json.loads((dest / "nemo-test.sqsh.meta.json").read_text())
+    assert meta["source_checksum"] == touched.source_checksum != first.source_checksum
+
+    data = bytearray(source.read_bytes())
+    data[-5000] ^= 0x01  # same size, different content
+    source.write_bytes(bytes(data))
+    edited = copy_image(str(source), str(dest))
+    assert not edited.cached and edited.checksum == "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def test_source_changing_during_the_copy_is_detected(sqsh_image, tmp_path, monkeypatch):
+    source = tmp_path / "src" / "nemo-test.sqsh"
+    source.parent.mkdir()
+    shutil.copyfile(sqsh_image, source)
+    monkeypatch.setattr(images, "PROGRESS_EVERY", 256 << 10)
+
+    def rewrite_source(copied, total):
+        if copied < total:
+            with open(source, "r+b") as fh:  # another process replacing the image in place
+                fh.seek(100)
+                fh.write(b"\0" * 16)
+
+    dest = tmp_path / "images"
+    with pytest.raises(ImageCorrupted, match="changed while it was being copied"):
+        copy_image(str(source), str(dest), chunk=64 << 10, progress=rewrite_source)
+    assert leftovers(dest) == []
