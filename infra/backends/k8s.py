@@ -69,6 +69,30 @@ _CUSTOM = {
 }
 
 
+# Runs in progress in this process, for cancel_in_flight(): run id -> (backend, created objects, cancel event)
+_IN_FLIGHT: dict[str, tuple["KubernetesBackend", list[dict[str, Any]], threading.Event]] = {}
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def cancel_in_flight() -> int:
+    """Delete every Job this process has running and make their ``run()`` return CANCELLED.
+
+    ``run()`` deletes its objects itself when an exception reaches it; this is for the
+    cases where none does: a run inside a worker thread while the main thread is being
+    cancelled. Use it from a Prefect hook::
+
+        @flow(on_cancellation=[lambda *_: cancel_in_flight()], on_crashed=[lambda *_: cancel_in_flight()])
+
+    Returns how many runs were cancelled.
+    """
+    with _IN_FLIGHT_LOCK:
+        runs = list(_IN_FLIGHT.items())
+    for run_id, (backend, created, cancel) in runs:
+        cancel.set()
+        backend._clean_up(list(created), run_id, everything=True, emit=lambda line: None)
+    return len(runs)
+
+
 class KubernetesUnavailable(RuntimeError):
     """The API server could not be reached or kept failing (the message names the server)."""
 
@@ -333,11 +357,14 @@ class KubernetesBackend:
         followers: dict[str, threading.Thread] = {}
         created: list[dict[str, Any]] = []
         ended_by_itself = False
+        cancel = threading.Event()
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT[run_id] = (self, created, cancel)
         try:
             for obj in objects:
                 self._create(obj, run_id)
                 created.append(obj)
-            verdict, ended_by_itself = self._wait(job_obj, run_id, emit, followers)
+            verdict, ended_by_itself = self._wait(job_obj, run_id, emit, followers, cancel)
             for thread in followers.values():
                 thread.join(timeout=self.log_join_timeout_s)
             with lock:
@@ -351,6 +378,8 @@ class KubernetesBackend:
                 log_tail=log_tail,
             )
         finally:
+            with _IN_FLIGHT_LOCK:
+                _IN_FLIGHT.pop(run_id, None)
             self._clean_up(created, run_id, everything=not ended_by_itself, emit=emit)
 
     def _clean_up(self, created: list[dict[str, Any]], run_id: str, *, everything: bool, emit: LogSink) -> None:
@@ -388,13 +417,20 @@ class KubernetesBackend:
             raise
 
     def _wait(
-        self, job_obj: dict[str, Any], run_id: str, emit: LogSink, followers: dict[str, threading.Thread]
+        self,
+        job_obj: dict[str, Any],
+        run_id: str,
+        emit: LogSink,
+        followers: dict[str, threading.Thread],
+        cancel: threading.Event,
     ) -> tuple[reasons.Verdict, bool]:
         """The job's verdict, and whether the job ended by itself (else the caller deletes it)."""
         name = job_obj["metadata"]["name"]
         pending_since: float | None = None
         announced: set[str] = set()
         while True:
+            if cancel.is_set():
+                return reasons.Verdict(JobState.CANCELLED, "cancelled by nemoflow (cancel_in_flight)"), False
             job = self._read(job_obj)
             if job is None:
                 return reasons.Verdict(JobState.CANCELLED, f"{job_obj['kind']} {name} was deleted outside nemoflow"), True

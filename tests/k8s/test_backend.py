@@ -319,3 +319,20 @@ async def test_service_never_ready_times_out_and_is_removed(ready, make_backend)
     with pytest.raises(TimeoutError, match="llm-serve not ready after 0.5 s"):
         await asyncio.to_thread(backend.start_service, serve)
     assert ready.live("apps/v1/deployments") == [] and ready.live("v1/services") == []
+
+
+async def test_cancel_in_flight_stops_a_run_in_another_thread(ready, make_backend):
+    """What a Prefect on_cancellation hook calls: the run in a worker thread ends CANCELLED, nothing is left."""
+    from infra.backends.k8s import cancel_in_flight
+
+    ready.scripts["train"] = JobScript(pod=lambda i: PodScript(logs=["step 1"], hang=True))
+    running = asyncio.create_task(run(make_backend(ready), spec("train", array_size=2)))
+    async with asyncio.timeout(20):
+        while len([p for p in ready.live("v1/pods") if p["status"].get("phase") == "Running"]) < 2:
+            await asyncio.sleep(0.05)
+    assert await asyncio.to_thread(cancel_in_flight) == 1
+    async with asyncio.timeout(20):
+        result, _ = await running
+    assert result.state is JobState.CANCELLED
+    assert ready.live("batch/v1/jobs") == [] and ready.live("v1/pods") == []
+    assert await asyncio.to_thread(cancel_in_flight) == 0
