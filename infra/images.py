@@ -449,6 +449,8 @@ def probe_source(source: str) -> SourceInfo:
         return SourceInfo(source, size, checksum, f"{validator or 'unvalidated'}:{size}")
     if kind in ("gs", "gcs"):
         try:
+            fs, path = storage.url_to_fs(source)
+            fs.invalidate_cache(path)  # a listing cached earlier in this process may predate a re-upload
             meta = storage.info(source)
         except FileNotFoundError as exc:
             raise ImageNotFound(f"image source not found: no such object {source}") from exc
@@ -635,6 +637,55 @@ class _HashWriter:
             raise self._error
 
 
+def _is_gcs(uri: str) -> bool:
+    return storage.scheme(uri) in ("gs", "gcs")
+
+
+def _copy_within_gcs(info: SourceInfo, tmp: str, final: str, log: LogSink, progress) -> StagedImage:
+    """Bucket to bucket: GCS copies server-side (no byte passes through here) and states the new md5/crc32c."""
+    fs, tmp_path = storage.url_to_fs(tmp)
+    _, src_path = storage.url_to_fs(info.uri)
+    algorithm = info.checksum.split(":", 1)[0]
+    key = {"md5": "md5Hash", "crc32c": "crc32c"}[algorithm]
+    started = time.monotonic()
+    log(f"copying {info.uri} ({human_bytes(info.size)}) to {final} inside GCS")
+    try:
+        fs.cp_file(src_path, tmp_path)
+        fs.invalidate_cache(tmp_path)
+        meta = fs.info(tmp_path)
+        stated = _b64_to_hex(meta.get(key) or "")
+        actual = f"{algorithm}:{stated}" if stated else None
+        if int(meta["size"]) != info.size or actual != info.checksum:
+            raise ImageCorrupted(
+                f"GCS copy of {info.uri} does not match: the source states {info.checksum} ({info.size} bytes), "
+                f"the copy {actual} ({meta['size']} bytes) (copy discarded)"
+            )
+        with fs.open(tmp_path, "rb") as fh:
+            header = fh.read(SUPERBLOCK_SIZE)
+        superblock = check_superblock(header, int(meta["size"]), info.uri)
+        storage.commit(tmp, final)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            fs.rm(tmp_path)
+        raise
+    image = StagedImage(
+        uri=final,
+        size=info.size,
+        checksum=info.checksum,
+        source=info.uri,
+        source_checksum=info.identity,
+        bytes_copied=info.size,
+        seconds=time.monotonic() - started,
+        superblock=superblock,
+    )
+    _write_sidecar(image)
+    if progress is not None:
+        progress(info.size, info.size)
+    log(f"verified {final}: {info.checksum} stated by GCS for the copy, squashfs {superblock.version} "
+        f"{superblock.compression}, {superblock.inodes} inodes")
+    return image
+
+
 def _remove_stale_temporaries(dest_dir: str, name: str, log: LogSink) -> None:
     """Delete what a crashed copy of ``name`` left behind: images are large, and nobody else cleans up.
 
@@ -703,6 +754,8 @@ def copy_image(
     algorithm = info.checksum.split(":", 1)[0] if info.checksum else "sha256"
     hasher = new_hasher(algorithm)
     tmp = storage.join(dest_dir, f"{storage.TMP_MARK}{uuid.uuid4().hex[:12]}-{storage.basename(final)}")
+    if _is_gcs(source) and _is_gcs(dest_dir) and info.checksum:
+        return _copy_within_gcs(info, tmp, final, log, progress)
     fs_src, src_path = storage.url_to_fs(source)
     fs_dst, tmp_path = storage.url_to_fs(tmp)
     header = b""

@@ -411,3 +411,20 @@ def test_source_changing_during_the_copy_is_detected(sqsh_image, tmp_path, monke
     with pytest.raises(ImageCorrupted, match="changed while it was being copied"):
         copy_image(str(source), str(dest), chunk=64 << 10, progress=rewrite_source)
     assert leftovers(dest) == []
+
+
+def test_bucket_to_bucket_copy_is_server_side_and_verified(gcs_bucket, sqsh_image, kjv_chapters, tmp_path):
+    src = f"{gcs_bucket}/containers/nemo-test.sqsh"
+    storage.put_file(str(sqsh_image), src)
+    dest = f"{gcs_bucket}/staged"
+    staged = copy_image(src, dest)
+    assert staged.checksum == "md5:" + md5(sqsh_image)
+    assert storage.read_bytes(staged.uri) == sqsh_image.read_bytes()
+    assert copy_image(src, dest).cached
+    # Not a squashfs image: GCS copies it faithfully, the superblock check still refuses it.
+    bogus = f"{gcs_bucket}/containers/bogus.sqsh"
+    storage.write_text(bogus, kjv_chapters[0])
+    with pytest.raises(ImageVerificationError, match="is not a squashfs image"):
+        copy_image(bogus, dest)
+    names = [storage.basename(u) for u in storage.listdir(dest)]
+    assert names == ["nemo-test.sqsh", "nemo-test.sqsh.meta.json"]
