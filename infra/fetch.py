@@ -348,13 +348,15 @@ class _Progress:
     def __init__(self, fn: Progress | None):
         self.fn = fn
         self.last = 0.0
+        self.reported: tuple[int, int | None] | None = None
 
     def __call__(self, done: int, total: int | None, final: bool = False) -> None:
-        if self.fn is None:
+        if self.fn is None or self.reported == (done, total):
             return
         now = time.monotonic()
-        if final or now - self.last >= 0.25:
+        if final or done == total or now - self.last >= 0.25:
             self.last = now
+            self.reported = (done, total)
             self.fn(done, total)
 
 
@@ -391,6 +393,11 @@ def _http_attempt(session, url: str, part: str, state_path: str, timeout: float,
         if code in (408, 429) or code >= 500:
             raise _Retry(f"HTTP {code} {resp.reason}", retry_after=_retry_after(resp.headers.get("Retry-After")))
         if code == 416:
+            m = re.fullmatch(r"bytes \*/(\d+)", resp.headers.get("Content-Range", "").strip())
+            if m and int(m.group(1)) == have:
+                # The validator matched (else the answer is 200) and nothing is missing: the
+                # previous run stopped after the last byte. Verify what we have.
+                return _Outcome(total=have, etag=_strip_etag(state.get("validator")))
             _discard(part)
             raise _Retry("HTTP 416 (range not satisfiable): restarting from zero", now=True)
         if code not in (200, 206):
@@ -453,17 +460,25 @@ def _gcs_attempt(url: str, part: str, state_path: str, say: Log, progress: _Prog
     if have:
         say(f"resuming at byte {have}")
     done = have
-    try:
-        with fs.open(path, "rb") as src, open(part, "ab" if have else "wb") as fh:
+    with open(part, "ab" if have else "wb") as fh:
+        try:
+            src = fs.open(path, "rb")
             src.seek(have)
-            while block := src.read(8 * CHUNK):
+        except FileNotFoundError:
+            raise NotFound(f"not found: {url}") from None
+        except Exception as exc:  # gcsfs/aiohttp raise many types for transient errors
+            raise _Retry(f"open failed: {exc}") from None
+        with src:
+            while True:
+                try:
+                    block = src.read(8 * CHUNK)
+                except Exception as exc:
+                    raise _Retry(f"read failed after {done} bytes: {exc}") from None
+                if not block:
+                    break
                 fh.write(block)
                 done += len(block)
                 progress(done, total)
-    except FileNotFoundError:
-        raise NotFound(f"not found: {url}") from None
-    except Exception as exc:
-        raise _Retry(f"read failed after {done} bytes: {exc}") from None
     claims = {}
     if meta.get("md5Hash") and (hexed := _b64_to_hex(meta["md5Hash"])):
         claims["md5"] = hexed
@@ -588,13 +603,47 @@ def download(
             log(redact(f"{name}: {msg}"))
 
     meta_uri = dest_uri + ".meta.json"
-    if (meta := _existing(url, dest_uri, meta_uri, expected_size, expected_sha256)) is not None:
+
+    def present() -> FetchResult | None:
+        if (meta := _existing(url, dest_uri, meta_uri, expected_size, expected_sha256)) is None:
+            return None
         say(f"already present and verified ({meta['size']} bytes, sha256 {meta['sha256'][:12]}…): not fetched again")
         return FetchResult(
             url=safe_url, uri=dest_uri, size=meta["size"], sha256=meta["sha256"], etag=meta.get("etag"),
             attempts=0, skipped=True, seconds=time.monotonic() - started,
         )
 
+    if (done := present()) is not None:
+        return done
+    with _dest_lock(dest_uri, say):
+        # Another thread or process may have finished this file while we waited for the lock.
+        if (done := present()) is not None:
+            return done
+        return _fetch(url, dest_uri, meta_uri, proto, name, safe_url, started, say, expected_size=expected_size,
+                      expected_sha256=expected_sha256, retries=retries, backoff=backoff, max_backoff=max_backoff,
+                      timeout=timeout, progress=progress)
+
+
+@contextlib.contextmanager
+def _dest_lock(dest_uri: str, say: Log):
+    """One writer per destination on this machine: two writers would interleave bytes in one .part."""
+    import fcntl
+
+    path = os.path.join(_staging_dir(), _url_digest(storage.normalize(dest_uri))[:24] + ".lock")
+    with open(path, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say("another download of this file is running here: waiting for it")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _fetch(url, dest_uri, meta_uri, proto, name, safe_url, started, say, *, expected_size, expected_sha256,
+           retries, backoff, max_backoff, timeout, progress) -> FetchResult:
     local_dest = storage.is_local(dest_uri)
     if local_dest:
         final = storage.local_path(dest_uri)
@@ -647,7 +696,6 @@ def download(
             session.close()
 
     size = os.path.getsize(part)
-    ticker(size, size, final=True)
     if local_dest:
         os.replace(part, final)
     else:
@@ -659,6 +707,7 @@ def download(
         meta_uri,
         {"url": safe_url, "url_sha256": _url_digest(url), "size": size, "etag": outcome.etag, **hashes},
     )
+    ticker(size, size, final=True)
     seconds = time.monotonic() - started
     say(f"done: {size} bytes in {seconds:.1f}s, {attempts} attempt(s), sha256 {hashes['sha256'][:12]}…")
     return FetchResult(

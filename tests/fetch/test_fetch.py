@@ -321,3 +321,73 @@ def test_redirect_loop_fails_without_retrying(server, tmp_path):
     with pytest.raises(FetchError, match="cannot fetch .*redirects"):
         download(server.url(SHARD), str(tmp_path / "x.zst"), retries=8, backoff=5)
     assert server.count(SHARD) == 31  # requests' own redirect limit (30), one call, no retry
+
+
+class Crash(BaseException):
+    """Stands in for a killed worker: not an Exception, so nothing retries it."""
+
+
+def _crash_after(limit: int):
+    def progress(done: int, total: int | None) -> None:
+        if done >= limit:
+            raise Crash()
+
+    return progress
+
+
+def test_crash_mid_download_resumes_over_http(server, corpus, tmp_path):
+    dest = tmp_path / "x.zst"
+    with pytest.raises(Crash):
+        download(server.url(SHARD), str(dest), progress=_crash_after(1))
+    kept = (tmp_path / "x.zst.part").stat().st_size
+    assert 0 < kept < len(source_bytes(corpus)) and not dest.exists()
+    result = download(server.url(SHARD), str(dest), **FAST)
+    assert server.requests_for(SHARD)[-1].headers["Range"] == f"bytes={kept}-"
+    assert result.attempts == 1 and dest.read_bytes() == source_bytes(corpus)
+
+
+def test_crash_after_the_last_byte_verifies_without_refetching(server, corpus, tmp_path):
+    """The .part is complete but uncommitted: the resume asks for bytes=N-, gets 416 */N, and verifies."""
+    size = len(source_bytes(corpus))
+    with pytest.raises(Crash):
+        download(server.url(SHARD), str(tmp_path / "x.zst"), progress=_crash_after(size))
+    assert (tmp_path / "x.zst.part").stat().st_size == size and not (tmp_path / "x.zst").exists()
+    result = download(server.url(SHARD), str(tmp_path / "x.zst"), expected_size=size, **FAST)
+    last = server.requests_for(SHARD)[-1]
+    assert (last.headers["Range"], last.status) == (f"bytes={size}-", 416)
+    assert result.attempts == 1 and (tmp_path / "x.zst").read_bytes() == source_bytes(corpus)
+
+
+def test_crash_mid_download_resumes_from_gcs(gcs_bucket, tmp_path):
+    data = bytes(range(256)) * 40_000  # 10 MB: several 8 MB reads
+    uri = f"{gcs_bucket}/raw/big.bin"
+    storage.write_bytes(uri, data)
+    dest = tmp_path / "big.bin"
+    with pytest.raises(Crash):
+        download(uri, str(dest), progress=_crash_after(1))
+    kept = (tmp_path / "big.bin.part").stat().st_size
+    assert 0 < kept < len(data)
+    lines: list[str] = []
+    download(uri, str(dest), log=lines.append)
+    assert any(f"resuming at byte {kept}" in line for line in lines)
+    assert dest.read_bytes() == data
+
+
+def test_concurrent_downloads_of_one_file_fetch_it_once(server, corpus, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    server.add_faults(SHARD, Fault(delay=0.5))  # the first GET is slow, so the others must wait
+    dest = str(tmp_path / "x.zst")
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: download(server.url(SHARD), dest, **FAST), range(4)))
+    assert server.count(SHARD) == 1
+    assert sorted(r.skipped for r in results) == [False, True, True, True]
+    assert (tmp_path / "x.zst").read_bytes() == source_bytes(corpus)
+
+
+def test_refused_hugging_face_request_hints_at_the_token(server, tmp_path, map_hosts):
+    map_hosts("huggingface.co")
+    server.add_faults(SHARD, Fault(status=401))
+    with pytest.raises(FetchError, match="HTTP 401 .*set HF_TOKEN"):
+        download(server.url(SHARD, host="huggingface.co"), str(tmp_path / "x.zst"), **FAST)
+    assert server.count(SHARD) == 1
