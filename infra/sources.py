@@ -10,7 +10,7 @@ A specification is one of
 * a list of URIs or paths (``https://``, ``http://``, ``gs://``, ``file://``, plain paths);
 * a glob (``gs://bucket/raw/*.jsonl.zst``, ``/data/**/*.jsonl``), expanded through fsspec;
 * a URL template with ``{chunk}`` and/or ``{shard}`` placeholders, filled from ranges such
-  as ``"1-10"`` or ``"0,3,5-7"``.
+  as ``"1-10"`` or ``"0,3,5-7"``; a format spec pads numbers: ``part-{shard:05d}.jsonl``.
 
 Each :class:`Source` carries a ``name``: the relative path the file gets under the download
 directory. It keeps the part of the path that tells files apart (``chunk1/example_train_0``),
@@ -29,7 +29,8 @@ from pydantic import BaseModel
 SUPPORTED_SCHEMES = ("https", "http", "gs", "file")
 PLACEHOLDERS = ("chunk", "shard")
 _GLOB_CHARS = re.compile(r"[*?\[]")
-_FIELD = re.compile(r"\{([^{}]*)\}")
+# {chunk}, {shard}, or with a format spec: {shard:05d} (C4's "c4-train.{shard:05d}-of-01024.json.gz").
+_FIELD = re.compile(r"\{([^{}:]*)(?::([^{}]*))?\}")
 
 
 class Source(BaseModel):
@@ -119,8 +120,15 @@ def _expand_glob(pattern: str) -> list[Source]:
     return out
 
 
+def _format(value: int, spec: str | None, template: str) -> str:
+    try:
+        return format(value, spec or "")
+    except ValueError as exc:
+        raise SourceError(f"bad format spec {spec!r} in {template!r}: {exc}") from None
+
+
 def _expand_template(template: str, chunks: str | None, shards: str | None) -> list[Source]:
-    fields = _FIELD.findall(template)
+    fields = [name for name, _ in _FIELD.findall(template)]
     unknown = sorted({f for f in fields if f not in PLACEHOLDERS})
     if unknown:
         raise SourceError(
@@ -149,7 +157,7 @@ def _expand_template(template: str, chunks: str | None, shards: str | None) -> l
     for c in ranges.get("chunk", [None]):
         for s in ranges.get("shard", [None]):
             values = {"chunk": c, "shard": s}
-            fill = lambda t: _FIELD.sub(lambda m: str(values[m.group(1)]), t)  # noqa: E731
+            fill = lambda t: _FIELD.sub(lambda m: _format(values[m.group(1)], m.group(2), template), t)  # noqa: E731
             out.append(Source(url=fill(template), name=fill(name_template)))
     return out
 

@@ -34,6 +34,13 @@ def test_template_with_one_placeholder():
     assert [s.name for s in sources] == ["part-8.jsonl", "part-9.jsonl", "part-10.jsonl"]
 
 
+def test_template_format_spec_pads_numbers():
+    sources = expand_sources("https://h/c4/en/c4-train.{shard:05d}-of-01024.json.gz", shards="9-10")
+    assert [s.name for s in sources] == ["c4-train.00009-of-01024.json.gz", "c4-train.00010-of-01024.json.gz"]
+    with pytest.raises(SourceError, match="bad format spec 'q'"):
+        expand_sources("https://h/x-{shard:q}.gz", shards="1")
+
+
 @pytest.mark.parametrize(
     ("text", "values"),
     [("0,3,5-7", [0, 3, 5, 6, 7]), ("7", [7]), ("3-3", [3]), ("2,1-2, 0", [0, 1, 2])],
