@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -122,3 +123,50 @@ def test_smoke_sends_the_seed_body(live_server):
     assert result.passed, result.status
     assert result.http_status == 200 and 0 < result.completion_tokens <= 20 and result.output.strip()
     assert sys.getsizeof(result.output) > 0
+
+
+CANCELLED_DEPLOY = """
+import sys
+from pathlib import Path
+from prefect import flow, task
+from infra import services
+from infra.jobs import ServiceSpec
+
+@task
+def deploy(port):
+    script = "import time; print('loading', flush=True); time.sleep(600)  # cancelled-deploy-marker"
+    spec = ServiceSpec(name="cancelled-deploy", command=[sys.executable, "-c", script], port=port)
+    services.start_service(spec, sys.argv[2], ready_timeout_s=300)
+
+@flow
+def deploy_flow(port: int):
+    deploy(port)
+
+deploy_flow(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.slow
+def test_flow_run_terminated_before_ready_leaves_no_server(prefect_server, work_dir, cleanup, tmp_path):
+    """Cancelling a flow run SIGTERMs its process; Prefect turns that into an exception in the task."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    repo = str(Path(__file__).resolve().parents[2])
+    runner = subprocess.Popen(
+        [sys.executable, "-c", CANCELLED_DEPLOY, str(free_port()), str(tmp_path / "logs")],
+        cwd=repo, env=dict(os.environ, PYTHONPATH=repo), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 90
+    entry = None
+    while entry is None and time.monotonic() < deadline and runner.poll() is None:
+        entry = services.get_service("cancelled-deploy")
+        time.sleep(0.2)
+    assert entry is not None and entry.state == "starting", runner.communicate()[0] if runner.poll() else ""
+    runner.send_signal(signal.SIGTERM)  # what a worker does to cancel the run: only the flow's process
+    output = runner.communicate(timeout=60)[0]
+    assert not services.pid_alive(entry.pid, entry.proc_start), output
+    assert services.group_members(entry.pid) == []
+    assert services.list_services() == []
