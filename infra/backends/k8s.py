@@ -15,14 +15,23 @@ What :meth:`KubernetesBackend.run` does:
    exponential backoff on 5xx/429 and connection errors; a 409 for an object of
    the same run (a create whose response was lost) is taken as success;
 3. watches the Job (a watch that expires with 410 Gone is re-listed and
-   re-watched), follows every pod's log into ``on_log``, and returns when the
-   Job completes or fails, with the reason read from the Job and its pods
+   re-watched), follows every pod's log into ``on_log`` (with timestamps, so a
+   cut connection resumes without losing or repeating lines), and returns when
+   the Job completes or fails, with the reason read from the Job and its pods
    (:mod:`infra.k8s.reasons`). Pods stuck on ImagePullBackOff or a bad Secret
    fail the run at once; pods unschedulable longer than ``pending_timeout_s`` too;
 4. in ``finally``: unless the Job ended by itself, deletes it with
    ``propagationPolicy: Foreground`` and its pods, so an interrupted or cancelled
-   Prefect run leaves nothing running. Finished Jobs are left for
-   ``ttlSecondsAfterFinished`` to clean up (their logs stay readable until then).
+   Prefect run leaves nothing running (:func:`cancel_in_flight` does the same for
+   runs in worker threads, from a Prefect ``on_cancellation`` hook). Finished Jobs
+   are left for ``ttlSecondsAfterFinished`` to clean up (their logs stay readable
+   until then).
+
+Multi-node training is an Indexed Job + headless Service by default, a Kubeflow
+PyTorchJob with ``K8sOptions(training_kind="pytorchjob")``; inference is a
+Deployment + Service, or a Knative Service with ``inference_kind="knative"``.
+The API is found in-cluster, through ``KUBECONFIG``, or from a Prefect
+``KubernetesCredentials`` block (``credentials_block="name"``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from infra.jobs import JobSpec, Mount, Resources, ServiceSpec
+from infra.jobs import JobSpec, Mount
 from infra.k8s.images import InvalidImageReference, validate_image_reference
 from infra.k8s.manifests import job_objects, k8s_quantity, to_dict
 from infra.k8s.options import K8sOptions
