@@ -385,9 +385,18 @@ def test_concurrent_downloads_of_one_file_fetch_it_once(server, corpus, tmp_path
     assert (tmp_path / "x.zst").read_bytes() == source_bytes(corpus)
 
 
-def test_refused_hugging_face_request_hints_at_the_token(server, tmp_path, map_hosts):
+def test_refused_hugging_face_request_hints_at_the_token(server, tmp_path, map_hosts, monkeypatch):
+    from infra.settings import reload_settings
+
+    for var in ("HF_TOKEN", "NEMOFLOW_HF_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)  # no .env from the developer's directory
+    reload_settings()
     map_hosts("huggingface.co")
     server.add_faults(SHARD, Fault(status=401))
     with pytest.raises(FetchError, match="HTTP 401 .*set HF_TOKEN"):
         download(server.url(SHARD, host="huggingface.co"), str(tmp_path / "x.zst"), **FAST)
     assert server.count(SHARD) == 1
+    assert "Authorization" not in server.requests_for(SHARD)[0].headers
+    monkeypatch.undo()
+    reload_settings()
