@@ -12,7 +12,9 @@ What makes it robust, in the order things happen:
 
 * A verified copy already at the destination is not fetched again. "Verified" is decided by a
   sidecar ``<dest>.meta.json`` (url digest, size, sha256, md5, etag) checked against the file
-  itself (its sha256 locally, size + md5 on GCS), never by mtime.
+  itself (its sha256 locally, size + md5/crc32c on GCS), never by mtime. A local file without
+  a sidecar is adopted only when ``expected_sha256`` matches it. Concurrent calls for one
+  destination on one machine wait for each other (flock) instead of writing one ``.part`` twice.
 * Bytes go to ``<dest>.part``. After a failure the next attempt asks for the rest with
   ``Range: bytes=N-`` and ``If-Range: <validator>``; a ``206`` whose ``Content-Range`` starts
   at N is appended, a ``200`` (no range support, or the file changed) restarts from zero.
@@ -530,8 +532,10 @@ def _verify(part: str, outcome: _Outcome, expected_size: int | None, expected_sh
 def _existing(url: str, dest_uri: str, meta_uri: str, expected_size: int | None, expected_sha256: str | None) -> dict | None:
     """The sidecar of a verified copy of ``url`` at ``dest_uri``, or None."""
     try:
-        if not storage.exists(meta_uri) or not storage.exists(dest_uri):
+        if not storage.exists(dest_uri):
             return None
+        if not storage.exists(meta_uri):
+            return _adopt(url, dest_uri, meta_uri, expected_size, expected_sha256)
         meta = storage.read_json(meta_uri)
         if meta.get("url_sha256") != _url_digest(url):
             return None
@@ -559,6 +563,22 @@ def _existing(url: str, dest_uri: str, meta_uri: str, expected_size: int | None,
         return meta
     except (OSError, ValueError, KeyError):
         return None
+
+
+def _adopt(url: str, dest_uri: str, meta_uri: str, expected_size: int | None, expected_sha256: str | None) -> dict | None:
+    """A local file put there by hand (no sidecar) counts as verified if it has the expected sha256."""
+    if not expected_sha256 or not storage.is_local(dest_uri):
+        return None
+    path = storage.local_path(dest_uri)
+    size = os.path.getsize(path)
+    if expected_size is not None and size != expected_size:
+        return None
+    hashes = _hash_file(path, False, False)
+    if hashes["sha256"] != expected_sha256.lower():
+        return None
+    meta = {"url": redact(url), "url_sha256": _url_digest(url), "size": size, "etag": None, **hashes}
+    storage.write_json(meta_uri, meta)
+    return meta
 
 
 def shard_label(uri: str) -> str:

@@ -189,6 +189,18 @@ def test_verified_file_is_not_fetched_again(server, corpus, tmp_path):
         download(server.url(SHARD), str(dest), expected_sha256="1" * 64, **FAST)
 
 
+def test_file_placed_by_hand_is_adopted_only_with_a_matching_checksum(server, corpus, tmp_path):
+    data = source_bytes(corpus)
+    dest = tmp_path / "x.zst"
+    dest.write_bytes(data)
+    result = download(server.url(SHARD), str(dest), expected_sha256=hashlib.sha256(data).hexdigest(), **FAST)
+    assert result.skipped and server.count(SHARD) == 0
+    assert storage.read_json(str(dest) + ".meta.json")["sha256"] == hashlib.sha256(data).hexdigest()
+    other = tmp_path / "y.zst"
+    other.write_bytes(data)  # without a checksum to compare with, a stray file is not trusted
+    assert not download(server.url(SHARD), str(other), **FAST).skipped and server.count(SHARD) == 1
+
+
 def test_progress_reports_reach_the_total(server, corpus, tmp_path):
     seen: list[tuple[int, int | None]] = []
     download(server.url(SHARD), str(tmp_path / "x.zst"), progress=lambda done, total: seen.append((done, total)))
