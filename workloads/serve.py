@@ -588,9 +588,13 @@ def create_app(state: ServerState) -> FastAPI:
         req = parse_body(await request.body(), ChatRequest)
         if req.max_completion_tokens is not None and req.max_tokens not in (None, req.max_completion_tokens):
             raise bad_request("max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
-        params = _sampling(req, state, req.max_completion_tokens or req.max_tokens, state.max_tokens_cap)
-        params.stop = params.stop + [CHAT_STOP]
         prompt = render_chat(req.messages)
+        # Without a limit a reply may use the rest of the context (as OpenAI's chat does), up to the cap.
+        room = state.engine.context_length - len(state.engine.encode_prompt(prompt))
+        default_max = max(1, min(state.max_tokens_cap, room)) if state.engine.context_length else state.max_tokens_cap
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = _sampling(req, state, requested, default_max)
+        params.stop = params.stop + [CHAT_STOP]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
 

@@ -75,6 +75,25 @@ def test_streaming_matches_the_plain_answer(client):
     assert all(c.object == "text_completion" for c in chunks)
 
 
+def test_streaming_honours_stop_strings(live_server, client):
+    prompt = "In the beginning was the Word"
+    full = complete(live_server, prompt=prompt, max_tokens=20, temperature=0)["choices"][0]["text"]
+    stop = full[9:12]
+    stopped = complete(live_server, prompt=prompt, max_tokens=20, temperature=0, stop=stop)["choices"][0]
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == stopped["text"] == full[: full.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_without_max_tokens_fits_the_context(live_server):
+    # context 256, cap 64: a 230-token conversation leaves less room than the cap, and that is not an error
+    messages = [{"role": "user", "content": "word " * 225}]
+    result = post(live_server, "/v1/chat/completions", {"messages": messages, "temperature": 0})
+    usage = result["usage"]
+    assert usage["prompt_tokens"] > 256 - 64
+    assert 1 <= usage["completion_tokens"] <= 256 - usage["prompt_tokens"]
+
+
 def test_stream_ends_with_done_and_usage(live_server):
     body = {"prompt": "a", "max_tokens": 3, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", live_server + "/v1/completions", json=body, timeout=60) as response:
