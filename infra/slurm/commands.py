@@ -102,15 +102,16 @@ class SlurmCLI:
             raise
         return parsers.parse_scontrol_jobs(out)
 
-    def scancel(self, job_ids: Iterable[str], signal: str | None = None, batch_only: bool = False) -> None:
+    def scancel(self, job_ids: Iterable[str], signal: str | None = None, full: bool = False) -> None:
+        """Cancel jobs; with ``signal``, only signal them (``full``: the batch shell too)."""
         ids = list(job_ids)
         if not ids:
             return
         argv = ["scancel"]
         if signal:
             argv.append(f"--signal={signal}")
-        if batch_only:
-            argv.append("--batch")
+        if full:
+            argv.append("--full")
         self.run(argv + ids)
 
     def partitions(self) -> dict[str, parsers.Partition]:

@@ -247,9 +247,9 @@ def _checkpointed(tmp_path: Path, target: int) -> tuple[Path, Path]:
 
 @pytest.mark.slow
 def test_timeout_is_resubmitted_and_resumes_from_checkpoint(backend, tmp_path):
-    script, ckpt = _checkpointed(tmp_path, 400)
+    script, ckpt = _checkpointed(tmp_path, 200)
     lines: list[str] = []
-    spec = JobSpec(name="time-limited", command=[PY, str(script), str(ckpt), "400"],
+    spec = JobSpec(name="time-limited", command=[PY, str(script), str(ckpt), "200"],
                    resources=Resources(time="1"))
     backend.options.max_resubmits = 3
     result = _run_with_fast_resume(backend, spec, lines)
@@ -258,8 +258,8 @@ def test_timeout_is_resubmitted_and_resumes_from_checkpoint(backend, tmp_path):
     resumed = [line for line in lines if line.startswith("resume from ")]
     assert resumed, lines[-20:]
     resumed_at = int(resumed[0].split()[2])
-    assert 30 < resumed_at < 400
-    assert ckpt.read_text() == "400"
+    assert 30 < resumed_at < 200
+    assert ckpt.read_text() == "200"
     # no step ran twice: the resumed attempt started right after the checkpoint
     assert f"step {resumed_at + 1}" in lines and lines.count(f"step {resumed_at}") == 1
 
