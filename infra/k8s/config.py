@@ -25,12 +25,7 @@ def api_client(
             credentials = KubernetesCredentials.load(credentials_block)
         except ValueError as exc:
             raise KubeConfigError(f"Prefect block kubernetes-credentials/{credentials_block} not found: {exc}") from exc
-        # The block's clients are kubernetes_asyncio; the backend is synchronous, so
-        # build a sync client from the same kubeconfig dict.
-        cluster = credentials.cluster_config
-        if cluster is None:
-            return api_client(kubeconfig=kubeconfig, context=context)
-        return config.new_client_from_config_dict(cluster.config, context=cluster.context_name or context)
+        return client_from_credentials(credentials, kubeconfig=kubeconfig, context=context)
     if kubeconfig:
         if not os.path.exists(kubeconfig):
             raise KubeConfigError(f"kubeconfig {kubeconfig} does not exist")
@@ -43,13 +38,27 @@ def api_client(
         except config.ConfigException:
             pass  # a pod without a mounted service account: try a kubeconfig
     try:
-        return config.new_client_from_config(context=context)
+        # read KUBECONFIG now: the client reads it once, at import time (a list of paths works too)
+        return config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"), context=context)
     except (config.ConfigException, FileNotFoundError) as exc:
         raise KubeConfigError(
             "no Kubernetes configuration: not in a cluster, and no kubeconfig at "
             f"{os.environ.get('KUBECONFIG', '~/.kube/config')} ({exc}); set KUBECONFIG or name a "
             "Prefect KubernetesCredentials block"
         ) from exc
+
+
+def client_from_credentials(credentials, *, kubeconfig: str | None = None, context: str | None = None) -> client.ApiClient:
+    """A sync client from a prefect-kubernetes ``KubernetesCredentials`` block.
+
+    The block's own clients are kubernetes_asyncio; the backend is synchronous, so a
+    sync client is built from the same kubeconfig dict. A block without a cluster
+    config means "in-cluster or the local kubeconfig", as it does for the worker.
+    """
+    cluster = credentials.cluster_config
+    if cluster is None:
+        return api_client(kubeconfig=kubeconfig, context=context)
+    return config.new_client_from_config_dict(cluster.config, context=cluster.context_name or context)
 
 
 def api_client_for_url(url: str) -> client.ApiClient:
