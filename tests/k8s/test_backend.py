@@ -336,3 +336,12 @@ async def test_cancel_in_flight_stops_a_run_in_another_thread(ready, make_backen
     assert result.state is JobState.CANCELLED
     assert ready.live("batch/v1/jobs") == [] and ready.live("v1/pods") == []
     assert await asyncio.to_thread(cancel_in_flight) == 0
+
+
+async def test_invalid_image_is_refused_before_anything_is_created(ready, make_backend):
+    from infra.k8s.images import InvalidImageReference
+
+    bad = JobSpec(name="tok", command=["x"], container_image="nvcr.io/nvidia/nemo:25.02@sha256:123")
+    with pytest.raises(InvalidImageReference, match="64 lowercase hex"):
+        await asyncio.to_thread(make_backend(ready).run, bad)
+    assert not [r for r in ready.kmock if r.method == "POST"]
