@@ -76,6 +76,24 @@ def register(sub) -> None:
     parser.set_defaults(func=run)
 
 
+def _run_in_flow(args):
+    """The task inside a one-task flow, so its logs and artifact belong to a flow run in the UI."""
+    import os
+
+    # Without PREFECT_API_URL Prefect starts a temporary server; on a busy login node
+    # its default 20 s start-up budget is not always enough.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    from prefect import flow
+
+    from tasks.image import stage_image
+
+    @flow(name="stage-image", log_prints=False)
+    def stage_image_flow(source, dest, backend, convert, force):
+        return stage_image(source, dest=dest, backend=backend, convert=convert, force=force)
+
+    return stage_image_flow(args.source, args.dest, args.backend, args.convert, args.force)
+
+
 def run(args) -> int:
     from infra.images import ImageError
 
@@ -88,9 +106,7 @@ def run(args) -> int:
             )
             note = " (already staged, nothing copied)" if facts["cached"] else ""
         else:
-            from tasks.image import stage_image
-
-            ref = stage_image(args.source, dest=args.dest, backend=args.backend, convert=args.convert, force=args.force)
+            ref = _run_in_flow(args)
             note = ""
     except ImageError as exc:
         from nemoflow.cli import UserError

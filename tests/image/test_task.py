@@ -111,3 +111,18 @@ def test_cli_help_explains():
     ).stdout
     for phrase in ("--convert", "NEMOFLOW_REGISTRY_PASSWORD", "<region>", "meta.json", "--backend"):
         assert phrase in out
+
+
+@pytest.mark.prefect
+def test_cli_runs_the_task_in_a_flow(prefect_server, served, tmp_path, capsys):
+    from prefect.artifacts import Artifact
+
+    from nemoflow.cli import main
+
+    server, _ = served
+    dest = tmp_path / "images"
+    assert main(["stage-image", server.url("nemo-test.sqsh"), "--dest", str(dest), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["uri"] == str(dest / "nemo-test.sqsh")
+    artifact = Artifact.get("staged-image")
+    assert artifact is not None and out["checksum"] in artifact.data
