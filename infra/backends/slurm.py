@@ -19,13 +19,15 @@ watcher polls ``sacct`` for all jobs at once, and return a
 from __future__ import annotations
 
 import collections
+import getpass
 import logging
 import os
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
-from infra.jobs import JobResult, JobSpec, JobState, LogSink
+from infra.jobs import JobFailed, JobResult, JobSpec, JobState, LogSink, ServiceSpec
 from infra.settings import DEFAULT_HOME, get_settings, redact
 from infra.slurm.commands import SlurmCLI, SlurmCommandError
 from infra.slurm.options import SbatchRequest, SlurmOptions, merge
@@ -248,3 +250,73 @@ class SlurmBackend:
             self.watcher.forget(job_id)
             if not finished:
                 self.cancel(job_id)
+
+    # ------------------------------------------------------------------ services
+
+    def _service_jobs(self, name: str) -> list[tuple[str, JobState, str]]:
+        """Live jobs of this user named ``name``: (job id, state, node list)."""
+        out = self.cli.run(["squeue", "-h", "-u", getpass.getuser(), "-n", name, "-o", "%i|%T|%N"])
+        rows = []
+        for line in out.splitlines():
+            job_id, state, nodes = (line.split("|") + ["", ""])[:3]
+            from infra.slurm.states import SlurmState
+
+            job_state = SlurmState.parse(state).job_state
+            if job_state in (JobState.PENDING, JobState.RUNNING):
+                rows.append((job_id, job_state, nodes))
+        return rows
+
+    def start_service(self, spec: ServiceSpec, ready_timeout_s: float = 900) -> str:
+        """Run a server as a Slurm job; returns ``http://NODE:PORT`` once ``health_path`` answers.
+
+        Idempotent: a running job of the same name (and user) is reused. The job
+        has no time limit beyond the partition's; stop it with :meth:`stop_service`.
+        """
+        existing = self._service_jobs(spec.name)
+        if existing:
+            job_id = existing[0][0]
+        else:
+            job = JobSpec(name=spec.name, command=spec.command, env=spec.env, secret_env=spec.secret_env,
+                          resources=spec.resources, container_image=spec.container_image, mounts=spec.mounts,
+                          workdir=spec.workdir)
+            job_id, _ = self.submit(job)
+        deadline = time.monotonic() + ready_timeout_s
+        url = None
+        try:
+            while time.monotonic() < deadline:
+                status = self.watcher.status(job_id)
+                if status.state.is_terminal:
+                    raise JobFailed(spec.name, JobResult(job_id=job_id, backend=self.name, state=status.state,
+                                                         exit_code=status.exit_code,
+                                                         reason=f"service job ended before it was ready: "
+                                                                f"{status.reason or status.state.value}"))
+                if url is None and status.state is JobState.RUNNING:
+                    nodes = [r[2] for r in self._service_jobs(spec.name) if r[0] == job_id]
+                    if nodes and nodes[0]:
+                        host = self.cli.run(["scontrol", "show", "hostnames", nodes[0]]).split()[0]
+                        url = f"http://{host}:{spec.port}"
+                if url is not None:
+                    try:
+                        with urllib.request.urlopen(url + spec.health_path, timeout=5) as resp:
+                            if resp.status < 500:
+                                return url
+                    except OSError:
+                        pass
+                time.sleep(self.poll_interval_s)
+        except BaseException:
+            self.watcher.forget(job_id)
+            if not existing:
+                self.cancel(job_id)
+            raise
+        self.watcher.forget(job_id)
+        if not existing:
+            self.cancel(job_id)
+        raise TimeoutError(f"service {spec.name} (Slurm job {job_id}) not healthy at "
+                           f"{url or 'an unknown node'}{spec.health_path} after {ready_timeout_s:.0f}s")
+
+    def stop_service(self, name: str) -> bool:
+        """scancel the service's job(s); False when none was running."""
+        jobs = self._service_jobs(name)
+        for job_id, _, _ in jobs:
+            self.cancel(job_id)
+        return bool(jobs)

@@ -304,3 +304,28 @@ def test_requeued_job_restarts_and_resumes(backend, tmp_path):
     assert restarted and restarted[0].endswith("restart 1")
     assert int(restarted[0].split()[2]) >= 5
     assert ckpt.read_text() == "60"
+
+
+def test_service_runs_as_a_job_until_stopped(backend, tmp_path):
+    import socket
+    import urllib.request
+
+    from infra.jobs import ServiceSpec
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    (tmp_path / "health").write_text("ok")
+    spec = ServiceSpec(name="svc-http", command=[PY, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                       port=port, health_path="/health", workdir=str(tmp_path))
+    url = backend.start_service(spec, ready_timeout_s=120)
+    try:
+        assert url.endswith(f":{port}")
+        with urllib.request.urlopen(url.replace(url.split("//")[1].split(":")[0], "127.0.0.1") + "/health") as r:
+            assert r.read() == b"ok"
+        assert backend.start_service(spec) == url  # idempotent: same job reused
+        assert len(jobs_under(tmp_path)) == 1
+    finally:
+        assert backend.stop_service("svc-http") is True
+    assert jobs_under(tmp_path) == []
+    assert backend.stop_service("svc-http") is False

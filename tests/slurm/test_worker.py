@@ -139,3 +139,23 @@ def test_job_that_dies_is_reported_crashed_with_slurm_reason(slurm_worker, tmp_p
     final = wait_final(run.id, 240, slurm_worker)
     assert final.state.is_crashed(), final.state
     assert "ended FAILED" in final.state.message and "exit code 7" in final.state.message
+
+
+def test_kill_infrastructure_scancels_a_pending_or_running_job(slurm, tmp_path):
+    """What the worker does for a cancel that arrives before the flow run started."""
+    import anyio
+    from prefect.exceptions import InfrastructureNotFound
+
+    from infra.backends.slurm import SlurmBackend
+    from infra.jobs import JobSpec
+    from infra.slurm_worker import SlurmJobConfiguration, SlurmWorker
+
+    job_id, _ = SlurmBackend(log_dir=str(tmp_path / "logs")).submit(
+        JobSpec(name="pending-flow-run", command=["sleep", "300"]))
+    assert jobs_under(tmp_path) == [job_id]
+    worker = SlurmWorker(work_pool_name="unused")
+    config = SlurmJobConfiguration(log_dir=str(tmp_path / "logs"))
+    anyio.run(worker.kill_infrastructure, job_id, config, 10)
+    assert jobs_under(tmp_path) == []
+    with pytest.raises(InfrastructureNotFound, match=f"Slurm job {job_id} is not pending or running"):
+        anyio.run(worker.kill_infrastructure, job_id, config, 10)
