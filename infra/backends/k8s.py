@@ -247,7 +247,8 @@ class KubernetesBackend:
                     raise
         by_secret: dict[str, list[str]] = collections.defaultdict(list)
         for env_name in spec.secret_env:
-            by_secret[self.options.secret_for(env_name)].append(env_name)
+            if env_name not in self.options.optional_secrets:
+                by_secret[self.options.secret_for(env_name)].append(env_name)
         for secret_name, keys in by_secret.items():
             try:
                 secret = self._call(self.core.read_namespaced_secret, secret_name, ns)

@@ -71,13 +71,14 @@ def _env(
 ) -> list[k.V1EnvVar]:
     out = [k.V1EnvVar(name=key, value=value) for key, value in env.items()]
     for name in secret_env:
-        # optional=False: a missing key fails the pod visibly (CreateContainerConfigError)
-        # instead of running a job without its token.
+        # Required unless listed optional: a missing key then fails the pod visibly
+        # (CreateContainerConfigError) instead of running a job without its token.
+        optional = name in options.optional_secrets
         out.append(
             k.V1EnvVar(
                 name=name,
                 value_from=k.V1EnvVarSource(
-                    secret_key_ref=k.V1SecretKeySelector(name=options.secret_for(name), key=name, optional=False)
+                    secret_key_ref=k.V1SecretKeySelector(name=options.secret_for(name), key=name, optional=optional)
                 ),
             )
         )

@@ -51,6 +51,11 @@ class K8sOptions(BaseSettings):
     secret_names: dict[str, str] = Field(
         default_factory=dict, description="per-variable Secret override: {'HF_TOKEN': 'hf-secret'}"
     )
+    optional_secrets: list[str] = Field(
+        default_factory=lambda: ["WANDB_API_KEY"],
+        description="secret env names a job may run without (secretKeyRef optional: true; preflight does not "
+        "require them). W&B logging is off when WANDB_API_KEY is absent.",
+    )
     ttl_seconds_after_finished: int | None = Field(3600, ge=0, description="finished Jobs are deleted after this")
     backoff_limit: int = Field(0, ge=0, description="pod retries of a Job (0: a failure fails the stage)")
     array_parallelism: int | None = Field(None, ge=1, description="default parallelism of Indexed array Jobs")

@@ -162,8 +162,8 @@ def test_unreachable_api_server_is_a_clear_error(k8s_options):
     [
         ("namespace", "namespace 'team' does not exist"),
         ("pvc", "workspace PVC 'workspace' not found in namespace 'team'"),
-        ("secret", "Secret 'nemoflow-secrets' (for HF_TOKEN, WANDB_API_KEY) not found"),
-        ("secret-key", "has no key WANDB_API_KEY"),
+        ("secret", "Secret 'nemoflow-secrets' (for HF_TOKEN) not found"),
+        ("secret-key", "has no key HF_TOKEN"),
         ("gpus", "requests 16 nvidia.com/gpu per pod, more than any node can allocate (gpu-a=8)"),
         ("service-account", "ServiceAccount 'nemoflow' not found in namespace 'team'"),
     ],
@@ -176,7 +176,7 @@ async def test_preflight_names_what_is_missing(cluster, make_backend, missing, m
     if missing != "service-account":
         cluster.add_service_account("nemoflow")
     if missing == "secret-key":
-        cluster.add_secret("nemoflow-secrets", {"HF_TOKEN": "x"})
+        cluster.add_secret("nemoflow-secrets", {"OTHER": "x"})
     elif missing != "secret":
         cluster.add_secret("nemoflow-secrets", {"HF_TOKEN": "x", "WANDB_API_KEY": "y"})
     cluster.add_node("gpu-a", 8)
@@ -345,3 +345,16 @@ async def test_invalid_image_is_refused_before_anything_is_created(ready, make_b
     with pytest.raises(InvalidImageReference, match="64 lowercase hex"):
         await asyncio.to_thread(make_backend(ready).run, bad)
     assert not [r for r in ready.kmock if r.method == "POST"]
+
+
+async def test_optional_secret_may_be_absent(cluster, make_backend):
+    """WANDB_API_KEY is optional by default: a run without it passes preflight (W&B stays off)."""
+    cluster.add_namespace()
+    cluster.add_pvc("workspace")
+    cluster.add_service_account("nemoflow")
+    cluster.add_secret("nemoflow-secrets", {"HF_TOKEN": "x"})
+    result, _ = await run(make_backend(cluster), spec(secret_env=["HF_TOKEN", "WANDB_API_KEY"]))
+    assert result.state is JobState.COMPLETED
+    env = {e["name"]: e for e in cluster.live("batch/v1/jobs")[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["WANDB_API_KEY"]["valueFrom"]["secretKeyRef"]["optional"] is True
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is False
