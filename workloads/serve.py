@@ -267,14 +267,14 @@ class Engine:
         text, sent = "", 0
         finish, hit_eos = "length", False
         input_ids = torch.tensor([prompt_ids], dtype=torch.long)
-        past = None
+        cache = None
         for _ in range(params.max_tokens):
             # Lock and inference mode per step, never across a yield: a streaming client may
             # go away mid-answer (the generator is then abandoned, not resumed), and each
             # step may run on a different thread of the pool.
             with self.lock, torch.inference_mode():
-                out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
-                past = out.past_key_values
+                out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+                cache = out.cache
                 next_id = self._pick(out.logits[0, -1].float(), params, generator)
             if next_id == eos:
                 finish, hit_eos = "stop", True

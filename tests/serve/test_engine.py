@@ -1,0 +1,79 @@
+"""The generation loop in-process: KV-cached decoding against full recomputation, sampling filters."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from workloads.serve import Engine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory, mixtral_tokenizer_model):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(99)
+    dest = tmp_path_factory.mktemp("ckpt") / "tiny-mixtral"
+    config = MixtralConfig(
+        vocab_size=32000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+    )  # fmt: skip
+    MixtralForCausalLM(config).save_pretrained(dest)
+    shutil.copyfile(mixtral_tokenizer_model, dest / "tokenizer.model")
+    return dest
+
+
+@pytest.mark.parametrize("which", ["tiny_checkpoint", "tiny_mixtral"])
+def test_cached_greedy_decoding_matches_full_recomputation(request, which):
+    engine = Engine(request.getfixturevalue(which))
+    engine.load()
+    prompt = engine.encode_prompt("In the beginning God created the heaven and the earth.")
+    result = engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0))
+    # reference: no KV cache, the whole sequence through the model at every step
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(12):
+            logits = engine.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+            next_id = int(torch.argmax(logits))
+            if next_id == engine.sp.eos_id():
+                break
+            ids.append(next_id)
+    expected = engine.sp.decode(ids[len(prompt) - 1 :])[len(engine.sp.decode(ids[len(prompt) - 1 : len(prompt)])) :]
+    assert result.text == expected
+    assert result.prompt_tokens == len(prompt) and prompt[0] == engine.sp.bos_id() == 1
+
+
+def test_completion_keeps_the_space_before_the_first_word(tiny_checkpoint):
+    engine = Engine(tiny_checkpoint)
+    engine.load()
+    prompt = engine.encode_prompt("In the beginning")
+    word = engine.sp.piece_to_id("▁God")
+    assert engine._continuation(prompt, [word]) == " God"
+    assert engine.sp.decode([word]) == "God"  # what a plain decode would have glued to the prompt
+
+
+def test_top_k_and_top_p_restrict_the_candidates():
+    logits = torch.log(torch.tensor([0.05, 0.5, 0.3, 0.15]))
+    picks = {
+        Engine._pick(logits, SamplingParams(max_tokens=1, temperature=1.0, top_k=2), torch.Generator().manual_seed(s))
+        for s in range(200)
+    }
+    assert picks == {1, 2}
+    picks = {
+        Engine._pick(logits, SamplingParams(max_tokens=1, temperature=1.0, top_p=0.7), torch.Generator().manual_seed(s))
+        for s in range(200)
+    }
+    assert picks == {1, 2}  # 0.5 < 0.7 <= 0.5 + 0.3
+    picks = {
+        Engine._pick(logits, SamplingParams(max_tokens=1, temperature=1.0, top_p=0.4), torch.Generator().manual_seed(s))
+        for s in range(50)
+    }
+    assert picks == {1}  # the top token alone already covers 0.4
+    unfiltered = {
+        Engine._pick(logits, SamplingParams(max_tokens=1, temperature=1.0), torch.Generator().manual_seed(s))
+        for s in range(400)
+    }
+    assert unfiltered == {0, 1, 2, 3}
+    assert Engine._pick(logits, SamplingParams(max_tokens=1, temperature=0), None) == 1
