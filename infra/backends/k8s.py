@@ -137,6 +137,7 @@ class KubernetesBackend:
         service_ready_timeout_s: float = 1800.0,
         log_join_timeout_s: float = 10.0,
         log_reconnects: int = 20,
+        api_outage_tolerance_s: float = 600.0,
         **option_fields: Any,
     ):
         # K8sOptions fields may be passed directly: get_backend("k8s", namespace="llm")
@@ -154,6 +155,7 @@ class KubernetesBackend:
         self.service_ready_timeout_s = service_ready_timeout_s
         self.log_join_timeout_s = log_join_timeout_s
         self.log_reconnects = log_reconnects
+        self.api_outage_tolerance_s = api_outage_tolerance_s
 
     # --- API access ---------------------------------------------------------------
 
@@ -437,14 +439,26 @@ class KubernetesBackend:
         """The job's verdict, and whether the job ended by itself (else the caller deletes it)."""
         name = job_obj["metadata"]["name"]
         pending_since: float | None = None
+        outage_since: float | None = None
         announced: set[str] = set()
         while True:
             if cancel.is_set():
                 return reasons.Verdict(JobState.CANCELLED, "cancelled by nemoflow (cancel_in_flight)"), False
-            job = self._read(job_obj)
+            try:
+                job = self._read(job_obj)
+                pods = self._pods(LABEL_RUN, run_id) if job is not None else []
+            except KubernetesUnavailable as exc:
+                # The Job runs on without us (a control-plane upgrade, a network blip): keep
+                # waiting rather than abandon, and so delete, a healthy multi-day training job.
+                outage_since = outage_since or time.monotonic()
+                if time.monotonic() - outage_since > self.api_outage_tolerance_s:
+                    raise
+                emit(f"[k8s] {exc}; the job keeps running, still waiting")
+                time.sleep(self.backoff_s)
+                continue
+            outage_since = None
             if job is None:
                 return reasons.Verdict(JobState.CANCELLED, f"{job_obj['kind']} {name} was deleted outside nemoflow"), True
-            pods = self._pods(LABEL_RUN, run_id)
             self._follow_logs(pods, followers, emit)
             verdict = (
                 reasons.pytorchjob_verdict(job, pods) if job_obj["kind"] == "PyTorchJob" else reasons.job_verdict(job, pods)

@@ -358,3 +358,32 @@ async def test_optional_secret_may_be_absent(cluster, make_backend):
     env = {e["name"]: e for e in cluster.live("batch/v1/jobs")[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["WANDB_API_KEY"]["valueFrom"]["secretKeyRef"]["optional"] is True
     assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is False
+
+
+async def test_api_outage_while_waiting_is_tolerated(ready, make_backend):
+    """An API server that answers 503 for a while (an upgrade) must not make nemoflow abandon a running job."""
+    reads: list[int] = []
+
+    def outage(request):
+        reads.append(1)
+        if len(reads) <= 6:  # two whole retry rounds of 3 attempts each
+            raise km.KubernetesError(status=503, reason="ServiceUnavailable", message="apiserver is shutting down")
+        return None
+
+    ready.scripts["train"] = JobScript(pod=lambda i: PodScript(logs=[f"step {n}" for n in range(5)], line_delay_s=0.1))
+    ready.kmock[km.action.FETCH, km.resource("batch/v1/jobs")] << outage
+    result, lines = await run(make_backend(ready, retries=2, api_outage_tolerance_s=60), spec("train"))
+    assert result.state is JobState.COMPLETED, result
+    assert sum("still waiting" in line for line in lines) == 2
+    assert [line for line in lines if line.startswith("step")] == [f"step {n}" for n in range(5)]
+
+
+def test_api_outage_longer_than_tolerated_raises(k8s_options):
+    backend = KubernetesBackend(k8s_options, api_client=api_client_for_url("http://127.0.0.1:9"), retries=0,
+                                backoff_s=0.01, api_outage_tolerance_s=0.2)
+    cancel = __import__("threading").Event()
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "train-ab12cd"}}
+    lines: list[str] = []
+    with pytest.raises(KubernetesUnavailable, match="unreachable"):
+        backend._wait(job, "ab12cd", lines.append, {}, cancel)
+    assert lines and all("still waiting" in line for line in lines)
