@@ -156,6 +156,11 @@ def parse_line(line: bytes, path: str, line_no: int) -> dict:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
             raise InputError(f"{path}:{line_no}: malformed JSON: {exc.msg} (column {exc.colno})") from None
+        try:
+            # json.loads accepts "\ud800" escapes that no tokenizer can encode (Megatron crashes there).
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError(f"{path}:{line_no}: a string holds a lone surrogate escape (\\ud800-\\udfff)") from None
     if not isinstance(obj, dict):
         raise InputError(f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}")
     return obj

@@ -339,11 +339,17 @@ def _load_hf(config: TokenizerConfig) -> HuggingFaceReference:
                 hf = transformers.AutoTokenizer.from_pretrained(str(path.parent))
         elif path.is_dir():
             hf = transformers.AutoTokenizer.from_pretrained(str(path))
-        elif "/" in model and not model.startswith((".", "/", "~")) and model.count("/") == 1:
-            # A hub model id (org/name): works where the hub is reachable or cached.
-            hf = transformers.AutoTokenizer.from_pretrained(model)
-        else:
+        elif model.startswith((".", "/", "~")) or model.endswith((".json", ".model")):
             raise TokenizerError(f"HuggingFaceTokenizer: --tokenizer-model {model} does not exist")
+        else:
+            # Not a local path: a hub model id ("gpt2", "org/name"), as Megatron accepts; needs the hub or its cache.
+            try:
+                hf = transformers.AutoTokenizer.from_pretrained(model)
+            except Exception as exc:  # noqa: BLE001
+                raise TokenizerError(
+                    f"HuggingFaceTokenizer: --tokenizer-model {model} is not a local file or directory, "
+                    f"and loading it as a Hugging Face hub id failed: {exc}"
+                ) from exc
     except TokenizerError:
         raise
     except Exception as exc:  # noqa: BLE001

@@ -20,6 +20,7 @@ def _run(args: list[str], env: dict | None = None) -> subprocess.CompletedProces
     return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=180, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow  # the nemoflow CLI imports every subcommand: ~10-25 s on the shared 2 cores
 def test_preprocess_command_matches_megatron_reference(tmp_path, kjv_chapters, mixtral_tokenizer_model):
     import sentencepiece as spm
 

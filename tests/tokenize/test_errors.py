@@ -143,3 +143,25 @@ def test_disk_full_leaves_no_final_files(tmp_path, kjv_chapters, mixtral_tokeniz
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert f"cannot write {out}/corpus_text_document" in proc.stdout
     assert_no_outputs(out)
+
+
+def test_lone_surrogate_escape_names_file_and_line(tmp_path, sp_config):
+    src = tmp_path / "surrogate.jsonl"
+    src.write_bytes(b'{"text": "fine"}\n{"text": "half a pair \\ud800 here"}\n')
+    with pytest.raises(InputError, match=rf"{src}:2: a string holds a lone surrogate"):
+        tokenize_file(str(src), str(tmp_path / "x"), sp_config)
+    assert_no_outputs(tmp_path)
+
+
+def test_line_endings_and_blank_lines_do_not_change_the_output(tmp_path, kjv_chapters, sp_config):
+    """CRLF, lone CR and blank lines split records as Megatron's text-mode reading does."""
+    records = [json.dumps({"text": t}).encode() for t in kjv_chapters[:20]]
+    clean = tmp_path / "clean.jsonl"
+    clean.write_bytes(b"\n".join(records) + b"\n")
+    messy = tmp_path / "messy.jsonl"
+    messy.write_bytes(b"\r\n".join(records[:10]) + b"\r\n\r\n\n" + b"\r".join(records[10:]) + b"\n\n")
+    a = tokenize_file(str(clean), str(tmp_path / "a"), sp_config)
+    b = tokenize_file(str(messy), str(tmp_path / "b"), sp_config)
+    assert a.documents == b.documents == 20
+    for ext in (".bin", ".idx"):
+        assert Path(a.outputs["text"] + ext).read_bytes() == Path(b.outputs["text"] + ext).read_bytes()
