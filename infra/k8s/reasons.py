@@ -98,17 +98,13 @@ def terminated_failure(pod: dict[str, Any]) -> tuple[str, int | None] | None:
 
 def job_verdict(job: dict[str, Any], pods: list[dict[str, Any]]) -> Verdict | None:
     """The final state of a batch/v1 Job, or None while it still runs."""
-    complete = failed = None
-    for cond in _conditions(job):
-        if not _true(cond):
-            continue
-        if cond.get("type") in ("Complete", "SuccessCriteriaMet") and complete is None:
-            complete = cond
-        if cond.get("type") in ("Failed", "FailureTarget") and failed is None:
-            failed = cond
+    true_conditions = [c for c in _conditions(job) if _true(c)]
+    # FailureTarget (1.31+) precedes Failed while pods terminate; either decides the outcome.
+    failed = next((c for c in true_conditions if c.get("type") in ("Failed", "FailureTarget")), None)
     if failed is not None:
         return failure_verdict(failed.get("reason"), failed.get("message"), pods)
-    if complete is not None and complete.get("type") == "Complete":
+    # SuccessCriteriaMet (1.31+) precedes Complete; only Complete means every pod is done.
+    if any(c.get("type") == "Complete" for c in true_conditions):
         return Verdict(JobState.COMPLETED, exit_code=0)
     return None
 

@@ -30,6 +30,9 @@ def test_running_job_has_no_verdict():
 def test_complete():
     verdict = reasons.job_verdict(job({"type": "Complete", "status": "True"}), [])
     assert verdict.state is JobState.COMPLETED and verdict.exit_code == 0
+    # 1.31+: SuccessCriteriaMet comes first, then Complete
+    both = job({"type": "SuccessCriteriaMet", "status": "True"}, {"type": "Complete", "status": "True"})
+    assert reasons.job_verdict(both, []).state is JobState.COMPLETED
 
 
 def test_oom_killed_pod_makes_out_of_memory():
