@@ -96,6 +96,16 @@ def terminated_failure(pod: dict[str, Any]) -> tuple[str, int | None] | None:
     return None
 
 
+def _finished_at(pod: dict[str, Any]) -> str:
+    """When the pod's failed container ended (RFC 3339 UTC sorts as text); unknown sorts last."""
+    times = [
+        (state or {}).get("finishedAt")
+        for cs in _containers(pod)
+        for state in ((cs.get("state") or {}).get("terminated"), (cs.get("lastState") or {}).get("terminated"))
+    ]
+    return min((t for t in times if t), default="~")
+
+
 def job_verdict(job: dict[str, Any], pods: list[dict[str, Any]]) -> Verdict | None:
     """The final state of a batch/v1 Job, or None while it still runs."""
     true_conditions = [c for c in _conditions(job) if _true(c)]
@@ -111,7 +121,11 @@ def job_verdict(job: dict[str, Any], pods: list[dict[str, Any]]) -> Verdict | No
 
 def failure_verdict(job_reason: str | None, job_message: str | None, pods: list[dict[str, Any]]) -> Verdict:
     """Combine the Job's reason with what its pods say; OOM and deadlines get their own states."""
-    pod_failures = [f for f in (terminated_failure(p) for p in pods) if f]
+    # The first container to fail is the cause; the ranks that died after it (SIGTERM'd by
+    # the Job controller, or timed out in a collective) are consequences.
+    pod_failures = [f for _, f in sorted(
+        ((_finished_at(p), f) for p in pods for f in [terminated_failure(p)] if f), key=lambda item: item[0]
+    )]
     oom = next((f for f in pod_failures if f[0].startswith("OOMKilled")), None)
     stuck = [r for r in (unschedulable(p) or fatal_waiting(p) for p in pods) if r]
     head = job_reason or "Failed"

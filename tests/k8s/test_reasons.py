@@ -119,3 +119,12 @@ def test_crash_loop_names_the_last_exit():
                   last_state={"terminated": {"exitCode": 1, "reason": "Error"}})
     assert reasons.crash_looping(looping) == "CrashLoopBackOff in pod train-0-abcde: last exit Error (exit code 1)"
     assert reasons.crash_looping(pod(state={"running": {}})) is None
+
+
+def test_the_first_rank_to_fail_is_the_reason():
+    victim = pod("train-0-aaaaa", phase="Failed", state={"terminated": {
+        "exitCode": 143, "reason": "Error", "finishedAt": "2026-11-29T20:00:09Z"}})
+    culprit = pod("train-1-bbbbb", phase="Failed", state={"terminated": {
+        "exitCode": 1, "reason": "Error", "finishedAt": "2026-11-29T20:00:02Z"}})
+    verdict = reasons.job_verdict(job(FAILED_BACKOFF), [victim, culprit])
+    assert verdict.exit_code == 1 and "pod train-1-bbbbb" in verdict.reason
