@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 DESCRIPTION = """\
 Write every Kubernetes object a pipeline run would create, one YAML file per
@@ -54,5 +55,7 @@ def run(args) -> int:
     options = K8sOptions.from_mapping(config.get("k8s"))
     written = write_manifests(planned_specs(config), options, args.out)
     for path in written:
-        print(os.path.relpath(path))
+        relative = os.path.relpath(path)
+        print(path if relative.startswith("..") else relative)
+    print(f"{len(written)} manifests in {args.out}; review, then: kubectl apply -f {args.out}", file=sys.stderr)
     return 0
