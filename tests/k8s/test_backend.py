@@ -387,3 +387,21 @@ def test_api_outage_longer_than_tolerated_raises(k8s_options):
     with pytest.raises(KubernetesUnavailable, match="unreachable"):
         backend._wait(job, "ab12cd", lines.append, {}, cancel)
     assert lines and all("still waiting" in line for line in lines)
+
+
+async def test_stage_helper_run_job_drives_the_k8s_backend(ready, caplog):
+    """The path every stage takes: tasks.common.run_job(spec, "k8s", **options) raises JobFailed on failure."""
+    import logging
+
+    from infra.jobs import JobFailed
+    from tasks.common import run_job
+
+    opts = dict(api_client=api_client_for_url(ready.url), namespace="team", pvc_name="workspace",
+                watch_timeout_s=0.5, backoff_s=0.05)
+    ready.scripts["tok"] = JobScript(pod=lambda i: PodScript(logs=[f"shard {i} done"]))
+    with caplog.at_level(logging.INFO, logger="nemoflow"):
+        result = await asyncio.to_thread(run_job, spec(array_size=2), "k8s", **opts)
+    assert result.state is JobState.COMPLETED and "[1] shard 1 done" in caplog.text
+    ready.scripts["tok"] = JobScript(pod=lambda i: PodScript(logs=["killed"], exit_code=137, terminated_reason="OOMKilled"))
+    with pytest.raises(JobFailed, match="ended out_of_memory with exit code 137: OOMKilled"):
+        await asyncio.to_thread(run_job, spec(), "k8s", **opts)
