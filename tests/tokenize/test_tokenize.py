@@ -8,10 +8,6 @@ and reader.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +18,6 @@ from tests.tokenize.reference import LegacyGPT2, assert_same_files, megatron_ref
 from workloads.tokenize import TokenizerConfig, load_tokenizer, tokenize_file
 from workloads.tokenizers import GigatokenTwin, SentencePieceReference
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _sp(model) -> "object":
