@@ -76,6 +76,8 @@ NETRC_HOSTS = {
     "docker.io": ["registry-1.docker.io", "auth.docker.io"],
 }
 PROGRESS_EVERY = 256 << 20
+RESUME_ATTEMPTS = 3
+RESUME_BACKOFF_S = 1.0
 STALE_TMP_S = 3600
 # mksquashfs pads images to 4 KiB; anything much longer is not a plain image.
 MAX_TRAILING_BYTES = 64 << 10
@@ -380,6 +382,9 @@ class SourceInfo:
     # for a local or fuse-mounted file its stat identity, so a 20 GB image is not read
     # an extra time just to find out it was staged already.
     identity: str
+    # HTTP If-Range validator (strong ETag or Last-Modified): a resumed download
+    # only continues if the file is still the one whose first part we have.
+    validator: str | None = None
 
     @property
     def name(self) -> str:
@@ -446,7 +451,9 @@ def probe_source(source: str) -> SourceInfo:
         validator = checksum or (f"etag:{headers['ETag']}" if headers.get("ETag") else None)
         if validator is None and headers.get("Last-Modified"):
             validator = f"last-modified:{headers['Last-Modified']}"
-        return SourceInfo(source, size, checksum, f"{validator or 'unvalidated'}:{size}")
+        etag = headers.get("ETag")
+        if_range = etag if etag and not etag.startswith("W/") else headers.get("Last-Modified")
+        return SourceInfo(source, size, checksum, f"{validator or 'unvalidated'}:{size}", if_range)
     if kind in ("gs", "gcs"):
         try:
             fs, path = storage.url_to_fs(source)
@@ -601,6 +608,108 @@ def _prepare_destination(dest_dir: str, needed: int | None) -> None:
     check_free_space(dest_dir, needed)
 
 
+class _ResumableReader:
+    """The source, read front to back; a dropped connection is resumed where it stopped.
+
+    Re-reading gigabytes because the connection broke at 90 % is what makes
+    manual staging painful. The bytes already hashed and written stay; the
+    source is reopened at the next byte (HTTP ``Range`` with ``If-Range``, so a
+    file replaced in the meantime is refused rather than spliced; a seek for
+    GCS and files), up to RESUME_ATTEMPTS times per copy. The final checksum
+    comparison covers the whole stream either way.
+    """
+
+    def __init__(self, info: SourceInfo, log: LogSink):
+        self.info, self.log = info, log
+        self.fs, self.path = storage.url_to_fs(info.uri)
+        self.http = storage.scheme(info.uri) in ("http", "https")
+        self.offset = 0
+        self.resumes = 0
+        self.fh = self._open(0)
+
+    def _open(self, offset: int):
+        uri = self.info.uri
+        try:
+            if self.http:
+                headers = {}
+                if offset:
+                    headers["Range"] = f"bytes={offset}-"
+                    if self.info.validator:
+                        headers["If-Range"] = self.info.validator
+                # block_size=0: one streamed GET, not a range request per block; a size
+                # (any, when unknown) spares fsspec a HEAD request per open.
+                fh = self.fs.open(self.path, "rb", block_size=0, size=self.info.size or -1, headers=headers)
+                status = getattr(getattr(fh, "r", None), "status", None)
+                if offset and status != 206:
+                    fh.close()
+                    raise ImageSourceError(
+                        f"cannot resume {uri} at byte {offset}: the server answered {status} instead of 206 "
+                        "(no range support, or the file changed)"
+                    )
+                return fh
+            fh = self.fs.open(self.path, "rb")
+            if offset:
+                fh.seek(offset)
+            return fh
+        except FileNotFoundError as exc:
+            raise ImageNotFound(f"image source not found: {uri}") from exc
+        except ImageError:
+            raise
+        except Exception as exc:
+            raise ImageSourceError(f"cannot open {uri} at byte {offset}: {type(exc).__name__}: {exc}") from exc
+
+    def read(self, n: int) -> bytes:
+        while True:
+            try:
+                block = _read_source(self.fh, n, self.info.uri, self.offset, self.info.size)
+                if not block and self.info.size is not None and self.offset < self.info.size:
+                    raise ImageSourceError(
+                        f"{self.info.uri} ended after {self.offset} of {self.info.size} bytes (connection closed early)"
+                    )
+            except ImageNotFound:
+                raise
+            except ImageSourceError as exc:
+                if self.resumes >= RESUME_ATTEMPTS:
+                    raise
+                self.resumes += 1
+                self.log(f"{exc}; resuming at byte {self.offset} (attempt {self.resumes} of {RESUME_ATTEMPTS})")
+                with contextlib.suppress(Exception):
+                    self.fh.close()
+                time.sleep(RESUME_BACKOFF_S * 2 ** (self.resumes - 1))
+                try:
+                    self.fh = self._open(self.offset)
+                except ImageNotFound:
+                    raise
+                except ImageSourceError as reopen:
+                    self.log(str(reopen))
+                    if "instead of 206" in str(reopen):
+                        raise
+                    self.fh = _Broken(reopen)
+                continue
+            self.offset += len(block)
+            return block
+
+    def __enter__(self) -> _ResumableReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with contextlib.suppress(Exception):
+            self.fh.close()
+
+
+class _Broken:
+    """A source handle whose reopening failed: its read raises, which counts as the next failed attempt."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def read(self, n: int) -> bytes:
+        raise self.error
+
+    def close(self) -> None:
+        pass
+
+
 class _HashWriter:
     """Hash and write blocks on a second thread while the next block is read.
 
@@ -709,14 +818,13 @@ def _read_source(fh, chunk: int, source: str, copied: int, size: int | None) -> 
         return fh.read(chunk)
     except ConnectionError as exc:
         raise ImageSourceError(
-            f"reading {source} failed after {copied} of {human_bytes(size)} bytes: {exc} (copy discarded)"
+            f"reading {source} failed after {copied} of {human_bytes(size)} bytes: {exc}"
         ) from exc
     except OSError:
         raise
     except Exception as exc:  # aiohttp's payload errors are not OSErrors
         raise ImageSourceError(
-            f"reading {source} failed after {copied} of {human_bytes(size)} bytes: {type(exc).__name__}: {exc} "
-            "(copy discarded)"
+            f"reading {source} failed after {copied} of {human_bytes(size)} bytes: {type(exc).__name__}: {exc}"
         ) from exc
 
 
@@ -756,24 +864,18 @@ def copy_image(
     tmp = storage.join(dest_dir, f"{storage.TMP_MARK}{uuid.uuid4().hex[:12]}-{storage.basename(final)}")
     if _is_gcs(source) and _is_gcs(dest_dir) and info.checksum:
         return _copy_within_gcs(info, tmp, final, log, progress)
-    fs_src, src_path = storage.url_to_fs(source)
     fs_dst, tmp_path = storage.url_to_fs(tmp)
     header = b""
     copied = 0
     started = time.monotonic()
     log(f"copying {info.uri} ({human_bytes(info.size)}) to {final}")
     try:
-        try:
-            # block_size=0: one streamed GET for HTTP instead of a range request per block.
-            open_args = {"block_size": 0} if storage.scheme(source) in ("http", "https") else {}
-            src_fh = fs_src.open(src_path, "rb", **open_args)
-        except FileNotFoundError as exc:
-            raise ImageNotFound(f"image source not found: {source}") from exc
-        with src_fh, fs_dst.open(tmp_path, "wb") as out:
+        reader = _ResumableReader(info, log)
+        with reader, fs_dst.open(tmp_path, "wb") as out:
             next_log, next_progress = 1 << 30, PROGRESS_EVERY
             pipeline = _HashWriter(hasher, out)
             try:
-                while block := _read_source(src_fh, chunk, source, copied, info.size):
+                while block := reader.read(chunk):
                     if len(header) < SUPERBLOCK_SIZE:
                         header += block[: SUPERBLOCK_SIZE - len(header)]
                     pipeline.put(block)

@@ -165,13 +165,44 @@ def test_changed_source_is_staged_again(served, tmp_path, sqsh_image, kjv_chapte
     assert sha256(dest / "nemo-test.sqsh") == sha256(root / "nemo-test.sqsh")
 
 
-def test_truncated_transfer_leaves_nothing(served, tmp_path):
+def test_dropped_connections_are_resumed(served, tmp_path, sqsh_image, monkeypatch):
     server, _ = served
-    server.add_faults("/nemo-test.sqsh", Fault(truncate_at=100_000))
+    monkeypatch.setattr(images, "RESUME_BACKOFF_S", 0.0)
+    # stall_at: the first 100000 bytes arrive and are read before the connection closes early,
+    # so the resume point is exact (bytes that arrive together with the error are dropped by aiohttp).
+    server.add_faults("/nemo-test.sqsh", Fault(stall_at=100_000, stall=0.5), Fault(reset_at=700_000))
+    lines: list[str] = []
+    staged = copy_image(server.url("nemo-test.sqsh"), str(tmp_path / "images"), log=lines.append)
+    assert sha256(staged.uri) == sha256(sqsh_image)
+    gets = [r for r in server.requests_for("/nemo-test.sqsh") if r.method == "GET"]
+    ranges = [r.headers.get("Range") for r in gets]
+    assert ranges[:2] == [None, "bytes=100000-"]
+    # After a TCP reset the kernel may drop bytes already sent: resume from what actually arrived.
+    assert 100_000 <= int(ranges[2].removeprefix("bytes=").rstrip("-")) <= 800_000
+    assert all(r.headers.get("If-Range") for r in gets[1:])
+    assert sum("resuming at byte" in line for line in lines) == 2
+
+
+def test_connection_that_keeps_dropping_leaves_nothing(served, tmp_path, monkeypatch):
+    server, _ = served
+    monkeypatch.setattr(images, "RESUME_BACKOFF_S", 0.0)
+    server.add_faults("/nemo-test.sqsh", *[Fault(truncate_at=50_000) for _ in range(images.RESUME_ATTEMPTS + 1)])
     dest = tmp_path / "images"
-    with pytest.raises((ImageSourceError, ImageCorrupted)) as info:
+    with pytest.raises(ImageSourceError, match="nemo-test.sqsh") as info:
         copy_image(server.url("nemo-test.sqsh"), str(dest))
-    assert "nemo-test.sqsh" in str(info.value) and info.value.transient
+    assert info.value.transient  # the Prefect task retries it later
+    assert server.count("/nemo-test.sqsh", "GET") == images.RESUME_ATTEMPTS + 1
+    assert leftovers(dest) == []
+
+
+def test_resume_refuses_a_file_replaced_meanwhile(served, tmp_path, monkeypatch):
+    server, _ = served
+    monkeypatch.setattr(images, "RESUME_BACKOFF_S", 0.0)
+    # The second GET sees another ETag: If-Range fails, the server sends the whole (new) file with 200.
+    server.add_faults("/nemo-test.sqsh", Fault(stall_at=100_000, stall=0.5), Fault(etag="replaced"))
+    dest = tmp_path / "images"
+    with pytest.raises(ImageSourceError, match="cannot resume .* at byte 100000: the server answered 200"):
+        copy_image(server.url("nemo-test.sqsh"), str(dest))
     assert leftovers(dest) == []
 
 
