@@ -213,9 +213,18 @@ def validate(
         checks.append(_check("better_than_untrained", False, "skipped: weights did not load"))
     else:
         held_out = _held_out(checkpoint_dir, data_prefix, tokenizer_model, seq_length, split, seed, valid_data_prefix)
-        val_loss = _loss_on(model, *held_out, num_batches, micro_batch_size)
-        del model
-        untrained = _loss_on(untrained_model(checkpoint_dir, held_out[4]), *held_out, num_batches, micro_batch_size)
+        try:
+            val_loss = _loss_on(model, *held_out, num_batches, micro_batch_size)
+            del model
+            untrained = _loss_on(untrained_model(checkpoint_dir, held_out[4]), *held_out, num_batches, micro_batch_size)
+        except (OSError, ValueError, RuntimeError) as exc:
+            # Missing held-out data or tokenizer: a failed check naming it, not a crash without a report.
+            detail = f"could not evaluate the held-out loss: {type(exc).__name__}: {exc}"[:500]
+            checks.append(_check("val_loss_threshold", False, detail))
+            checks.append(_check("better_than_untrained", False, "skipped: " + detail))
+            report["failed"] = [c["name"] for c in checks if not c["passed"]]
+            report["passed"] = False
+            return report
         report.update(val_loss=val_loss, untrained_loss=untrained, num_batches=num_batches,
                       micro_batch_size=micro_batch_size, data_prefix=held_out[0], seed=held_out[4])
         finite = math.isfinite(val_loss)

@@ -20,6 +20,7 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 # The first 929 KJV chapters are the Old Testament.
 OT_CHAPTERS = 929
+OT_SUBSET = 237
 
 
 def _write_indexed(prefix: Path, docs: list[str], sp) -> int:
@@ -45,13 +46,15 @@ def train_dataset(tmp_path_factory, kjv_chapters, mixtral_tokenizer_model):
     root = tmp_path_factory.mktemp("dataset")
     sp = sentencepiece.SentencePieceProcessor(model_file=str(mixtral_tokenizer_model))
     ot, nt = root / "kjv_ot_text_document", root / "kjv_nt_text_document"
-    tokens = _write_indexed(ot, kjv_chapters[:OT_CHAPTERS], sp) + _write_indexed(nt, kjv_chapters[OT_CHAPTERS:], sp)
+    # Genesis-Judges and the whole New Testament: real text, half the tokenizing time of the full Bible.
+    ot_docs, nt_docs = kjv_chapters[:OT_SUBSET], kjv_chapters[OT_CHAPTERS:]
+    tokens = _write_indexed(ot, ot_docs, sp) + _write_indexed(nt, nt_docs, sp)
     return {
         "blend": [0.7, str(ot), 0.3, str(nt)],
         "prefixes": [str(ot), str(nt)],
         "tokenizer_model": str(mixtral_tokenizer_model),
         "tokens": tokens,
-        "documents": len(kjv_chapters),
+        "documents": len(ot_docs) + len(nt_docs),
     }
 
 
