@@ -121,7 +121,7 @@ def prefect_server(tmp_path_factory):
         yield api
         from prefect.logging.handlers import APILogHandler
 
-        APILogHandler.flush()  # send buffered run logs before the server goes away
+        APILogHandler().flush()  # send buffered run logs before the server goes away
     _stop(proc)
 
 

@@ -24,15 +24,23 @@ from workloads.demo_data import write_slimpajama_layout
 pytestmark = pytest.mark.prefect
 
 
-def _task_states(flow_run_id) -> dict[str, str]:
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter
+def _task_states(flow_run_id, timeout: float = 30) -> dict[str, str]:
+    """Final task-run states; task states reach the server as events, so wait until none is in flight."""
+    import time
 
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200
-        )
-    return {r.name: r.state.name for r in runs}
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200
+            )
+        states = {r.name: r.state.name for r in runs}
+        if not any(s in ("Pending", "Running", "Scheduled") for s in states.values()) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.5)
 
 
 def _run(config: PrepareConfig):

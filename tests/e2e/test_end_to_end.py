@@ -1,0 +1,206 @@
+"""end-to-end through the real path a user takes: prefect.yaml -> `prefect deploy` -> a process
+worker -> `prefect deployment run end-to-end/local --watch`, then the run page in headless Chromium.
+
+The model is shrunk through the deployment run's parameters so this stays quick on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, VENV_BIN, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.prefect]
+
+TINY_TRAIN = {
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "ffn_hidden_size": 128,
+    "seq_length": 64,
+    "global_batch_size": 4,
+    "micro_batch_size": 4,
+    "max_steps": 12,
+    "lr": 0.003,
+    "warmup_steps": 0,
+    "val_check_interval": 6,
+    "ckpt_every_n_steps": 6,
+    "limit_val_batches": 2,
+    "log_every_n_steps": 3,
+}
+
+
+def _prefect(args: list[str], env: dict, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [str(VENV_BIN / "prefect"), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"prefect {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def _flow_run_id(output: str) -> str:
+    import re
+
+    match = re.search(r"UUID:\s*([0-9a-f-]{36})", output)
+    assert match, output
+    return match.group(1)
+
+
+def _task_states(flow_run_id: str, timeout: float = 30) -> dict[str, str]:
+    """Final states of the run's task runs, subflow included (states arrive as events: wait for them)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+
+    deadline = time.monotonic() + timeout
+    while True:
+        states = {}
+        with get_client(sync_client=True) as client:
+            children = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
+            )
+            ids = [flow_run_id] + [str(r.id) for r in children]
+            for task_run in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)), limit=200):
+                states[task_run.name] = task_run.state.name
+        if not any(s in ("Pending", "Running", "Scheduled") for s in states.values()) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.5)
+
+
+@pytest.fixture
+def local_pool(prefect_server, work_dir, tmp_path):
+    """The `local` process pool, deployments from prefect.yaml, and a worker; torn down after."""
+    env = dict(
+        os.environ,
+        PREFECT_API_URL=prefect_server,
+        NEMOFLOW_WORK_DIR=str(work_dir),
+        NEMOFLOW_HOME=str(tmp_path / "home"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    )
+    _prefect(["work-pool", "create", "local", "--type", "process", "--overwrite"], env)
+    deployed = _prefect(["--no-prompt", "deploy", "--all"], env)
+    assert "end-to-end/local" in deployed.stdout
+    log = (tmp_path / "worker.log").open("w")
+    worker = subprocess.Popen(
+        [str(VENV_BIN / "prefect"), "worker", "start", "--pool", "local", "--type", "process"],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    yield env
+    from infra import services
+
+    for handle in services.list_services():
+        services.stop_service(handle.name)
+    for _ in range(2):  # Prefect workers drain on the first SIGTERM
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGTERM)
+            try:
+                worker.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+    if worker.poll() is None:
+        os.killpg(worker.pid, signal.SIGKILL)
+
+
+def _run_deployment(env: dict, config: dict) -> tuple[int, str, str]:
+    proc = _prefect(
+        ["deployment", "run", "end-to-end/local", "--params", json.dumps({"config": config}), "--watch"],
+        env,
+        check=False,
+    )
+    return proc.returncode, proc.stdout + proc.stderr, _flow_run_id(proc.stdout)
+
+
+def test_end_to_end_deployment_then_all_cached_and_ui_shows_artifacts(local_pool, prefect_server, work_dir):
+    port = free_port()
+    config = {"train": TINY_TRAIN, "serve": {"port": port, "model_name": "nemoflow-e2e"}, "validation_threshold": 9.5}
+    started = time.monotonic()
+    code, output, run_id = _run_deployment(local_pool, config)
+    first = time.monotonic() - started
+    assert code == 0, output
+    summary = json.loads((work_dir / "runs" / f"{run_id}.json").read_text())
+    assert summary["answer"].strip(), summary
+    assert summary["val_loss"] < summary["untrained_loss"]
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as resp:
+        assert json.load(resp)["data"][0]["id"] == "nemoflow-e2e"
+
+    # Nothing changed: every stage is Cached, and the endpoint keeps answering.
+    started = time.monotonic()
+    code, output, second_id = _run_deployment(local_pool, config)
+    second = time.monotonic() - started
+    assert code == 0, output
+    states = _task_states(second_id)
+    assert states and all(s == "Cached" for s in states.values()), states
+    print(f"first run {first:.1f}s, cached re-run {second:.1f}s")
+
+    _ui_shows_artifacts(prefect_server, run_id)
+
+
+def _ui_shows_artifacts(api: str, flow_run_id: str) -> None:
+    """Open the run page like a person and find the artifacts on its Artifacts tab."""
+    if not Path("/usr/bin/chromium").exists():
+        pytest.skip("Debian chromium is not installed (scripts/setup.sh --test installs it)")
+    from playwright.sync_api import sync_playwright
+
+    ui = api.removesuffix("/api")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path="/usr/bin/chromium",
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{ui}/runs/flow-run/{flow_run_id}")
+        page.get_by_text("Artifacts", exact=True).first.click()
+        page.get_by_text("end-to-end-summary").first.wait_for(timeout=30000)
+        text = page.inner_text("body")
+        page.screenshot(path=str(Path(os.environ.get("NEMOFLOW_SCREENSHOT_DIR", "/tmp")) / "nemoflow-run.png"))
+        browser.close()
+    for key in ("end-to-end-summary", "staged-image", "checkpoint-validation", "smoke-test"):
+        assert key in text, f"artifact {key!r} not on the run page:\n{text[-3000:]}"
+
+
+def test_failed_validation_stops_before_deployment(local_pool, work_dir):
+    port = free_port()
+    config = {"train": TINY_TRAIN, "serve": {"port": port, "model_name": "nemoflow-never"}, "validation_threshold": 0.01}
+    code, output, run_id = _run_deployment(local_pool, config)
+    assert code != 0
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(run_id).state
+    assert state.is_failed() and "threshold" in (state.message or "") + output, state.message
+    from infra import services
+
+    assert services.get_service("nemoflow-never") is None
+    states = _task_states(run_id)
+    assert not any(name.startswith("deploy") for name in states), states
+
+
+def test_invalid_config_fails_before_compute():
+    from flows.end_to_end import EndToEndConfig
+
+    with pytest.raises(ValueError, match=r"global_batch_size=30.*micro_batch_size"):
+        EndToEndConfig(train={**TINY_TRAIN, "global_batch_size": 30, "micro_batch_size": 4})
+    with pytest.raises(ValueError, match="backend"):
+        EndToEndConfig(backend="nomad")
