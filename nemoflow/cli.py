@@ -13,6 +13,7 @@ import importlib
 import sys
 
 COMMANDS = [
+    "demo",
     "settings",
     "preprocess",
     "prepare",
