@@ -49,16 +49,21 @@ def cleanup(work_dir):
 
 
 @pytest.mark.slow
-def test_deploy_is_cached_while_serving_and_redeploys_otherwise(prefect_server, work_dir, cleanup, tiny_checkpoint):
+def test_deploy_is_cached_while_serving_and_redeploys_otherwise(
+    prefect_server, work_dir, cleanup, tiny_checkpoint, tmp_path
+):
     port = free_port()
     checkpoint = CheckpointRef(uri=str(tiny_checkpoint), step=1)
+    # something else already serves under this name (an older deploy): it must be replaced, not leaked
+    older = services.start_service(standin(service_name(MODEL), free_port(), "empty"), tmp_path / "logs")
 
     deploy_state, smoke_state, endpoint, smoke = deploy_and_smoke(checkpoint, port)
     assert (deploy_state, smoke_state) == ("Completed", "Completed")
     assert endpoint.url == f"http://127.0.0.1:{port}" and endpoint.model == MODEL
     assert smoke.passed and smoke.output.strip() and smoke.latency_s < 30
+    assert not services.pid_alive(older.pid, older.proc_start)
     first = services.get_service(service_name(MODEL))
-    assert first is not None and first.checkpoint == str(tiny_checkpoint)
+    assert first is not None and first.checkpoint == str(tiny_checkpoint) and first.pid != older.pid
 
     # nothing changed and the server still answers: every stage is a cache hit, same process
     deploy_state, smoke_state, endpoint2, _ = deploy_and_smoke(checkpoint, port)
@@ -68,19 +73,13 @@ def test_deploy_is_cached_while_serving_and_redeploys_otherwise(prefect_server, 
     answer = httpx.post(endpoint.url + "/v1/completions", json={"prompt": "Amen", "max_tokens": 2}, timeout=30)
     assert answer.status_code == 200
 
-    # a new checkpoint under the same name: the old server is replaced, not left running
-    newer = CheckpointRef(uri=str(tiny_checkpoint), step=2)
-    deploy_state, smoke_state, _, _ = deploy_and_smoke(newer, port)
-    assert (deploy_state, smoke_state) == ("Completed", "Completed")
-    second = services.get_service(service_name(MODEL))
-    assert second.pid != first.pid and not services.pid_alive(first.pid, first.proc_start)
-
     # after an explicit teardown the cached result is stale: the next run deploys again
     assert teardown(endpoint) is True
-    assert not services.pid_alive(second.pid, second.proc_start)
-    deploy_state, _, _, _ = deploy_and_smoke(newer, port)
-    assert deploy_state == "Completed"
-    assert services.is_healthy(services.get_service(service_name(MODEL)))
+    assert not services.pid_alive(first.pid, first.proc_start)
+    deploy_state, smoke_state, _, _ = deploy_and_smoke(checkpoint, port)
+    assert (deploy_state, smoke_state) == ("Completed", "Completed")
+    second = services.get_service(service_name(MODEL))
+    assert services.is_healthy(second) and second.pid != first.pid
     assert teardown(endpoint) is True
     assert services.list_services() == []
 
