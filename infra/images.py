@@ -75,6 +75,8 @@ NETRC_HOSTS = {
     "nvcr.io": ["nvcr.io", "authn.nvidia.com"],
     "docker.io": ["registry-1.docker.io", "auth.docker.io"],
 }
+IMPORT_CPUS = 4
+IMPORT_TIME = "02:00:00"
 PROGRESS_EVERY = 256 << 20
 RESUME_ATTEMPTS = 3
 RESUME_BACKOFF_S = 1.0
@@ -1010,6 +1012,12 @@ def render_import_script(ref: DockerRef, output_tmp: str, *, login_user_default:
     )
 
 
+def default_import_resources() -> Resources:
+    # enroot import decompresses layers and runs mksquashfs on every CPU it gets:
+    # one CPU makes a 20 GB NeMo image take the better part of an hour.
+    return Resources(cpus_per_task=IMPORT_CPUS, time=IMPORT_TIME)
+
+
 def _job_name(ref: DockerRef) -> str:
     slug = re.sub(r"[^a-z0-9]+", "-", f"{ref.repository.rsplit('/', 1)[-1]}-{ref.tag or ref.digest[7:19]}".lower())
     return ("enroot-import-" + slug.strip("-"))[:63].rstrip("-")
@@ -1056,7 +1064,7 @@ def plan_conversion(
         name=_job_name(ref),
         command=["bash", script_uri],
         secret_env=[USER_ENV, PASSWORD_ENV] if login is not None else [],
-        resources=resources or Resources(cpus_per_task=1, time="02:00:00"),
+        resources=resources or default_import_resources(),
         log_dir=jobs_dir,
         workdir=dest_dir,
     )
@@ -1092,10 +1100,10 @@ def convert_image(
     hidden = get_settings().secret_values()
     started = time.monotonic()
     log(f"importing {plan.ref.canonical} with enroot in a {backend} job")
-    result: JobResult = get_backend(backend, **(backend_options or {})).run(
-        plan.spec, on_log=lambda line: log(redact(line, hidden))
-    )
     try:
+        result: JobResult = get_backend(backend, **(backend_options or {})).run(
+            plan.spec, on_log=lambda line: log(redact(line, hidden))
+        )
         if result.state is not JobState.COMPLETED:
             tail = "\n".join(redact(line, hidden) for line in result.log_tail[-20:])
             if ENROOT_MISSING in tail or "enroot: command not found" in tail:

@@ -40,7 +40,7 @@ from prefect import task
 
 from infra import images, storage
 from infra.backends import BACKENDS
-from infra.jobs import JobSpec
+from infra.jobs import JobSpec, Resources
 from infra.settings import get_settings
 from tasks.common import code_fingerprint, logger
 from tasks.refs import ImageRef
@@ -88,6 +88,8 @@ def stage(
     force: bool = False,
     log=None,
     progress=None,
+    resources: Resources | dict | None = None,
+    backend_options: dict[str, Any] | None = None,
 ) -> tuple[ImageRef, dict[str, Any]]:
     """Stage an image without Prefect; returns the ref and facts for the report (cached, bytes, seconds)."""
     log = log or (lambda line: None)
@@ -115,7 +117,11 @@ def stage(
                 "cluster (one pull, then every job starts from the shared file), or give a prebuilt .sqsh"
             )
         # Conversion runs where the image will be used; a "local" conversion needs enroot here.
-        staged = images.convert_image(source, dest, backend=backend, force=force, log=log)
+        if isinstance(resources, dict):
+            resources = Resources(**{**images.default_import_resources().model_dump(), **resources})
+        staged = images.convert_image(
+            source, dest, backend=backend, force=force, log=log, resources=resources, backend_options=backend_options
+        )
     else:
         if convert:
             raise ValueError(f"--convert needs a docker:// reference, not {source}")
@@ -236,14 +242,22 @@ def stage_image(
     backend: str = "slurm",
     convert: bool = False,
     force: bool = False,
+    resources: dict[str, Any] | None = None,
+    backend_options: dict[str, Any] | None = None,
 ) -> ImageRef:
-    """Stage the container image for a run; see the module docstring. Returns an ImageRef."""
+    """Stage the container image for a run; see the module docstring. Returns an ImageRef.
+
+    ``resources`` (e.g. ``{"cpus_per_task": 16, "time": "01:00:00"}``) and
+    ``backend_options`` (e.g. ``{"partition": "cpu", "account": "proj"}``) apply
+    to the enroot import job only.
+    """
     from prefect.artifacts import create_markdown_artifact
 
     log = logger()
     ref, facts = stage(
-        source, dest, backend, convert, force, log=lambda line: log.info("%s", line), progress=_ProgressArtifact()
-    )
+        source, dest, backend, convert, force, log=lambda line: log.info("%s", line), progress=_ProgressArtifact(),
+        resources=resources, backend_options=backend_options,
+    )  # fmt: skip
     create_markdown_artifact(
         key="staged-image",
         markdown=artifact_markdown(ref, facts),

@@ -36,7 +36,8 @@ Registry credentials (for nvcr.io: user $oauthtoken, password = your NGC API key
 
 Examples:
   nemoflow stage-image gs://vmds-containers-<region>/nemo/nemo-20250721.sqsh --dest /lustre/images
-  NGC_API_KEY=... nemoflow stage-image docker://nvcr.io/nvidia/nemo:25.02 --convert --dest /lustre/images
+  NGC_API_KEY=... nemoflow stage-image docker://nvcr.io/nvidia/nemo:25.02 --convert \\
+      --dest /lustre/images --cpus-per-task 16 --partition cpu
   nemoflow stage-image nvcr.io/nvidia/nemo:25.02 --backend k8s
   nemoflow stage-image --backend local"""
 
@@ -66,6 +67,12 @@ def register(sub) -> None:
         default="slurm",
         help="where later stages run (default: slurm); decides what staging means, see above",
     )
+    job = parser.add_argument_group("the enroot import job (--convert)")
+    job.add_argument("--cpus-per-task", type=int, metavar="N",
+                     help="CPUs for enroot import (default 4; more makes mksquashfs faster)")  # fmt: skip
+    job.add_argument("--time", metavar="LIMIT", help="time limit, sbatch syntax (default 02:00:00)")
+    job.add_argument("--partition", metavar="NAME", help="Slurm partition (default: the cluster's default)")
+    job.add_argument("--account", metavar="NAME", help="Slurm account")
     parser.add_argument("--force", action="store_true", help="copy or import again even if a verified image is there")
     parser.add_argument(
         "--no-prefect",
@@ -74,6 +81,20 @@ def register(sub) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the ImageRef as JSON")
     parser.set_defaults(func=run)
+
+
+def _job_options(args) -> tuple[dict | None, dict | None]:
+    resources = {k: v for k, v in (("cpus_per_task", args.cpus_per_task), ("time", args.time)) if v is not None}
+    options = {k: v for k, v in (("partition", args.partition), ("account", args.account)) if v is not None}
+    if (resources or options) and not args.convert:
+        from nemoflow.cli import UserError
+
+        raise UserError("--cpus-per-task, --time, --partition and --account apply to the import job: add --convert")
+    if options and args.backend != "slurm":
+        from nemoflow.cli import UserError
+
+        raise UserError("--partition and --account are Slurm options: use --backend slurm")
+    return resources or None, options or None
 
 
 def _run_in_flow(args):
@@ -87,9 +108,12 @@ def _run_in_flow(args):
 
     from tasks.image import stage_image
 
+    resources, options = _job_options(args)
+
     @flow(name="stage-image", log_prints=False)
     def stage_image_flow(source, dest, backend, convert, force):
-        return stage_image(source, dest=dest, backend=backend, convert=convert, force=force)
+        return stage_image(source, dest=dest, backend=backend, convert=convert, force=force,
+                           resources=resources, backend_options=options)  # fmt: skip
 
     return stage_image_flow(args.source, args.dest, args.backend, args.convert, args.force)
 
@@ -101,9 +125,11 @@ def run(args) -> int:
         if args.no_prefect:
             from tasks.image import stage
 
+            resources, options = _job_options(args)
             ref, facts = stage(
-                args.source, args.dest, args.backend, args.convert, args.force, log=lambda line: print(line, file=sys.stderr)
-            )
+                args.source, args.dest, args.backend, args.convert, args.force,
+                log=lambda line: print(line, file=sys.stderr), resources=resources, backend_options=options,
+            )  # fmt: skip
             note = " (already staged, nothing copied)" if facts["cached"] else ""
         else:
             ref = _run_in_flow(args)

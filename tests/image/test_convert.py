@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -111,6 +112,13 @@ def test_private_registry_without_credentials_fails_before_submitting(registry_e
     assert "two words" not in str(info.value)
 
 
+def test_job_options_need_convert(capsys):
+    from nemoflow.cli import main
+
+    assert main(["stage-image", "x.sqsh", "--partition", "cpu", "--no-prefect"]) == 2
+    assert "add --convert" in capsys.readouterr().err
+
+
 def test_conversion_needs_a_shared_path(registry_env, gcs_bucket):
     with pytest.raises(ImageError, match="must be a shared file system path"):
         plan_conversion("docker://ghcr.io/org/tool:1.0", f"{gcs_bucket}/images")
@@ -184,7 +192,7 @@ def _slurm_up() -> bool:
 
 
 @pytest.mark.slurm
-def test_missing_enroot_on_slurm_node_fails_clearly(registry_env, tmp_path):
+def test_missing_enroot_on_slurm_node_fails_clearly(registry_env, tmp_path, capsys):
     """Submitted to the local Slurm cluster, whose node has no enroot: a clear failure, fast."""
     if not _slurm_up():
         pytest.skip("no local Slurm cluster (nemoflow local-slurm up)")
@@ -193,9 +201,18 @@ def test_missing_enroot_on_slurm_node_fails_clearly(registry_env, tmp_path):
     registry_env(NEMOFLOW_REGISTRY_PASSWORD=SECRET)
     dest = tmp_path / "images"
     if importlib.util.find_spec("infra.backends.slurm") is not None:
-        with pytest.raises(EnrootNotFound, match="enroot not found on the node"):
-            convert_image("docker://nvcr.io/nvidia/nemo:25.02", str(dest), backend="slurm")
+        from nemoflow.cli import main
+
+        started = time.monotonic()
+        code = main(["stage-image", "docker://nvcr.io/nvidia/nemo:25.02", "--convert", "--dest", str(dest),
+                     "--no-prefect", "--cpus-per-task", "1", "--time", "00:05:00"])  # fmt: skip
+        err = capsys.readouterr().err
+        assert code == 2
+        assert "enroot not found on the node (install enroot + pyxis, or stage a prebuilt .sqsh)" in err
+        assert re.search(r"\(slurm job \d+\)", err)
+        assert time.monotonic() - started < 60  # failed fast, did not hang
         assert not any(p.endswith(".sqsh") for p in leftovers(dest))
+        assert SECRET not in err + "".join(p.read_text() for p in dest.rglob("*") if p.is_file())
         return
     # The Slurm backend is not in this tree yet: submit the rendered script with sbatch directly.
     plan = plan_conversion("docker://nvcr.io/nvidia/nemo:25.02", str(dest))
