@@ -111,9 +111,11 @@ class SlurmBackend:
         check: bool = True,
         **option_fields,
     ):
-        self.options = options or SlurmOptions(**option_fields)
-        if options is not None and option_fields:
-            self.options = options.model_copy(update=SlurmOptions(**option_fields).model_dump(exclude_unset=True))
+        # SlurmOptions fields may be passed directly: get_backend("slurm", partition="gpu")
+        if option_fields:
+            base = options.model_dump(exclude_unset=True) if options is not None else {}
+            options = SlurmOptions(**{**base, **option_fields})
+        self.options = options or SlurmOptions()
         self.cli = cli or SlurmCLI()
         self.watcher = watcher or (shared_watcher() if cli is None else SlurmWatcher(self.cli))
         self.poll_interval_s = poll_interval_s

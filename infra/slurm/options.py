@@ -4,6 +4,8 @@ Fields are named exactly like the sbatch flags they become (``partition`` ->
 ``--partition``, ``gpus_per_node`` -> ``--gpus-per-node``), as in NeMo-Run's
 SlurmExecutor and the NeMo-on-Slurm guides.
 
+Every field can be set from the environment as ``NEMOFLOW_SLURM_<FIELD>``.
+
 Merging with the job's :class:`~infra.jobs.Resources`: a resource the stage set
 explicitly (``Resources(gpus_per_node=8)``) wins; otherwise the option given
 here (a backend- or deployment-wide default) is used; otherwise the Resources
@@ -23,6 +25,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from infra.jobs import JobSpec, Resources, parse_time_limit
 
@@ -128,10 +131,15 @@ PRESETS: dict[str, ClusterPreset] = {
 }
 
 
-class SlurmOptions(BaseModel):
-    """sbatch options for every job a :class:`~infra.backends.slurm.SlurmBackend` submits."""
+class SlurmOptions(BaseSettings):
+    """sbatch options for every job a :class:`~infra.backends.slurm.SlurmBackend` submits.
 
-    model_config = {"extra": "forbid"}
+    Each field can also come from the environment, ``NEMOFLOW_SLURM_<FIELD>``
+    (``NEMOFLOW_SLURM_PARTITION=gpu``, lists as JSON: ``NEMOFLOW_SLURM_SETUP_LINES='["module load cuda"]'``),
+    so flows that only say ``backend="slurm"`` pick up the site's settings.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="NEMOFLOW_SLURM_", extra="forbid")
 
     preset: str | None = Field(None, description="cluster type: " + ", ".join(PRESETS))
     partition: str | None = Field(None, description="sbatch --partition (default: the cluster's default)")

@@ -144,3 +144,16 @@ def test_every_preset_is_eight_gpus_with_nccl_env():
     for preset in PRESETS.values():
         assert preset.gpus_per_node == 8
         assert any(k.startswith("NCCL_") for k in preset.env)
+
+
+def test_options_come_from_the_environment(monkeypatch):
+    from infra.backends import get_backend
+
+    monkeypatch.setenv("NEMOFLOW_SLURM_PARTITION", "gpu")
+    monkeypatch.setenv("NEMOFLOW_SLURM_SETUP_LINES", '["module load cuda/12.4"]')
+    monkeypatch.setenv("NEMOFLOW_SLURM_MAX_RESUBMITS", "1")
+    backend = get_backend("slurm", account="proj")
+    assert backend.options.partition == "gpu" and backend.options.account == "proj"
+    assert backend.options.setup_lines == ["module load cuda/12.4"] and backend.options.max_resubmits == 1
+    # an explicit argument beats the environment
+    assert get_backend("slurm", partition="cpu").options.partition == "cpu"
