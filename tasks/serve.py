@@ -23,12 +23,12 @@ Otherwise the stale record is dropped first, so the task runs and deploys again.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import re
 import shlex
 import sys
+import uuid
 from dataclasses import dataclass
 
 from prefect import task
@@ -105,13 +105,21 @@ def local_checkpoint(uri: str) -> str:
     return str(dest)
 
 
-def _drop_record(task_ctx, key: str) -> None:
+def _drop_record(task_ctx, key: str) -> bool:
+    """Delete the persisted result under ``key``; True when it is gone (or never existed)."""
     store = getattr(task_ctx, "result_store", None)
-    for block in (getattr(store, "result_storage", None), getattr(store, "metadata_storage", None)):
+    blocks = [b for b in (getattr(store, "result_storage", None), getattr(store, "metadata_storage", None)) if b]
+    if not blocks:
+        return False
+    for block in blocks:
         basepath = getattr(block, "basepath", None)
-        if basepath:
-            with contextlib.suppress(Exception):
-                storage.remove(storage.join(str(basepath), key))
+        if not basepath:
+            return False
+        try:
+            storage.remove(storage.join(str(basepath), key))
+        except Exception:
+            return False
+    return True
 
 
 @dataclass
@@ -128,7 +136,11 @@ class LiveServiceCache(CachePolicy):
         key = f"deploy-inference-{fingerprint}"
         entry = services.get_service(service_name(model_name))
         if not (entry and entry.spec_hash == fingerprint and services.is_healthy(entry)):
-            _drop_record(task_ctx, key)  # the server it described is gone: deploy again
+            # The server a stored result describes is gone: drop that result so this run deploys
+            # again and stores the new one under the same key. If it cannot be dropped (a result
+            # storage without a path), a one-off key still forces the deploy.
+            if not _drop_record(task_ctx, key):
+                return f"{key}-{uuid.uuid4().hex}"
         return key
 
 
