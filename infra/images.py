@@ -141,6 +141,35 @@ def human_bytes(n: int | None) -> str:
 # ---------------------------------------------------------------- sources and references
 
 
+def public_uri(uri: str) -> str:
+    """``uri`` without a query string or user info: what may be logged and recorded.
+
+    Signed URLs (``X-Goog-Signature``, ``X-Amz-Signature``, SAS tokens) carry a
+    credential in the query; it must not reach logs, sidecars or artifacts.
+
+    >>> public_uri("https://storage.googleapis.com/b/nemo.sqsh?X-Goog-Signature=abc")
+    'https://storage.googleapis.com/b/nemo.sqsh?<query hidden>'
+    """
+    if storage.scheme(uri) not in ("http", "https"):
+        return uri
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, netloc, parts.path, "<query hidden>" if parts.query else "", ""))
+
+
+def _scrub(text: str, uri: str) -> str:
+    """Remove ``uri``'s query and user info from an error text (requests and aiohttp quote URLs)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    for secret in (parts.query, parts.netloc.rpartition("@")[0]):
+        if secret:
+            text = text.replace(secret, "<hidden>")
+    return text
+
+
 def resolve_region(source: str, region: str | None = None) -> str:
     """Replace ``<region>`` with the configured region (us, europe, asia).
 
@@ -389,8 +418,8 @@ class SourceInfo:
     validator: str | None = None
 
     @property
-    def name(self) -> str:
-        return storage.basename(self.uri.split("?", 1)[0])
+    def shown(self) -> str:
+        return public_uri(self.uri)
 
 
 _local_sha256_memo: dict[tuple, str] = {}
@@ -437,15 +466,16 @@ def probe_source(source: str) -> SourceInfo:
     if kind in ("http", "https"):
         import requests
 
+        shown = public_uri(source)
         try:
             response = requests.head(source, allow_redirects=True, timeout=30)
         except requests.RequestException as exc:
-            raise ImageSourceError(f"cannot reach image source {source}: {exc}") from exc
+            raise ImageSourceError(f"cannot reach image source {shown}: {_scrub(str(exc), source)}") from None
         if response.status_code == 404:
-            raise ImageNotFound(f"image source not found: {source} (HTTP 404)")
+            raise ImageNotFound(f"image source not found: {shown} (HTTP 404)")
         if response.status_code >= 400:
             error = ImageSourceError if response.status_code in (408, 429) or response.status_code >= 500 else ImageNotFound
-            raise error(f"image source {source} answered HTTP {response.status_code} {response.reason}")
+            raise error(f"image source {shown} answered HTTP {response.status_code} {response.reason}")
         headers = response.headers
         length = headers.get("Content-Length")
         size = int(length) if length and length.isdigit() and "gzip" not in headers.get("Content-Encoding", "") else None
@@ -560,7 +590,7 @@ def _revalidate_local(final: str, info: SourceInfo, log: LogSink) -> StagedImage
         return None
     if not str(meta.get("checksum", "")).startswith("sha256:") or not storage.exists(final):
         return None
-    log(f"{info.uri} was touched since it was staged; comparing its sha256 with the staged copy")
+    log(f"{info.shown} was touched since it was staged; comparing its sha256 with the staged copy")
     if _local_sha256(info.uri) != meta["checksum"]:
         return None
     hit = cached_image(final, info.uri, meta.get("source_checksum"), log)
@@ -630,7 +660,7 @@ class _ResumableReader:
         self.fh = self._open(0)
 
     def _open(self, offset: int):
-        uri = self.info.uri
+        uri = self.info.shown
         try:
             if self.http:
                 headers = {}
@@ -658,7 +688,8 @@ class _ResumableReader:
         except ImageError:
             raise
         except Exception as exc:
-            raise ImageSourceError(f"cannot open {uri} at byte {offset}: {type(exc).__name__}: {exc}") from exc
+            detail = _scrub(str(exc), self.info.uri)
+            raise ImageSourceError(f"cannot open {uri} at byte {offset}: {type(exc).__name__}: {detail}") from None
 
     def read(self, n: int) -> bytes:
         while True:
@@ -666,7 +697,7 @@ class _ResumableReader:
                 block = _read_source(self.fh, n, self.info.uri, self.offset, self.info.size)
                 if not block and self.info.size is not None and self.offset < self.info.size:
                     raise ImageSourceError(
-                        f"{self.info.uri} ended after {self.offset} of {self.info.size} bytes (connection closed early)"
+                        f"{self.info.shown} ended after {self.offset} of {self.info.size} bytes (connection closed early)"
                     )
             except ImageNotFound:
                 raise
@@ -759,7 +790,7 @@ def _copy_within_gcs(info: SourceInfo, tmp: str, final: str, log: LogSink, progr
     algorithm = info.checksum.split(":", 1)[0]
     key = {"md5": "md5Hash", "crc32c": "crc32c"}[algorithm]
     started = time.monotonic()
-    log(f"copying {info.uri} ({human_bytes(info.size)}) to {final} inside GCS")
+    log(f"copying {info.shown} ({human_bytes(info.size)}) to {final} inside GCS")
     try:
         fs.cp_file(src_path, tmp_path)
         fs.invalidate_cache(tmp_path)
@@ -819,15 +850,12 @@ def _read_source(fh, chunk: int, source: str, copied: int, size: int | None) -> 
     try:
         return fh.read(chunk)
     except ConnectionError as exc:
-        raise ImageSourceError(
-            f"reading {source} failed after {copied} of {human_bytes(size)} bytes: {exc}"
-        ) from exc
+        detail = _scrub(str(exc), source)
     except OSError:
         raise
     except Exception as exc:  # aiohttp's payload errors are not OSErrors
-        raise ImageSourceError(
-            f"reading {source} failed after {copied} of {human_bytes(size)} bytes: {type(exc).__name__}: {exc}"
-        ) from exc
+        detail = f"{type(exc).__name__}: {_scrub(str(exc), source)}"
+    raise ImageSourceError(f"reading {public_uri(source)} failed after {copied} of {human_bytes(size)} bytes: {detail}")
 
 
 def copy_image(
@@ -852,12 +880,13 @@ def copy_image(
     if storage.is_local(source):
         source = storage.local_path(source)
     dest_dir = storage.normalize(dest_dir)
+    shown = public_uri(source)
     info = probe_source(source)
     final = storage.join(dest_dir, destination_name(source))
     if storage.is_local(final) and storage.is_local(source) and os.path.abspath(final) == source:
         raise ImageError(f"destination {final} is the source itself; choose another --dest")
-    if not force and (hit := cached_image(final, info.uri, info.identity, log) or _revalidate_local(final, info, log)):
-        log(f"{final} already verified from {info.uri} ({hit.checksum}); nothing copied")
+    if not force and (hit := cached_image(final, shown, info.identity, log) or _revalidate_local(final, info, log)):
+        log(f"{final} already verified from {shown} ({hit.checksum}); nothing copied")
         return hit
     _prepare_destination(dest_dir, info.size)
     _remove_stale_temporaries(dest_dir, storage.basename(final), log)
@@ -870,7 +899,7 @@ def copy_image(
     header = b""
     copied = 0
     started = time.monotonic()
-    log(f"copying {info.uri} ({human_bytes(info.size)}) to {final}")
+    log(f"copying {shown} ({human_bytes(info.size)}) to {final}")
     try:
         reader = _ResumableReader(info, log)
         with reader, fs_dst.open(tmp_path, "wb") as out:
@@ -898,14 +927,14 @@ def copy_image(
         actual = f"{algorithm}:{hasher.hexdigest()}"
         if info.size is not None and copied != info.size:
             raise ImageCorrupted(
-                f"copy of {source} is incomplete: {copied} of {info.size} bytes arrived (copy discarded)"
+                f"copy of {shown} is incomplete: {copied} of {info.size} bytes arrived (copy discarded)"
             )
         if info.checksum is not None and actual != info.checksum:
             raise ImageCorrupted(
-                f"checksum mismatch for {source}: the source states {info.checksum}, the copy has {actual} "
+                f"checksum mismatch for {shown}: the source states {info.checksum}, the copy has {actual} "
                 "(copy discarded)"
             )
-        superblock = check_superblock(header, copied, source)
+        superblock = check_superblock(header, copied, shown)
         if info.identity.startswith("stat:") and _stat_identity(source) != info.identity:
             raise ImageCorrupted(f"{source} changed while it was being copied (copy discarded)")
         storage.commit(tmp, final)
@@ -917,7 +946,7 @@ def copy_image(
                 f"{dest_dir} ran out of space after {human_bytes(copied)} of {human_bytes(info.size)} (copy discarded)"
             ) from exc
         if isinstance(exc, FileNotFoundError):
-            raise ImageNotFound(f"image source not found: {source}") from exc
+            raise ImageNotFound(f"image source not found: {shown}") from exc
         raise
     except BaseException:
         with contextlib.suppress(Exception):
@@ -927,7 +956,7 @@ def copy_image(
         uri=final,
         size=copied,
         checksum=actual,
-        source=info.uri,
+        source=shown,
         source_checksum=info.identity,
         bytes_copied=copied,
         seconds=time.monotonic() - started,

@@ -153,7 +153,7 @@ def image_cache_key(context, parameters: dict[str, Any]) -> str | None:
             final = storage.join(dest, parsed.sqsh_name)
         else:
             info = images.probe_source(source)
-            source, identity = info.uri, info.identity
+            source, identity = info.shown, info.identity
             final = storage.join(dest, images.destination_name(source))
         sidecar = images._read_sidecar(final)
         staged = bool(sidecar) and sidecar.get("source_checksum") == identity and storage.exists(final)

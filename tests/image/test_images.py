@@ -459,3 +459,23 @@ def test_bucket_to_bucket_copy_is_server_side_and_verified(gcs_bucket, sqsh_imag
         copy_image(bogus, dest)
     names = [storage.basename(u) for u in storage.listdir(dest)]
     assert names == ["nemo-test.sqsh", "nemo-test.sqsh.meta.json"]
+
+
+def test_signed_url_credentials_stay_out_of_logs_and_records(served, tmp_path, sqsh_image, monkeypatch):
+    server, _ = served
+    monkeypatch.setattr(images, "RESUME_BACKOFF_S", 0.0)
+    signature = "X-Goog-Signature=5e1f0c0ffee0ddba11"
+    url = server.url("nemo-test.sqsh") + "?X-Goog-Credential=svc%40proj&" + signature
+    server.add_faults("/nemo-test.sqsh", Fault(stall_at=1000, stall=0.3))  # a resume, with its log line
+    lines: list[str] = []
+    dest = tmp_path / "images"
+    staged = copy_image(url, str(dest), log=lines.append)
+    assert sha256(staged.uri) == sha256(sqsh_image)
+    assert staged.source.endswith("/nemo-test.sqsh?<query hidden>")
+    recorded = "\n".join(lines) + (dest / "nemo-test.sqsh.meta.json").read_text() + staged.source
+    assert "5e1f0c0ffee0ddba11" not in recorded and "svc%40proj" not in recorded
+    # A fresh signature for the same object is the same source: still a cache hit.
+    assert copy_image(server.url("nemo-test.sqsh") + "?X-Goog-Signature=other", str(dest)).cached
+    with pytest.raises(ImageNotFound) as info:
+        copy_image(server.url("gone.sqsh") + "?" + signature, str(dest))
+    assert "5e1f0c0ffee0ddba11" not in str(info.value)
