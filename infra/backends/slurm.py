@@ -223,12 +223,20 @@ class SlurmBackend:
         self.watcher.register(job_id, set(indices) if indices else None)
         finished = False
         unknown_since: float | None = None
+        last_seen: tuple | None = None
         try:
             while True:
                 for t in tails:
                     for line in t.read():
                         emit(line)
                 status = self.watcher.status(job_id)
+                seen = (status.state, status.reason if status.state is JobState.PENDING else None, status.restarts)
+                if seen != last_seen and status.state in (JobState.PENDING, JobState.RUNNING):
+                    # Say why a job waits (Resources, Priority, QOS limits...) instead of going quiet.
+                    detail = f" ({status.reason})" if status.state is JobState.PENDING and status.reason else ""
+                    restarts = f", restart {status.restarts}" if status.restarts else ""
+                    emit(f"[slurm] job {job_id} {status.state.value}{detail}{restarts}")
+                    last_seen = seen
                 if status.state.is_terminal:
                     finished = True
                     break
