@@ -31,6 +31,7 @@ from infra.jobs import JobFailed, JobResult, JobSpec, JobState, LogSink, Service
 from infra.settings import DEFAULT_HOME, get_settings, redact
 from infra.slurm.commands import SlurmCLI, SlurmCommandError
 from infra.slurm.options import SbatchRequest, SlurmOptions, merge
+from infra.slurm.parsers import parse_scontrol_record
 from infra.slurm.preflight import SlurmPreflightError, preflight
 from infra.slurm.script import render_batch_script
 from infra.slurm.watcher import JobStatus, SlurmWatcher, shared_watcher
@@ -304,7 +305,10 @@ class SlurmBackend:
                     nodes = [r[2] for r in self._service_jobs(spec.name) if r[0] == job_id]
                     if nodes and nodes[0]:
                         host = self.cli.run(["scontrol", "show", "hostnames", nodes[0]]).split()[0]
-                        url = f"http://{host}:{spec.port}"
+                        # NodeAddr is what the controller itself reaches the node at; the
+                        # node's name may not resolve from here.
+                        node = parse_scontrol_record(self.cli.run(["scontrol", "-o", "show", "node", host]))
+                        url = f"http://{node.get('NodeAddr') or host}:{spec.port}"
                 if url is not None:
                     try:
                         with urllib.request.urlopen(url + spec.health_path, timeout=5) as resp:

@@ -320,8 +320,8 @@ def test_service_runs_as_a_job_until_stopped(backend, tmp_path):
                        port=port, health_path="/health", workdir=str(tmp_path))
     url = backend.start_service(spec, ready_timeout_s=120)
     try:
-        assert url.endswith(f":{port}")
-        with urllib.request.urlopen(url.replace(url.split("//")[1].split(":")[0], "127.0.0.1") + "/health") as r:
+        assert url == f"http://127.0.0.1:{port}"  # the node's NodeAddr
+        with urllib.request.urlopen(url + "/health") as r:
             assert r.read() == b"ok"
         assert backend.start_service(spec) == url  # idempotent: same job reused
         assert len(jobs_under(tmp_path)) == 1
