@@ -909,6 +909,10 @@ def copy_image(
                 while block := reader.read(chunk):
                     if len(header) < SUPERBLOCK_SIZE:
                         header += block[: SUPERBLOCK_SIZE - len(header)]
+                        if len(header) == SUPERBLOCK_SIZE:
+                            # Refuse a wrong file (an HTML error page, a tarball) after 96 bytes, not 20 GB.
+                            bytes_used = SUPERBLOCK.unpack_from(header)[12] if header[:4] == b"hsqs" else 0
+                            check_superblock(header, info.size if info.size is not None else bytes_used, shown)
                     pipeline.put(block)
                     copied += len(block)
                     if copied >= next_log:
@@ -945,8 +949,6 @@ def copy_image(
             raise ImageDestinationError(
                 f"{dest_dir} ran out of space after {human_bytes(copied)} of {human_bytes(info.size)} (copy discarded)"
             ) from exc
-        if isinstance(exc, FileNotFoundError):
-            raise ImageNotFound(f"image source not found: {shown}") from exc
         raise
     except BaseException:
         with contextlib.suppress(Exception):

@@ -239,6 +239,19 @@ def test_not_a_squashfs_file(tmp_path, kjv_chapters):
     assert leftovers(dest) == []
 
 
+def test_wrong_file_is_refused_after_its_first_bytes(tmp_path, monkeypatch, kjv_chapters):
+    """An HTML error page or a tarball is rejected at once, not after copying all of it."""
+    source = tmp_path / "src" / "nemo.sqsh"
+    source.parent.mkdir()
+    source.write_text("\n".join(kjv_chapters[:200]))  # ~1 MB of text
+    monkeypatch.setattr(images, "PROGRESS_EVERY", 64 << 10)
+    reports: list[int] = []
+    with pytest.raises(ImageVerificationError, match="is not a squashfs image"):
+        copy_image(str(source), str(tmp_path / "images"), chunk=64 << 10, progress=lambda c, t: reports.append(c))
+    assert reports == []  # stopped in the first 64 KiB block
+    assert leftovers(tmp_path / "images") == []
+
+
 def test_missing_sources_are_named(served, gcs_bucket, tmp_path):
     server, _ = served
     url = server.url("nope.sqsh")
