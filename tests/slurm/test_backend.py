@@ -329,3 +329,18 @@ def test_service_runs_as_a_job_until_stopped(backend, tmp_path):
         assert backend.stop_service("svc-http") is True
     assert jobs_under(tmp_path) == []
     assert backend.stop_service("svc-http") is False
+
+
+def test_unreachable_controller_is_a_clear_error(slurm, tmp_path, monkeypatch):
+    from infra.backends.slurm import SlurmBackend
+
+    conf = tmp_path / "etc"
+    conf.mkdir()
+    for name in ("slurm.conf", "gres.conf", "cgroup.conf"):
+        (conf / name).write_text((slurm.layout.etc / name).read_text())
+    with (conf / "slurm.conf").open("a") as fh:
+        fh.write("SlurmctldPort=1\n")  # nothing listens there
+    monkeypatch.setenv("SLURM_CONF", str(conf / "slurm.conf"))
+    b = SlurmBackend(log_dir=str(tmp_path / "logs"), cli=SlurmCLI(retries=0))
+    with pytest.raises(SlurmUnavailable, match="the Slurm controller is unreachable: .*Unable to contact slurm controller"):
+        b.run(JobSpec(name="no-controller", command=["true"]))
