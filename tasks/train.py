@@ -13,6 +13,7 @@ validation loss, and a loss-curve artifact is published to the Prefect UI.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -118,6 +119,40 @@ def sparkline(values: list[float], width: int = 60) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int((v - low) / span * (len(SPARK) - 1) + 0.5))] for v in values)
 
 
+def loss_chart_svg(metrics: list[dict], width: int = 480, height: int = 160) -> str:
+    """A small SVG line chart: train loss (blue line), validation loss (orange dots) by step."""
+    train = [(m["step"], m["loss"]) for m in metrics if "loss" in m]
+    val = [(m["step"], m["val_loss"]) for m in metrics if "val_loss" in m]
+    points = train + val
+    if len(points) < 2:
+        return ""
+    pad_l, pad_r, pad_t, pad_b = 44, 10, 10, 22
+    x0, x1 = min(p[0] for p in points), max(p[0] for p in points)
+    y0, y1 = min(p[1] for p in points), max(p[1] for p in points)
+    xs, ys = (x1 - x0) or 1, (y1 - y0) or 1
+
+    def xy(step: float, loss: float) -> str:
+        x = pad_l + (step - x0) / xs * (width - pad_l - pad_r)
+        y = pad_t + (y1 - loss) / ys * (height - pad_t - pad_b)
+        return f"{x:.1f},{y:.1f}"
+
+    line = " ".join(xy(s, v) for s, v in train)
+    dots = "".join(f'<circle cx="{xy(s, v).split(",")[0]}" cy="{xy(s, v).split(",")[1]}" r="3" fill="#e8710a"/>'
+                   for s, v in val)
+    bottom = height - pad_b
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+        f'font-size="11"><rect width="100%" height="100%" fill="white"/>'
+        f'<line x1="{pad_l}" y1="{pad_t}" x2="{pad_l}" y2="{bottom}" stroke="#999"/>'
+        f'<line x1="{pad_l}" y1="{bottom}" x2="{width - pad_r}" y2="{bottom}" stroke="#999"/>'
+        f'<text x="{pad_l - 4}" y="{pad_t + 8}" text-anchor="end">{y1:.2f}</text>'
+        f'<text x="{pad_l - 4}" y="{bottom}" text-anchor="end">{y0:.2f}</text>'
+        f'<text x="{pad_l}" y="{height - 6}">step {x0}</text>'
+        f'<text x="{width - pad_r}" y="{height - 6}" text-anchor="end">step {x1}</text>'
+        f'<polyline points="{line}" fill="none" stroke="#1a73e8" stroke-width="2"/>{dots}</svg>'
+    )
+
+
 def loss_curve_rows(metrics: list[dict], max_rows: int = 100) -> list[dict]:
     """One row per logged step (val_loss merged in), thinned to at most ``max_rows`` (last kept)."""
     by_step: dict[int, dict] = {}
@@ -151,6 +186,11 @@ def loss_curve_markdown(metrics: list[dict], best: CheckpointRef | None, run_dir
         ]
     if vals:
         lines += [f"val loss `{vals[0]:.3f}` {sparkline(vals)} `{vals[-1]:.3f}`", ""]
+    svg = loss_chart_svg(metrics)
+    if svg:
+        # A data URI: the chart travels inside the artifact, no file server or internet needed.
+        encoded = base64.b64encode(svg.encode()).decode()
+        lines += [f"![loss curve: train (blue), validation (orange)](data:image/svg+xml;base64,{encoded})", ""]
     if best is not None:
         lines += [f"best checkpoint: `{best.uri}` (step {best.step}, val_loss {best.val_loss})", ""]
     rows = loss_curve_rows(metrics, max_rows=20)

@@ -90,3 +90,20 @@ def test_lr_schedule_warmup_cosine_constant():
     assert all(a >= b for a, b in zip(decay, decay[1:]))
     constant = cfg.model_copy(update={"lr_schedule": "constant"})
     assert lr_at(100, constant) == 1e-3
+
+
+def test_loss_chart_svg_scales_points_into_the_frame():
+    import xml.etree.ElementTree as ET
+
+    from tasks.train import loss_chart_svg, sparkline
+
+    metrics = [{"step": s, "loss": 10.0 - s / 2} for s in range(1, 11)] + [{"step": 10, "val_loss": 4.0}]
+    svg = ET.fromstring(loss_chart_svg(metrics, width=200, height=100))
+    ns = "{http://www.w3.org/2000/svg}"
+    points = [tuple(map(float, p.split(","))) for p in svg.find(f"{ns}polyline").get("points").split()]
+    assert len(points) == 10
+    assert all(0 <= x <= 200 and 0 <= y <= 100 for x, y in points)
+    assert points[0][1] < points[-1][1]  # falling loss draws downwards (SVG y grows down)
+    dot = svg.find(f"{ns}circle")
+    assert float(dot.get("cy")) == pytest.approx(100 - 22)  # the lowest value sits on the x axis
+    assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"

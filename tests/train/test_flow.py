@@ -59,6 +59,7 @@ def test_pretrain_then_validate_flow(prefect_server, work_dir, train_dataset, tm
     curve = next(a for k, a in artifacts.items() if k.startswith("loss-curve-") and a.type == "markdown")
     assert "| step | loss | val_loss | lr | tokens/s |" in curve.data
     assert any(ch in curve.data for ch in "▁▂▃▄▅▆▇█")
+    assert "](data:image/svg+xml;base64," in curve.data  # the inline chart (checked to render in the UI)
     table = next(a for k, a in artifacts.items() if k.startswith("loss-curve-") and a.type == "table")
     assert "val_loss" in str(table.data)
     validation = next(a for k, a in artifacts.items() if k.startswith("checkpoint-validation-"))
