@@ -474,11 +474,13 @@ def probe_source(source: str) -> SourceInfo:
         if response.status_code == 404:
             raise ImageNotFound(f"image source not found: {shown} (HTTP 404)")
         if response.status_code >= 400:
-            error = ImageSourceError if response.status_code in (408, 429) or response.status_code >= 500 else ImageNotFound
+            transient = response.status_code in (408, 429) or response.status_code >= 500
+            error = ImageSourceError if transient else ImageNotFound
             raise error(f"image source {shown} answered HTTP {response.status_code} {response.reason}")
         headers = response.headers
         length = headers.get("Content-Length")
-        size = int(length) if length and length.isdigit() and "gzip" not in headers.get("Content-Encoding", "") else None
+        encoded = "gzip" in headers.get("Content-Encoding", "")  # the length would be the compressed one
+        size = int(length) if length and length.isdigit() and not encoded else None
         checksum = _http_checksum(headers)
         validator = checksum or (f"etag:{headers['ETag']}" if headers.get("ETag") else None)
         if validator is None and headers.get("Last-Modified"):
@@ -697,7 +699,8 @@ class _ResumableReader:
                 block = _read_source(self.fh, n, self.info.uri, self.offset, self.info.size)
                 if not block and self.info.size is not None and self.offset < self.info.size:
                     raise ImageSourceError(
-                        f"{self.info.shown} ended after {self.offset} of {self.info.size} bytes (connection closed early)"
+                        f"{self.info.shown} ended after {self.offset} of {self.info.size} bytes "
+                        "(connection closed early)"
                     )
             except ImageNotFound:
                 raise
@@ -1017,7 +1020,9 @@ def netrc_hosts(registry: str) -> list[str]:
 # ---------------------------------------------------------------- conversion job (enroot import)
 
 
-def render_import_script(ref: DockerRef, output_tmp: str, *, login_user_default: str | None, with_credentials: bool) -> str:
+def render_import_script(
+    ref: DockerRef, output_tmp: str, *, login_user_default: str | None, with_credentials: bool
+) -> str:
     """The bash script a conversion job runs; it holds no secret values, only variable names."""
     import jinja2
 

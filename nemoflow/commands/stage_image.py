@@ -77,7 +77,8 @@ def register(sub) -> None:
     parser.add_argument(
         "--no-prefect",
         action="store_true",
-        help="run directly, without a Prefect task run (no artifact, no Prefect cache; the sidecar cache still applies)",
+        help="run directly, without a Prefect task run (no artifact, no Prefect cache; "
+        "the sidecar cache still applies)",
     )
     parser.add_argument("--json", action="store_true", help="print the ImageRef as JSON")
     parser.set_defaults(func=run)

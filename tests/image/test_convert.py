@@ -176,7 +176,8 @@ def test_import_job_with_credentials_end_to_end(registry_env, tmp_path, stand_in
 def test_failed_import_leaves_no_image(registry_env, tmp_path, stand_in_enroot, monkeypatch):
     monkeypatch.setenv("NEMOFLOW_TEST_ENROOT_FAIL", "1")
     dest = tmp_path / "images"
-    with pytest.raises(ImageError, match=r"(?s)enroot import of docker.io/library/ubuntu:22.04 failed.*401 Unauthorized"):
+    failed = r"(?s)enroot import of docker.io/library/ubuntu:22.04 failed.*401 Unauthorized"
+    with pytest.raises(ImageError, match=failed):
         convert_image("docker://ubuntu:22.04", str(dest), backend="local")
     assert not any(p.endswith(".sqsh") for p in leftovers(dest))
 
