@@ -24,11 +24,11 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra import storage
-from infra.jobs import JobSpec, Mount, Resources
+from infra.jobs import JobFailed, JobSpec, JobState, Mount, Resources
 from infra.settings import get_settings
 from tasks.common import cache_policy, logger, run_job
 from tasks.refs import CheckpointRef, DatasetRef, ImageRef
-from workloads.train_config import TrainConfig, check_parallelism
+from workloads.train_config import ParallelismError, TrainConfig, check_parallelism
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1])
 TRAIN_MODULES = (
@@ -210,11 +210,26 @@ def _artifact_key(run_dir: str) -> str:
     return "loss-curve-" + hashlib.sha256(run_dir.encode()).hexdigest()[:10]
 
 
+def _retry_if_resumable(task, task_run, state) -> bool:
+    """Retry (and so resume) after pre-emption, time limits, node failures or a crash; not when
+    retrying cannot help: out of memory (exit 75) or a bad configuration (exit 2)."""
+    try:
+        state.result()
+    except JobFailed as exc:
+        return exc.result.state is not JobState.OUT_OF_MEMORY and exc.result.exit_code != 2
+    except (ValueError, ParallelismError):
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+    return True
+
+
 @task(
     name="pretrain",
     task_run_name="pretrain {config.arch}",
     retries=2,
     retry_delay_seconds=10,
+    retry_condition_fn=_retry_if_resumable,
     cache_policy=cache_policy(*TRAIN_MODULES),
     persist_result=True,
 )

@@ -419,10 +419,20 @@ class _no_autocast:
         return False
 
 
+def _config_fields_help() -> str:
+    lines = ["config fields (JSON keys, NeMo names):"]
+    for name, field in TrainConfig.model_fields.items():
+        default = "required" if field.is_required() else f"default {field.default!r}"
+        note = f": {field.description}" if field.description else ""
+        lines.append(f"  {name} ({default}){note}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m workloads.train",
         description=__doc__,
+        epilog=_config_fields_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", required=True, help="TrainConfig as a JSON file")
