@@ -67,7 +67,7 @@ def register(sub) -> None:
 def run_start(args) -> int:
     import os
 
-    from infra import services
+    from infra import services, storage
     from infra.jobs import ServiceSpec
     from nemoflow.cli import UserError
     from tasks.serve import local_checkpoint, serve_command, service_name
@@ -75,7 +75,7 @@ def run_start(args) -> int:
     directory = local_checkpoint(args.checkpoint)
     if not os.path.isdir(directory):
         raise UserError(f"--checkpoint {args.checkpoint} is not a directory")
-    model_name = args.model_name or os.path.basename(directory.rstrip("/"))
+    model_name = args.model_name or storage.basename(args.checkpoint)  # not the cache dir of a gs:// copy
     name = service_name(args.name or model_name)
     command = serve_command(directory, args.port, model_name, args.host)
     if args.max_tokens_cap:
