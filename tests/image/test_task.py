@@ -126,3 +126,33 @@ def test_cli_runs_the_task_in_a_flow(prefect_server, served, tmp_path, capsys):
     assert out["uri"] == str(dest / "nemo-test.sqsh")
     artifact = Artifact.get("staged-image")
     assert artifact is not None and out["checksum"] in artifact.data
+
+
+@pytest.mark.prefect
+def test_task_retries_transient_failures_only(prefect_server, served, tmp_path, monkeypatch):
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    from infra import images
+    from tasks.image import stage_image
+    from tests.support.fault_server import Fault
+
+    server, _ = served
+    monkeypatch.setattr(images, "RESUME_BACKOFF_S", 0.0)
+    quick = stage_image.with_options(retry_delay_seconds=0)
+    # First attempt: the connection drops more often than one copy resumes; the retry succeeds.
+    server.add_faults("/nemo-test.sqsh", *[Fault(stall_at=1000, stall=0.05) for _ in range(images.RESUME_ATTEMPTS + 1)])
+
+    @flow
+    def stage_both():
+        flaky = quick(server.url("nemo-test.sqsh"), dest=str(tmp_path / "a"), return_state=True)
+        missing = quick(server.url("missing.sqsh"), dest=str(tmp_path / "b"), return_state=True)
+        return flaky, missing
+
+    flaky, missing = stage_both(return_state=False)
+    assert flaky.is_completed() and missing.is_failed()
+    with get_client(sync_client=True) as client:
+        assert client.read_task_run(flaky.state_details.task_run_id).run_count == 2
+        assert client.read_task_run(missing.state_details.task_run_id).run_count == 1  # a 404 is not retried
+    with pytest.raises(images.ImageNotFound, match="missing.sqsh"):
+        missing.result()
