@@ -1130,6 +1130,8 @@ def convert_image(
         log(f"{plan.final} already imported from {plan.ref.canonical}; nothing to do")
         return hit
     _prepare_destination(os.path.dirname(plan.final), None)
+    # A job killed outright (SIGKILL after its time limit) skips its cleanup trap.
+    _remove_stale_temporaries(os.path.dirname(plan.final), plan.ref.sqsh_name, log)
     storage.write_text(plan.script_uri, plan.script)
     # Backends inject JobSpec.secret_env by name from the settings; redact
     # again here so no backend's log path can leak the password.
