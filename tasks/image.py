@@ -17,7 +17,8 @@ By backend:
   shared path the nodes see; a ``docker://`` source with ``convert=True`` is
   imported by ``enroot import`` in a Slurm job (see infra/images.py);
 * ``k8s``: the registry reference is validated and recorded (nodes pull it);
-* ``local``: no container; the interpreter and a hash of ``pip freeze``.
+* ``local``: no container; the interpreter and a hash of ``pip freeze`` (a
+  SOURCE, if given, is not staged: local stages never run in it).
 
 Caching: the Prefect cache key is the source URL, the source's checksum (GCS
 md5/crc32c, HTTP hash headers or validators, the digest of a registry image;
@@ -95,12 +96,16 @@ def stage(
     log = log or (lambda line: None)
     backend = _check_backend(backend)
     started = time.monotonic()
-    if source is None:
-        if backend != "local":
-            raise ValueError(f"the {backend} backend runs stages in a container: give an image SOURCE")
+    if backend == "local":
+        # Local stages run as processes of this interpreter, never in a container: recording
+        # a .sqsh here would make later stages believe they ran in it.
+        if source is not None:
+            log(f"the local backend runs no containers: {images.public_uri(source)} is not staged")
         ref = python_env_ref()
         log(f"local backend: the image is the Python environment {ref.uri} ({ref.checksum})")
         return ref, {"cached": False, "bytes_copied": 0, "seconds": time.monotonic() - started}
+    if source is None:
+        raise ValueError(f"the {backend} backend runs stages in a container: give an image SOURCE")
     source = images.resolve_region(source)
     if backend == "k8s":
         if convert:
@@ -142,7 +147,7 @@ def image_cache_key(context, parameters: dict[str, Any]) -> str | None:
         return None
     source = parameters.get("source")
     backend = parameters.get("backend", "slurm")
-    if source is None or backend in ("k8s", "kubernetes"):
+    if source is None or backend in ("k8s", "kubernetes", "local"):
         return None
     try:
         source = images.resolve_region(source)

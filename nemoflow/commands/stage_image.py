@@ -19,8 +19,8 @@ SOURCE is one of:
       optionally @sha256:DIGEST): with --convert, `enroot import` turns it into a .sqsh in
       a cluster job. For --backend k8s the reference is only validated and recorded
       (REGISTRY/IMAGE:TAG, docker:// optional); the nodes pull it.
-  nothing, with --backend local: the "image" is this Python environment (interpreter,
-      version and a hash of `pip freeze`).
+  with --backend local: nothing is staged; the "image" later stages record is this
+      Python environment (interpreter, version and a hash of `pip freeze`).
 
 A copied image is streamed to --dest under a temporary name, checked against the
 checksum the source states (GCS md5/crc32c, HTTP x-goog-hash / Content-MD5 / md5 ETag

@@ -54,6 +54,9 @@ def test_task_caches_on_source_checksum_and_publishes_artifact(prefect_server, s
 
 
 def test_local_backend_records_the_python_environment():
+    lines: list[str] = []
+    assert stage("gs://bucket/nemo.sqsh", backend="local", log=lines.append)[0].kind == "python-env"
+    assert any("is not staged" in line for line in lines)
     ref, facts = stage(None, backend="local")
     assert ref.kind == "python-env" and ref.uri == sys.executable
     assert ref.source.startswith("Python %d.%d." % sys.version_info[:2])
