@@ -89,7 +89,7 @@ class TokenizeStats(BaseModel):
     documents: int
     tokens: int  # over all keys, EOD included
     bytes_in: int  # uncompressed JSON-lines bytes read
-    seconds: float
+    seconds: float  # reading, tokenizing and writing (after the tokenizer is loaded)
     malformed_skipped: int = 0
     malformed_examples: list[str] = []
     vocab_size: int
@@ -288,6 +288,8 @@ def tokenize_file(
         raise ValueError("json_keys is empty: name at least one JSON key to tokenize")
     if len(set(json_keys)) != len(json_keys):
         raise ValueError(f"json_keys repeats a key: {json_keys}")
+    if storage.is_local(input_path) and not os.path.exists(storage.local_path(input_path)):
+        raise FileNotFoundError(f"input file not found: {input_path}")
     if isinstance(tokenizer, TokenizerConfig):
         fingerprint = tokenizer.fingerprint()
         tok = load_tokenizer(tokenizer, workers=workers)
@@ -295,8 +297,6 @@ def tokenize_file(
         fingerprint, tok = "", tokenizer
     if append_eod and tok.eod is None:
         raise TokenizerError(f"{tok.name}: the tokenizer has no end-of-text token, so --append-eod cannot be honoured")
-    if storage.is_local(input_path) and not os.path.exists(storage.local_path(input_path)):
-        raise FileNotFoundError(f"input file not found: {input_path}")
 
     remote = not storage.is_local(output_prefix)
     final = output_paths(output_prefix, json_keys)
