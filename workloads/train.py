@@ -233,7 +233,8 @@ def prepare_run_dir(config: TrainConfig) -> Path:
 def train(config: TrainConfig) -> int:
     # ---------------------------------------------------------------- checks before any compute
     cuda = torch.cuda.is_available()
-    plan = check_parallelism(config, on_cpu=not cuda)
+    # The arithmetic is about the cluster the config describes; this process trains on one device.
+    plan = check_parallelism(config)
     if not config.data_prefix or not config.tokenizer_model:
         raise ValueError("data_prefix and tokenizer_model must be set (the prepared dataset's blend and tokenizer)")
     run_dir = prepare_run_dir(config)

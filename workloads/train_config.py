@@ -186,7 +186,7 @@ def check_parallelism(config: TrainConfig, on_cpu: bool | None = None) -> Parall
     data-parallel rank (the quotient is the gradient accumulation).
     """
     cpu = config.gpus_per_node == 0 if on_cpu is None else on_cpu
-    world = 1 if cpu else config.num_nodes * config.gpus_per_node
+    world = 1 if cpu or config.gpus_per_node == 0 else config.num_nodes * config.gpus_per_node
     tp, pp, cp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size
     ep = config.expert_model_parallel_size
     errors: list[str] = []
