@@ -491,3 +491,49 @@ def test_signed_url_credentials_stay_out_of_logs_and_records(served, tmp_path, s
     with pytest.raises(ImageNotFound) as info:
         copy_image(server.url("gone.sqsh") + "?" + signature, str(dest))
     assert "5e1f0c0ffee0ddba11" not in str(info.value)
+
+
+def test_crc32c_only_sources_are_verified(sqsh_image, tmp_path):
+    """Composite GCS objects state only a crc32c; the copy is checked against it."""
+    import http.server
+    import struct
+    import threading
+
+    hasher = images.new_hasher("crc32c")
+    hasher.update(b"123456789")
+    assert hasher.hexdigest() == "e3069283"  # the CRC-32C check value (RFC 3720, appendix B.4)
+
+    body = sqsh_image.read_bytes()
+    import google_crc32c
+
+    good = base64.b64encode(struct.pack(">I", google_crc32c.value(body))).decode()
+    stated = {"/good.sqsh": good, "/bad.sqsh": base64.b64encode(b"\0\0\0\1").decode()}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _headers(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("x-goog-hash", f"crc32c={stated[self.path]}")
+            self.end_headers()
+
+        def do_HEAD(self):
+            self._headers()
+
+        def do_GET(self):
+            self._headers()
+            self.wfile.write(body)
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        staged = copy_image(f"{base}/good.sqsh", str(tmp_path / "a"))
+        assert staged.checksum == "crc32c:" + base64.b64decode(good).hex()
+        with pytest.raises(ImageCorrupted, match="the source states crc32c:00000001"):
+            copy_image(f"{base}/bad.sqsh", str(tmp_path / "b"))
+        assert leftovers(tmp_path / "b") == []
+    finally:
+        httpd.shutdown()
