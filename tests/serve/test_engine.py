@@ -77,3 +77,24 @@ def test_top_k_and_top_p_restrict_the_candidates():
     }
     assert unfiltered == {0, 1, 2, 3}
     assert Engine._pick(logits, SamplingParams(max_tokens=1, temperature=0), None) == 1
+
+
+def test_unfiltered_sampling_follows_the_distribution():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        counts[Engine._pick(torch.log(probs), SamplingParams(max_tokens=1, temperature=1.0), generator)] += 1
+    assert torch.allclose(counts / 4000, probs, atol=0.03), counts / 4000
+    # temperature sharpens: at 0.25 the most likely token dominates far beyond its 0.4
+    sharp = [Engine._pick(torch.log(probs), SamplingParams(max_tokens=1, temperature=0.25), generator) for _ in range(400)]
+    assert sharp.count(3) / 400 > 0.6
+
+
+def test_top_p_beyond_the_first_1024_candidates_falls_back_to_a_full_sort():
+    logits = torch.zeros(32000)  # uniform: 1024 tokens hold only 3% of the mass
+    params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.5)
+    picks = {Engine._pick(logits, params, torch.Generator().manual_seed(s)) for s in range(300)}
+    first_candidates = set(torch.topk(torch.softmax(logits, -1), 1024).indices.tolist())
+    # the nucleus holds 16000 tokens: most draws land outside the first 1024 candidates
+    assert len(picks - first_candidates) > 200
