@@ -169,20 +169,23 @@ def _threaded(source: Iterator[ParsedBatch], depth: int = 2) -> Iterator[ParsedB
     stop = threading.Event()
     done = object()
 
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for item in source:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put(item):
                     return
-            q.put(done)
+            put(done)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-            q.put(exc)
+            put(exc)
 
     thread = threading.Thread(target=produce, name="jsonl-reader", daemon=True)
     thread.start()

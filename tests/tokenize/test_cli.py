@@ -91,3 +91,10 @@ def test_gs_output_prefix(tmp_path, gcs_bucket, kjv_chapters, mixtral_tokenizer_
     for ext in (".bin", ".idx"):
         assert storage.read_bytes(remote.outputs["text"] + ext) == Path(local.outputs["text"] + ext).read_bytes()
     assert not [u for u in storage.listdir(f"{gcs_bucket}/tok") if ".tmp-" in u]
+
+    # and a gs:// input, streamed through fsspec
+    storage.put_file(str(src), f"{gcs_bucket}/raw/in.jsonl")
+    from_gcs = tokenize_file(f"{gcs_bucket}/raw/in.jsonl", str(tmp_path / "from_gcs"), config)
+    assert from_gcs.documents == 40
+    for ext in (".bin", ".idx"):
+        assert Path(from_gcs.outputs["text"] + ext).read_bytes() == Path(local.outputs["text"] + ext).read_bytes()
