@@ -22,6 +22,7 @@ COMMANDS = [
     "serve",
     "fetch",
     "local_slurm",
+    "models",
 ]
 
 DESCRIPTION = """\

@@ -1,0 +1,132 @@
+"""The model registry on real storage: atomic commits, generation guard, rollback, lineage, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+
+import pytest
+
+from infra import registry as reg
+from infra import storage
+from tests.conftest import REPO, VENV_BIN
+
+
+def _record(model_id: str, parent: str | None = None, loss: float = 5.0) -> reg.ModelRecord:
+    return reg.ModelRecord(
+        id=model_id,
+        checkpoint=f"/ckpt/{model_id}",
+        parent=parent,
+        data=[reg.SourceRecord(name=f"{model_id}.jsonl.zst", url=f"/in/{model_id}.jsonl.zst", sha256="ab" * 32)],
+        metrics={"held_out_loss": loss, "val_loss": loss + 0.1},
+    )
+
+
+@pytest.fixture
+def registry(tmp_path) -> reg.ModelRegistry:
+    r = reg.ModelRegistry(str(tmp_path / "registry"))
+    r.register(_record("m-a"), promote=True, sources=_record("m-a").data)
+    r.register(_record("m-b", "m-a", 4.0), promote=True, sources=_record("m-b").data)
+    return r
+
+
+def test_promote_rollback_lineage_and_history(registry):
+    state = registry.read()
+    assert (state.generation, state.promoted, state.promotions) == (2, "m-b", ["m-a", "m-b"])
+    assert [m.id for m in state.lineage("m-b")] == ["m-b", "m-a"]
+    assert set(state.processed_sources) == {"/in/m-a.jsonl.zst", "/in/m-b.jsonl.zst"}
+    state = registry.rollback()
+    assert state.promoted == "m-a" and state.generation == 3
+    with pytest.raises(reg.RegistryError, match="nothing to roll back"):
+        registry.rollback()
+    state = registry.promote("m-b")
+    assert state.promoted == "m-b"
+    assert [(h["generation"], h["action"]) for h in registry.history()] == [
+        (1, "promote"), (2, "promote"), (3, "rollback"), (4, "promote")
+    ]
+    with pytest.raises(reg.UnknownModel, match="no model 'm-zzz'.*known: m-a, m-b"):
+        registry.promote("m-zzz")
+    with pytest.raises(reg.UnknownModel, match="parent 'm-nope'"):
+        registry.register(_record("m-c", "m-nope"))
+
+
+def test_failed_write_leaves_the_old_document(registry, monkeypatch):
+    before = storage.read_bytes(registry.document_uri)
+
+    def broken_commit(tmp_uri, final_uri):
+        raise OSError("disk full (injected)")
+
+    monkeypatch.setattr(storage, "commit", broken_commit)
+    with pytest.raises(OSError, match="injected"):
+        registry.rollback()
+    monkeypatch.undo()
+    assert storage.read_bytes(registry.document_uri) == before
+    assert registry.read().promoted == "m-b"
+    assert len(registry.history()) == 2  # the failed change is not in the history either
+    # what the failed write produced lies only under a temporary name, which readers ignore
+    assert all(n.startswith(storage.TMP_MARK) or n in ("registry.json", "history", ".lock")
+               for n in os.listdir(registry.uri)), os.listdir(registry.uri)
+
+
+def test_stale_generation_is_refused(registry):
+    base = registry.read().generation
+    registry.rollback(expected_generation=base)
+    with pytest.raises(reg.ConcurrentUpdate, match=f"generation {base + 1}, not {base}"):
+        registry.promote("m-b", expected_generation=base)
+    assert registry.read().promoted == "m-a"
+
+
+def test_concurrent_writers_never_lose_an_update(tmp_path):
+    r = reg.ModelRegistry(str(tmp_path / "registry"))
+    r.register(_record("m-0"), promote=True)
+    errors = []
+
+    def add(i: int) -> None:
+        try:
+            r.register(_record(f"m-{i}", "m-0"))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=add, args=(i,)) for i in range(1, 9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    state = r.read()
+    assert not errors
+    assert len(state.models) == 9 and state.generation == 9
+
+
+def test_registry_on_gcs(gcs_bucket):
+    r = reg.ModelRegistry(f"{gcs_bucket}/registry")
+    r.register(_record("m-a"), promote=True)
+    r.register(_record("m-b", "m-a"), promote=True)
+    assert reg.ModelRegistry(f"{gcs_bucket}/registry").rollback().promoted == "m-a"
+    assert [h["generation"] for h in r.history()] == [1, 2, 3]
+
+
+def _cli(*args: str, registry: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(VENV_BIN / "nemoflow"), "models", "--registry", registry, *args],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_cli(registry):
+    out = _cli("list", registry=registry.uri)
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[1] if line.startswith("*") else line.split()[0]: line for line in out.stdout.splitlines()[1:]}
+    assert lines["m-b"].startswith("*") and not lines["m-a"].startswith("*")
+    show = _cli("show", "--json", registry=registry.uri)
+    assert json.loads(show.stdout)["lineage"] == ["m-b", "m-a"]
+    text = _cli("show", "m-a", registry=registry.uri).stdout
+    assert "/in/m-a.jsonl.zst" in text and "(promoted)" not in text
+    assert _cli("rollback", registry=registry.uri).returncode == 0
+    assert registry.read().promoted == "m-a"
+    bad = _cli("promote", "m-nope", registry=registry.uri)
+    assert bad.returncode == 2 and "no model 'm-nope'" in bad.stderr
+    assert "m-b" in _cli("history", registry=registry.uri).stdout
+    helptext = _cli("--help", registry=registry.uri).stdout
+    assert "rollback" in helptext and "atomic" in helptext
