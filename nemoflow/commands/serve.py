@@ -11,6 +11,7 @@ examples:
        -d '{"prompt": "In the beginning", "model": "tiny", "max_tokens": 20}'
   nemoflow serve list
   nemoflow serve status tiny
+  nemoflow serve logs tiny -n 20
   nemoflow serve stop tiny
 
 Servers run in the background (their own process group, output in a log file
@@ -56,6 +57,11 @@ def register(sub) -> None:
     status.add_argument("name")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=run_status)
+
+    logs = actions.add_parser("logs", help="print the last lines of a server's log")
+    logs.add_argument("name")
+    logs.add_argument("-n", "--lines", type=int, default=50, help="how many lines (default 50)")
+    logs.set_defaults(func=run_logs)
 
     listing = actions.add_parser("list", help="list running servers")
     listing.add_argument("--json", action="store_true", help="machine-readable output")
@@ -145,4 +151,16 @@ def run_list(args) -> int:
     print(f"{'NAME':<24} {'URL':<28} {'PID':>7}  {'STATE':<8} CHECKPOINT")
     for e in entries:
         print(f"{e.name:<24} {e.url:<28} {e.pid:>7}  {e.state:<8} {e.checkpoint or ''}")
+    return 0
+
+
+def run_logs(args) -> int:
+    from infra import services
+    from nemoflow.cli import UserError
+
+    entry = services.get_service(args.name)
+    if entry is None:
+        raise UserError(f"no server named {args.name!r} is running (see `nemoflow serve list`)")
+    for line in services.log_tail(entry.log_path, args.lines):
+        print(line)
     return 0

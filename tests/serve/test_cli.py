@@ -35,6 +35,8 @@ def test_start_status_list_stop(work_dir, cleanup, tiny_checkpoint, capsys):
     assert status["healthy"] is True and status["model"] == "Tiny Llama" and status["port"] == port
     assert main(["serve", "list", "--json"]) == 0
     assert [e["name"] for e in json.loads(capsys.readouterr().out)] == ["tiny-llama"]
+    assert main(["serve", "logs", "tiny-llama", "-n", "200"]) == 0
+    assert "loaded " in capsys.readouterr().out  # the server's own "loaded <checkpoint> (...)" line
 
     # the same port again: refused before anything starts, naming the owner
     assert main(args[:-1] + ["Other"]) == 2
