@@ -241,6 +241,8 @@ def train(config: TrainConfig) -> int:
     check_prefixes(config.data_prefix)
     if config.valid_data_prefix:
         check_prefixes(config.valid_data_prefix)
+    if config.init_from and not (Path(config.init_from) / "model.safetensors").is_file():
+        raise FileNotFoundError(f"init_from {config.init_from} has no model.safetensors: not a checkpoint directory")
     (run_dir / "train_config.json").write_text(config.model_dump_json(indent=1))
 
     device = torch.device("cuda" if cuda else "cpu")
