@@ -579,7 +579,8 @@ def create_app(state: ServerState) -> FastAPI:
         def chunk(index, text, finish, first):
             if first:  # completions streams have no role chunk
                 return None
-            return {**head, "choices": [{"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}]}
+            choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return {**head, "choices": [choice]}
 
         def final(index, text, finish):
             return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}

@@ -87,7 +87,8 @@ def test_unfiltered_sampling_follows_the_distribution():
         counts[Engine._pick(torch.log(probs), SamplingParams(max_tokens=1, temperature=1.0), generator)] += 1
     assert torch.allclose(counts / 4000, probs, atol=0.03), counts / 4000
     # temperature sharpens: at 0.25 the most likely token dominates far beyond its 0.4
-    sharp = [Engine._pick(torch.log(probs), SamplingParams(max_tokens=1, temperature=0.25), generator) for _ in range(400)]
+    cold = SamplingParams(max_tokens=1, temperature=0.25)
+    sharp = [Engine._pick(torch.log(probs), cold, generator) for _ in range(400)]
     assert sharp.count(3) / 400 > 0.6
 
 

@@ -80,7 +80,9 @@ def test_streaming_honours_stop_strings(live_server, client):
     full = complete(live_server, prompt=prompt, max_tokens=20, temperature=0)["choices"][0]["text"]
     stop = full[9:12]
     stopped = complete(live_server, prompt=prompt, max_tokens=20, temperature=0, stop=stop)["choices"][0]
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, temperature=0, stop=stop, stream=True))
+    chunks = list(
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, temperature=0, stop=stop, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == stopped["text"] == full[: full.index(stop)]
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -116,9 +118,11 @@ def test_chat_stream_has_role_then_content(client):
 
 
 def test_seed_body_with_hyphenated_max_tokens(live_server):
-    seed = {"prompt": "In the beginning", "model": MODEL_NAME, "max-tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 1}
+    seed = {"prompt": "In the beginning", "model": MODEL_NAME, "max-tokens": 5, "temperature": 0.7, "top_p": 0.9}
+    seed["top_k"] = 1
     hyphen = post(live_server, "/v1/completions", seed)
-    underscore = post(live_server, "/v1/completions", {**{k: v for k, v in seed.items() if k != "max-tokens"}, "max_tokens": 5})
+    underscore_body = {**{k: v for k, v in seed.items() if k != "max-tokens"}, "max_tokens": 5}
+    underscore = post(live_server, "/v1/completions", underscore_body)
     assert hyphen["usage"]["completion_tokens"] <= 5
     # top_k=1 is greedy whatever the temperature: both spellings give the same text
     assert hyphen["choices"][0]["text"] == underscore["choices"][0]["text"] != ""
@@ -131,7 +135,10 @@ def test_greedy_is_deterministic_and_seeds_reproduce(live_server):
     first = complete(live_server, prompt=prompt, max_tokens=10, temperature=0)["choices"][0]["text"]
     second = complete(live_server, prompt=prompt, max_tokens=10, temperature=0)["choices"][0]["text"]
     assert first == second
-    sampled = [complete(live_server, prompt=prompt, max_tokens=10, temperature=1.0, seed=s)["choices"][0]["text"] for s in (7, 7, 8)]
+    sampled = [
+        complete(live_server, prompt=prompt, max_tokens=10, temperature=1.0, seed=seed)["choices"][0]["text"]
+        for seed in (7, 7, 8)
+    ]
     assert sampled[0] == sampled[1]
     assert sampled[0] != sampled[2]  # a random 32000-token model: two seeds agreeing on 10 tokens is ~impossible
 

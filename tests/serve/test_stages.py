@@ -121,7 +121,6 @@ def test_smoke_sends_the_seed_body(live_server):
     result = run_smoke(endpoint, body, timeout_s=30)
     assert result.passed, result.status
     assert result.http_status == 200 and 0 < result.completion_tokens <= 20 and result.output.strip()
-    assert sys.getsizeof(result.output) > 0
 
 
 CANCELLED_DEPLOY = """
