@@ -71,4 +71,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the copy imported as nemoflow.cli, so that commands raising
+    # nemoflow.cli.UserError are caught by the same class (not __main__'s twin).
+    from nemoflow.cli import main as _main
+
+    sys.exit(_main())
