@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field, model_validator
 from flows.prepare_dataset import PrepareConfig, prepare_dataset
 from infra import storage
 from infra.settings import get_settings
+from tasks.common import result_storage
 from tasks.checkpoint import validate_checkpoint
 from tasks.image import container_image, stage_image
 from tasks.serve import deploy_inference
@@ -100,25 +101,30 @@ class EndToEndConfig(BaseModel):
 def end_to_end(config: EndToEndConfig | None = None) -> dict:
     config = config or EndToEndConfig()
     backend = config.backend
+    results = result_storage()  # every stage persists its (small) result where NEMOFLOW_RESULT_STORAGE says
+    stage_image_, pretrain_, validate_, deploy_, smoke_ = (
+        t.with_options(result_storage=results)
+        for t in (stage_image, pretrain, validate_checkpoint, deploy_inference, smoke_test)
+    )
 
     # 1. the image every later stage runs in (locally: this Python environment, recorded)
-    image = stage_image(config.image.source, config.image.dest, backend, config.image.convert)
+    image = stage_image_(config.image.source, config.image.dest, backend, config.image.convert)
 
     # 2. the dataset: raw shards -> Megatron .bin/.idx + NeMo blend
     data = config.data.model_copy(update={"image": container_image(image)})
     dataset = prepare_dataset(data)
 
     # 3. pretraining on the blend
-    checkpoint = pretrain(config.train, dataset, image, backend)
+    checkpoint = pretrain_(config.train, dataset, image, backend)
 
     # 4. validation: a failing check stops the flow here, before anything is deployed
-    report = validate_checkpoint(checkpoint, dataset, config.validation_threshold, backend, image)
+    report = validate_(checkpoint, dataset, config.validation_threshold, backend, image)
 
     # 5. inference, then 6. the seed's smoke request against it
-    endpoint = deploy_inference(
+    endpoint = deploy_(
         checkpoint, config.serve.port, config.serve.model_name, backend, config.serve.ready_timeout_s
     )
-    answer = smoke_test(endpoint, config.smoke.prompt, config.smoke.max_tokens, config.smoke.timeout_s)
+    answer = smoke_(endpoint, config.smoke.prompt, config.smoke.max_tokens, config.smoke.timeout_s)
 
     summary = {
         "flow_run_id": str(flow_run.id) if flow_run.id else None,
@@ -136,12 +142,51 @@ def end_to_end(config: EndToEndConfig | None = None) -> dict:
         "latency_s": answer.latency_s,
     }
     _publish_summary(summary)
+
+    # 7. the model registry: a CPT refresh (flows/cpt_refresh.py) continues from the promoted model
+    summary["registered_model"] = register_checkpoint(config, checkpoint, dataset, report, endpoint, image)
     return summary
+
+
+def register_checkpoint(config, checkpoint, dataset, report, endpoint, image) -> str:
+    """Register the validated checkpoint; promote it (and fix the held-out set) when nothing is promoted yet."""
+    from infra import registry as reg
+
+    registry = reg.ModelRegistry(storage.join(get_settings().work_dir, "registry"))
+    state = registry.read()
+    existing = next((m.id for m in state.models.values() if m.checkpoint == checkpoint.uri), None)
+    if existing:
+        return existing  # a cached re-run: already registered
+    manifest = storage.read_json(dataset.manifest_uri)
+    sources = [reg.SourceRecord(name=s["name"], url=s["url"], sha256=s.get("sha256"), size=s.get("size"))
+               for s in manifest.get("shards", [])]  # fmt: skip
+    record = reg.ModelRecord(
+        id=reg.new_model_id(checkpoint.uri),
+        checkpoint=checkpoint.uri,
+        data=sources,
+        dataset_manifest=dataset.manifest_uri,
+        metrics={"val_loss": report.val_loss, "untrained_loss": report.untrained_loss, "tokens": dataset.tokens},
+        image=image.model_dump(mode="json") if image else None,
+        code_version=reg.code_version(),
+        flow_run_id=str(flow_run.id) if flow_run.id else None,
+        note="trained by end-to-end",
+    )
+    first = state.promoted is None
+    held_out = reg.HeldOut(
+        data_prefix=dataset.blend, tokenizer_model=dataset.tokenizer.model, seq_length=config.train.seq_length,
+        split=config.train.split, seed=config.train.seed, origin=f"validation split of {dataset.manifest_uri}",
+    )  # fmt: skip
+    serving = reg.Serving(model=record.id, service=endpoint.handle, port=config.serve.port,
+                          model_name=endpoint.model, url=endpoint.url)  # fmt: skip
+    # Its sources count as processed only when it becomes the base the refresh continues from.
+    registry.register(record, promote=first, sources=sources if first else [], held_out=held_out if first else None,
+                      serving=serving if first else None, expected_generation=state.generation)  # fmt: skip
+    return record.id
 
 
 def _publish_summary(summary: dict) -> None:
     if summary["flow_run_id"]:
-        storage.write_json(storage.join(get_settings().work_dir, "runs", f"{summary['flow_run_id']}.json"), summary)
+        storage.write_json(storage.join(get_settings().work_dir, "flow-runs", f"{summary['flow_run_id']}.json"), summary)
     create_markdown_artifact(
         key="end-to-end-summary",
         description="what this run produced",

@@ -94,7 +94,7 @@ def run(args) -> int:
         return code or 1
     print()
     print(f"flow run:    {pl.ui_url(api, flow_run_id)}")
-    summary_uri = os.path.join(get_settings().work_dir, "runs", f"{flow_run_id}.json")
+    summary_uri = os.path.join(get_settings().work_dir, "flow-runs", f"{flow_run_id}.json")
     if code != 0 or not os.path.exists(summary_uri):
         print(f"the run did not complete (exit {code}); its page above shows which stage failed and why")
         print(f"worker log:  {pl.STATE_DIR / ('worker-' + pool + '.log')}")
