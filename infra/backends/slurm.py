@@ -27,6 +27,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from infra.backends.local import EXIT_OUT_OF_MEMORY
 from infra.jobs import JobFailed, JobResult, JobSpec, JobState, LogSink, ServiceSpec
 from infra.settings import DEFAULT_HOME, get_settings, redact
 from infra.slurm.commands import SlurmCLI, SlurmCommandError
@@ -204,6 +205,9 @@ class SlurmBackend:
         exit_code = status.exit_code
         if status.state is JobState.COMPLETED:
             exit_code = 0
+        elif status.state is JobState.FAILED and exit_code == EXIT_OUT_OF_MEMORY:
+            # The workloads' own out-of-memory exit code: same verdict as the local backend.
+            status.state = JobState.OUT_OF_MEMORY
         reason = None
         if status.state is not JobState.COMPLETED:
             reason = f"Slurm job {job_id} ended {status.state.value.upper()}"

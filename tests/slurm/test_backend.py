@@ -67,6 +67,15 @@ def test_exit_3_is_failed_with_code_and_not_retried(backend):
     assert "bad input" in result.log_tail
 
 
+def test_workload_out_of_memory_exit_code_maps_like_the_local_backend(backend):
+    from infra.backends.local import EXIT_OUT_OF_MEMORY
+
+    spec = JobSpec(name="oom", command=py(f"import sys; sys.exit({EXIT_OUT_OF_MEMORY})"))
+    local, slurm = LocalBackend().run(spec), backend.run(spec)
+    assert local.state is slurm.state is JobState.OUT_OF_MEMORY
+    assert slurm.exit_code == EXIT_OUT_OF_MEMORY and slurm.attempts == 1  # not resubmitted
+
+
 def test_gpu_request_gets_fake_gpus(backend):
     spec = JobSpec(name="gpu-job", command=py("import os; print('gpus', os.environ.get('CUDA_VISIBLE_DEVICES'))"),
                    resources=Resources(gpus_per_node=2))
