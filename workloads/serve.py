@@ -659,6 +659,112 @@ def check_checkpoint(path: Path) -> None:
         )
 
 
+# ---------------------------------------------------------------- one port, two servers (blue/green)
+#
+# Zero-downtime switching (the CPT refresh) uses SO_REUSEPORT rather than a reverse proxy: no extra
+# long-lived process to supervise, and the port users call is held by the kernel throughout. Every
+# server binds its --port with SO_REUSEPORT; a new one starts on a private port of its own, is
+# health-checked and smoke-tested there, then (SIGUSR1) also listens on the shared port through an
+# in-process TCP relay to itself; the old one is told to leave (SIGUSR2) and is stopped after its
+# in-flight requests finish. A relay, not a second uvicorn socket, because uvicorn cannot add a
+# listening socket to a running server.
+
+
+def listen_socket(host: str, port: int, reuse_port: bool = True):
+    """A bound, listening TCP socket; SO_REUSEPORT lets a successor server share the port."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class PortRelay:
+    """Listen on ``shared_port`` (SO_REUSEPORT) and relay each connection to this server's own port."""
+
+    def __init__(self, host: str, shared_port: int, target_port: int):
+        self.host, self.shared_port, self.target_port = host, shared_port, target_port
+        self._loop = None
+        self._server = None
+        self._lock = threading.Lock()
+
+    def join(self) -> None:
+        import asyncio
+
+        with self._lock:
+            if self._server is not None:
+                return
+            try:
+                sock = listen_socket(self.host, self.shared_port)
+            except OSError as exc:
+                log.error("cannot join port %d (%s): is its server started without SO_REUSEPORT?", self.shared_port, exc)
+                return
+            ready = threading.Event()
+
+            def run() -> None:
+                self._loop = asyncio.new_event_loop()
+                self._server = self._loop.run_until_complete(asyncio.start_server(self._relay, sock=sock))
+                ready.set()
+                self._loop.run_forever()
+
+            threading.Thread(target=run, name="port-relay", daemon=True).start()
+            ready.wait()
+        log.info("joined port %d (relaying to %d)", self.shared_port, self.target_port)
+
+    def leave(self) -> None:
+        with self._lock:
+            if self._server is None or self._loop is None:
+                return
+            done = threading.Event()
+
+            def close() -> None:
+                self._server.close()
+                done.set()
+
+            self._loop.call_soon_threadsafe(close)
+            done.wait(5)
+            self._server = None
+        log.info("left port %d", self.shared_port)
+
+    async def _relay(self, reader, writer) -> None:
+        import asyncio
+
+        try:
+            up_reader, up_writer = await asyncio.open_connection(self.target_host(), self.target_port)
+        except OSError:
+            writer.close()
+            return
+
+        async def pipe(src, dst) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                try:
+                    if dst.can_write_eof():
+                        dst.write_eof()
+                except (ConnectionError, OSError, RuntimeError):
+                    pass
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        for w in (writer, up_writer):
+            w.close()
+
+    def target_host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else ("::1" if self.host == "::" else self.host)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m workloads.serve",
@@ -677,6 +783,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-bos", action="store_true", help="do not start prompts with the BOS token")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--join-port",
+        type=int,
+        help="blue/green: a port another server already serves (bound with SO_REUSEPORT); this server "
+        "starts listening there too on SIGUSR1 (after it was checked on --port) and stops on SIGUSR2",
+    )
     return parser.parse_args(argv)
 
 
@@ -699,6 +811,18 @@ def main(argv: list[str] | None = None) -> int:
             create_app(state), host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5
         )
     )
+    try:
+        sock = listen_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr, flush=True)
+        return 3
+    if args.join_port:
+        import signal
+
+        relay = PortRelay(args.host, args.join_port, args.port)
+        # Handlers only start threads: joining binds a socket and must not run inside a signal handler.
+        signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=relay.join, daemon=True).start())
+        signal.signal(signal.SIGUSR2, lambda *_: threading.Thread(target=relay.leave, daemon=True).start())
 
     def load() -> None:
         try:
@@ -708,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
 
     threading.Thread(target=load, name="load-model", daemon=True).start()
     log.info("serving %s as %r on http://%s:%d", checkpoint, state.model_name, args.host, args.port)
-    server.run()
+    server.run(sockets=[sock])
     if state.load_error:
         # last, so it is the line a supervisor's log tail ends with
         print(f"serve: cannot serve {checkpoint}: {state.load_error}", file=sys.stderr, flush=True)

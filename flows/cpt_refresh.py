@@ -1,0 +1,342 @@
+"""Flow ``cpt-refresh``: continue pretraining the promoted model on newly arrived data, nightly.
+
+    discover new sources -> (none: no-op) -> prepare them -> continue pretraining from the promoted
+    checkpoint -> validate -> candidate vs promoted on the fixed held-out set -> promote or keep
+    -> blue/green switch of the server (same URL, no downtime) -> registry commit
+
+Started by the ``cpt-refresh/nightly`` deployment (cron in prefect.yaml), by
+``prefect deployment run cpt-refresh/local``, or in Python: ``cpt_refresh(CptRefreshConfig(...))``.
+The model registry (``infra.registry``, default ``<work_dir>/registry``) says which checkpoint is
+promoted; ``end-to-end`` registers and promotes its checkpoint when nothing is promoted yet, so one
+``end-to-end/local`` run gives the first refresh a model to continue from.
+
+What "new" means: a source (file URL) whose checksum is not among the inputs of the promoted
+model's lineage (``processed_sources`` in the registry). A rejected candidate does not mark its
+sources processed, so they are retried by the next refresh, with whatever arrived since.
+
+The held-out set both models are compared on is recorded in the registry (``held_out``): the
+validation split of the dataset the first promoted model was trained on, with its split, seed and
+sequence length. It never changes across refreshes, so losses are comparable over the lineage.
+
+Never two at once: the deployments have ``concurrency_limit: 1`` (CANCEL_NEW), and the flow takes
+the global concurrency limit ``cpt-refresh`` (1 slot) before it reads the registry, giving up
+after ``lock_timeout_s``; the registry commit also checks the generation it started from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from typing import Literal
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
+from pydantic import BaseModel, Field, model_validator
+
+from flows.prepare_dataset import PrepareConfig, prepare_dataset
+from infra import registry as reg
+from infra import storage
+from infra.settings import get_settings
+from tasks.checkpoint import validate_checkpoint
+from tasks.common import logger
+from tasks.promote import compare_on_held_out, discover_new_sources, record_model, switch_serving
+from tasks.refs import CheckpointRef, ImageRef, TokenizerRef
+from tasks.train import pretrain
+from workloads.train_config import TrainConfig
+
+CONCURRENCY_LIMIT = "cpt-refresh"
+
+
+class CptTrainConfig(BaseModel):
+    """The continued-pretraining run: token budget and a fresh warmup + decay schedule over it."""
+
+    max_tokens: int | None = Field(None, ge=1, description="token budget; None = one pass over the new tokens")
+    max_steps: int | None = Field(None, ge=1, description="instead of max_tokens")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate of the CPT schedule")
+    min_lr: float = Field(3e-5, ge=0, description="learning rate at the end of the decay")
+    warmup_steps: int = Field(5, ge=0, description="linear warmup (capped at half the run)")
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    reset_optimizer: bool = Field(True, description="fresh optimizer (True) or the promoted run's Adam state")
+    global_batch_size: int = Field(8, ge=1)
+    micro_batch_size: int = Field(8, ge=1)
+    val_check_interval: int = Field(20, ge=1)
+    ckpt_every_n_steps: int = Field(20, ge=1)
+    limit_val_batches: int = Field(4, ge=0)
+    log_every_n_steps: int = Field(5, ge=1)
+    seed: int = 1234
+
+
+class CptServeConfig(BaseModel):
+    port: int = Field(8000, ge=1, le=65535, description="the port users call; it never changes")
+    model_name: str = "nemoflow-demo"
+    ready_timeout_s: float = Field(180, gt=0)
+    smoke_prompt: str = "In the beginning"
+    enabled: bool = Field(True, description="switch the server to a promoted candidate (local backend)")
+
+
+class CptRefreshConfig(BaseModel):
+    """The refresh's single parameter."""
+
+    sources: str | list[str] | None = Field(
+        None, description="incoming data: a glob, a list, or a {chunk}/{shard} template; "
+        "unset = <work_dir>/incoming/*.jsonl.zst",
+    )  # fmt: skip
+    chunks: str | None = None
+    shards: str | None = None
+    registry: str | None = Field(None, description="model registry URI (default <work_dir>/registry)")
+    tolerance: float = Field(0.0, ge=0, description="promote if candidate_loss <= promoted_loss * (1 + tolerance)")
+    validation_threshold: float = Field(9.5, gt=0, description="validate_checkpoint's held-out loss threshold")
+    train: CptTrainConfig = Field(default_factory=CptTrainConfig)
+    tokenizer: TokenizerRef | None = Field(None, description="default: the held-out set's (the promoted model's)")
+    serve: CptServeConfig = Field(default_factory=CptServeConfig)
+    backend: Literal["local", "slurm", "k8s"] = "local"
+    image: ImageRef | None = Field(None, description="image for cluster jobs (default: this Python environment)")
+    lock_timeout_s: float = Field(5, ge=0, description="how long to wait for a running refresh before giving up")
+
+    @model_validator(mode="after")
+    def _check(self) -> CptRefreshConfig:
+        if self.train.max_tokens and self.train.max_steps:
+            raise ValueError("train: set at most one of max_tokens and max_steps")
+        if self.train.min_lr > self.train.lr:
+            raise ValueError(f"train: min_lr={self.train.min_lr} is above lr={self.train.lr}")
+        return self
+
+    def registry_uri(self) -> str:
+        return storage.normalize(self.registry) if self.registry else storage.join(get_settings().work_dir, "registry")
+
+    def sources_spec(self) -> str | list[str]:
+        return self.sources or storage.join(get_settings().work_dir, "incoming", "*.jsonl.zst")
+
+
+class RefreshFailed(RuntimeError):
+    pass
+
+
+def architecture_of(checkpoint: str) -> dict:
+    """TrainConfig model fields read from a checkpoint's config.json and meta.json (CPT keeps the shape)."""
+    config = storage.read_json(storage.join(checkpoint, "config.json"))
+    meta = storage.read_json(storage.join(checkpoint, "meta.json")) if storage.exists(
+        storage.join(checkpoint, "meta.json")) else {}  # fmt: skip
+    fields = {
+        "arch": "mixtral" if config.get("model_type") == "mixtral" else "llama",
+        "hidden_size": config["hidden_size"],
+        "num_layers": config["num_hidden_layers"],
+        "num_attention_heads": config["num_attention_heads"],
+        "num_key_value_heads": config.get("num_key_value_heads"),
+        "ffn_hidden_size": config["intermediate_size"],
+        "seq_length": meta.get("seq_length") or config.get("max_position_embeddings"),
+    }
+    if fields["arch"] == "mixtral":
+        fields.update(num_moe_experts=config.get("num_local_experts"), moe_router_topk=config.get("num_experts_per_tok", 2))
+    return fields
+
+
+def cpt_train_config(promoted_checkpoint: str, cpt: CptTrainConfig, new_tokens: int) -> TrainConfig:
+    """The TrainConfig of one refresh: the promoted model's shape, initialised from it, fresh schedule."""
+    fields = architecture_of(promoted_checkpoint)
+    budget = {"max_steps": cpt.max_steps} if cpt.max_steps else {"max_tokens": cpt.max_tokens or max(1, new_tokens)}
+    probe = TrainConfig(**fields, **budget, global_batch_size=cpt.global_batch_size,
+                        micro_batch_size=cpt.micro_batch_size)  # fmt: skip
+    total = probe.total_steps
+    return TrainConfig(
+        **fields,
+        **budget,
+        init_from=storage.local_path(promoted_checkpoint),
+        reset_optimizer=cpt.reset_optimizer,
+        lr=cpt.lr,
+        min_lr=cpt.min_lr,
+        lr_schedule=cpt.lr_schedule,
+        # warmup then decay over THIS budget; a warmup longer than a short refresh would never decay
+        warmup_steps=min(cpt.warmup_steps, total // 2),
+        global_batch_size=cpt.global_batch_size,
+        micro_batch_size=cpt.micro_batch_size,
+        val_check_interval=min(cpt.val_check_interval, total),
+        ckpt_every_n_steps=min(cpt.ckpt_every_n_steps, total),
+        limit_val_batches=cpt.limit_val_batches,
+        log_every_n_steps=cpt.log_every_n_steps,
+        save_top_k=1,
+        seed=cpt.seed,
+    )
+
+
+def _ensure_limit(name: str) -> None:
+    """The global concurrency limit must exist: an unknown name would silently not limit anything."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            try:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+            except ObjectAlreadyExists:
+                pass
+
+
+@flow(name="cpt-refresh", log_prints=True)
+def cpt_refresh(config: CptRefreshConfig | None = None) -> dict:
+    from prefect.concurrency.sync import concurrency
+
+    config = config or CptRefreshConfig()
+    _ensure_limit(CONCURRENCY_LIMIT)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(
+                concurrency(CONCURRENCY_LIMIT, occupy=1, timeout_seconds=config.lock_timeout_s, strict=True)
+            )
+        except TimeoutError as exc:
+            message = (f"another cpt-refresh holds the '{CONCURRENCY_LIMIT}' concurrency limit; this run did "
+                       f"nothing (waited {config.lock_timeout_s:g}s)")  # fmt: skip
+            _failure_artifact(message)
+            raise RefreshFailed(message) from exc
+        return _refresh(config)
+
+
+def _refresh(config: CptRefreshConfig) -> dict:
+    log = logger()
+    registry = reg.ModelRegistry(config.registry_uri())
+    state = registry.read()
+    base_generation = state.generation
+    promoted = state.promoted_model()
+    run_id = str(flow_run.id) if flow_run.id else None
+    if promoted is None or state.held_out is None:
+        message = (f"the model registry {registry.uri} has no promoted model to continue from; run "
+                   "`prefect deployment run end-to-end/local` once (it registers and promotes its checkpoint) "
+                   "or `nemoflow models promote ID`")  # fmt: skip
+        _failure_artifact(message)
+        raise RefreshFailed(message)
+
+    # 1-2. what arrived since the last successful refresh
+    new = discover_new_sources(config.sources_spec(), config.chunks, config.shards, registry.uri)
+    if not new:
+        message = f"no new data under {config.sources_spec()}: nothing to do; {promoted.id} stays promoted"
+        log.info(message)
+        create_markdown_artifact(key="cpt-refresh-report", markdown=f"# CPT refresh: no-op\n\n{message}\n",
+                                 description="nothing new to train on")  # fmt: skip
+        return {"decision": "no-op", "promoted": promoted.id, "new_sources": []}
+
+    try:
+        return _train_and_decide(config, registry, state, base_generation, promoted, new, run_id)
+    except Exception as exc:
+        _failure_artifact(f"{type(exc).__name__}: {exc}", new)
+        raise
+
+
+def _train_and_decide(config, registry, state, base_generation, promoted, new, run_id) -> dict:
+    log = logger()
+    held_out = state.held_out
+    # 3. prepare only the new sources, in a dataset of their own (a retry of this refresh hits the cache)
+    identity = json.dumps(sorted((s.url, s.sha256) for s in new))
+    name = "cpt-" + hashlib.sha256(identity.encode()).hexdigest()[:12]
+    tokenizer = config.tokenizer or TokenizerRef(model=held_out.tokenizer_model)
+    dataset = prepare_dataset(PrepareConfig(name=name, sources=[s.url for s in new], tokenizer=tokenizer,
+                                            backend=config.backend, image=config.image.uri if config.image else None))
+    manifest = storage.read_json(dataset.manifest_uri)
+    sizes = {shard["url"]: shard.get("size") for shard in manifest.get("shards", [])}
+
+    # 4. continue pretraining from the promoted checkpoint
+    train = cpt_train_config(promoted.checkpoint, config.train, dataset.tokens)
+    log.info("continuing %s on %d new tokens: %d steps, lr %g -> %g, warmup %d, reset_optimizer=%s",
+             promoted.id, dataset.tokens, train.total_steps, train.lr, train.min_lr, train.warmup_steps,
+             train.reset_optimizer)  # fmt: skip
+    candidate: CheckpointRef = pretrain(train, dataset, config.image, config.backend)
+
+    # 5. the candidate's own checks (files, weights, loss threshold, better than untrained)
+    report = validate_checkpoint(candidate, dataset, config.validation_threshold, config.backend, config.image)
+
+    # 6. candidate vs promoted on the same fixed held-out set
+    losses = compare_on_held_out(candidate, promoted.checkpoint, held_out, config.backend, config.image)
+    limit = losses.promoted_loss * (1 + config.tolerance)
+    accept = losses.candidate_loss <= limit
+    why = (f"candidate held-out loss {losses.candidate_loss:.4f} {'<=' if accept else '>'} promoted "
+           f"{losses.promoted_loss:.4f} x (1 + tolerance {config.tolerance:g}) = {limit:.4f}")  # fmt: skip
+    model_id = reg.new_model_id(candidate.uri)
+    record = reg.ModelRecord(
+        id=model_id,
+        checkpoint=candidate.uri,
+        parent=promoted.id,
+        data=[s.model_copy(update={"size": sizes.get(s.url)}) for s in new],
+        dataset_manifest=dataset.manifest_uri,
+        metrics={"val_loss": report.val_loss, "untrained_loss": report.untrained_loss,
+                 "held_out_loss": losses.candidate_loss, "parent_held_out_loss": losses.promoted_loss,
+                 "tokens": dataset.tokens, "steps": train.total_steps},  # fmt: skip
+        image=config.image.model_dump(mode="json") if config.image else None,
+        code_version=reg.code_version(),
+        flow_run_id=run_id,
+        note=("promoted: " if accept else "rejected: ") + why,
+    )
+
+    serving = state.serving
+    if accept and config.serve.enabled and config.backend == "local":
+        if registry.read().generation != base_generation:
+            raise reg.ConcurrentUpdate(f"registry {registry.uri} changed during this refresh; not switching")
+        # 7. zero-downtime switch; only then the registry says the candidate is promoted
+        serving = switch_serving(candidate, model_id, state.serving, config.serve.port, config.serve.model_name,
+                                 config.serve.smoke_prompt, config.serve.ready_timeout_s)  # fmt: skip
+    # A rejected candidate is kept for the record, but its sources stay pending (see module docstring).
+    new_state = record_model(registry.uri, record, accept, record.data if accept else [], base_generation,
+                             serving if accept else None)  # fmt: skip
+    summary = {
+        "decision": "promoted" if accept else "rejected",
+        "reason": why,
+        "candidate": model_id,
+        "promoted": new_state.promoted,
+        "new_sources": [s.url for s in new],
+        "tokens": dataset.tokens,
+        "candidate_loss": losses.candidate_loss,
+        "promoted_loss": losses.promoted_loss,
+        "endpoint": serving.url if serving else None,
+    }
+    _report_artifacts(summary, record, promoted, new_state, held_out)
+    log.info("%s %s: %s", "promoted" if accept else "kept", new_state.promoted, why)
+    return summary
+
+
+def _failure_artifact(message: str, new: list | None = None) -> None:
+    lines = ["# CPT refresh FAILED", "", message, "", "The promoted model keeps serving; the registry is unchanged."]
+    if new:
+        lines += ["", "New sources (still pending):", ""] + [f"- `{s.url}`" for s in new]
+    create_markdown_artifact(key="cpt-refresh-report", markdown="\n".join(lines), description="refresh failed")
+
+
+def _report_artifacts(summary: dict, record: reg.ModelRecord, parent: reg.ModelRecord,
+                      state: reg.RegistryState, held_out: reg.HeldOut) -> None:  # fmt: skip
+    lines = [
+        f"# CPT refresh: {summary['decision'].upper()}",
+        "",
+        summary["reason"],
+        "",
+        "| | candidate | promoted before |",
+        "|---|---|---|",
+        f"| model | `{record.id}` | `{parent.id}` |",
+        f"| held-out loss | {summary['candidate_loss']:.4f} | {summary['promoted_loss']:.4f} |",
+        f"| checkpoint | `{record.checkpoint}` | `{parent.checkpoint}` |",
+        "",
+        f"New data: {len(record.data)} source(s), {summary['tokens']:,} tokens",
+        "",
+        *[f"- `{s.url}` ({s.sha256})" for s in record.data],
+        "",
+        f"Held-out set (fixed, from the registry): validation split {held_out.split} (seed {held_out.seed}, "
+        f"{held_out.num_batches} batches of {held_out.seq_length} tokens) of `{held_out.data_prefix}`",
+        "",
+        f"Serving: {summary['endpoint'] or 'unchanged'}; now promoted: `{state.promoted}`",
+    ]
+    create_markdown_artifact(key="cpt-refresh-report", markdown="\n".join(lines), description="CPT refresh decision")
+    create_markdown_artifact(key="model-lineage", markdown=lineage_markdown(state, state.promoted),
+                             description="the promoted model and its parents")  # fmt: skip
+
+
+def lineage_markdown(state: reg.RegistryState, model_id: str | None) -> str:
+    lines = [f"# Lineage of `{model_id}`", "", "| model | parent | held-out loss | val loss | data | created |",
+             "|---|---|---:|---:|---|---|"]  # fmt: skip
+    for record in state.lineage(model_id) if model_id else []:
+        data = ", ".join(f"`{s.name}`" for s in record.data[:5]) + (" ..." if len(record.data) > 5 else "")
+        held = record.metrics.get("held_out_loss")
+        val = record.metrics.get("val_loss")
+        lines.append(f"| `{record.id}` | `{record.parent or '-'}` | {'' if held is None else f'{held:.4f}'} | "
+                     f"{'' if val is None else f'{val:.4f}'} | {data} | {record.created_at} |")  # fmt: skip
+    return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""prefect.yaml's cpt-refresh deployments, deployed for real: the nightly cron schedule and the
+one-at-a-time concurrency limit are what the Prefect server stores."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO, VENV_BIN
+
+pytestmark = [pytest.mark.prefect]
+
+
+def _prefect(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(VENV_BIN / "prefect"), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, f"prefect {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def test_nightly_schedule_and_concurrency_limit_are_registered(prefect_server, work_dir):
+    env = dict(os.environ, PREFECT_API_URL=prefect_server, NEMOFLOW_WORK_DIR=str(work_dir))
+    _prefect(["work-pool", "create", "local", "--type", "process", "--overwrite"], env)
+    out = _prefect(["--no-prompt", "deploy", "--name", "cpt-refresh/nightly", "--name", "cpt-refresh/local"], env)
+    assert "cpt-refresh/nightly" in out.stdout, out.stdout
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        nightly = client.read_deployment_by_name("cpt-refresh/nightly")
+        local = client.read_deployment_by_name("cpt-refresh/local")
+    assert len(nightly.schedules) == 1
+    schedule = nightly.schedules[0]
+    assert schedule.active
+    assert (schedule.schedule.cron, schedule.schedule.timezone) == ("0 2 * * *", "UTC")
+    assert local.schedules == []
+    for deployment in (nightly, local):
+        assert deployment.work_pool_name == "local"
+        assert deployment.global_concurrency_limit is not None
+        assert deployment.global_concurrency_limit.limit == 1
+        assert deployment.concurrency_options.collision_strategy.value == "CANCEL_NEW"
