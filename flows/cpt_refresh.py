@@ -40,7 +40,7 @@ from infra import registry as reg
 from infra import storage
 from infra.settings import get_settings
 from tasks.checkpoint import validate_checkpoint
-from tasks.common import logger
+from tasks.common import logger, result_storage
 from tasks.promote import compare_on_held_out, discover_new_sources, record_model, switch_serving
 from tasks.refs import CheckpointRef, ImageRef, TokenizerRef
 from tasks.train import pretrain
@@ -243,10 +243,14 @@ def _train_and_decide(config, registry, state, base_generation, promoted, new, r
     log.info("continuing %s on %d new tokens: %d steps, lr %g -> %g, warmup %d, reset_optimizer=%s",
              promoted.id, dataset.tokens, train.total_steps, train.lr, train.min_lr, train.warmup_steps,
              train.reset_optimizer)  # fmt: skip
-    candidate: CheckpointRef = pretrain(train, dataset, config.image, config.backend)
+    results = result_storage()  # where every stage persists its result (NEMOFLOW_RESULT_STORAGE)
+    candidate: CheckpointRef = pretrain.with_options(result_storage=results)(train, dataset, config.image,
+                                                                             config.backend)  # fmt: skip
 
     # 5. the candidate's own checks (files, weights, loss threshold, better than untrained)
-    report = validate_checkpoint(candidate, dataset, config.validation_threshold, config.backend, config.image)
+    report = validate_checkpoint.with_options(result_storage=results)(
+        candidate, dataset, config.validation_threshold, config.backend, config.image
+    )
 
     # 6. candidate vs promoted on the same fixed held-out set
     losses = compare_on_held_out(candidate, promoted.checkpoint, held_out, config.backend, config.image)

@@ -102,7 +102,12 @@ def cpt_env(prefect_server, tmp_path_factory, mixtral_tokenizer_model):
         from flows.end_to_end import EndToEndConfig, end_to_end
 
         started = time.monotonic()
+        # a smaller corpus than the embedded default (all of KJV) keeps the bootstrap short
+        from workloads.demo_data import kjv_chapters
+
+        shard = write_shard(root / "base" / "base.jsonl.zst", kjv_chapters()[600:900])
         summary = end_to_end(EndToEndConfig(train=TINY_TRAIN, validation_threshold=9.5,
+                                            data={"name": "base", "sources": [str(shard)]},
                                             serve={"port": port, "model_name": "nemoflow-cpt"}))  # fmt: skip
         print(f"bootstrap end-to-end: {time.monotonic() - started:.1f}s")
         try:

@@ -59,7 +59,7 @@ def test_bootstrap_registered_and_promoted(cpt_env):
     assert completion_ok(cpt_env["url"], cpt_env["model_name"])
 
 
-def test_two_refreshes_then_noop(cpt_env, kjv_chapters):
+def test_day_by_day_refreshes_overlap_and_noop(cpt_env, kjv_chapters):
     env = cpt_env
     incoming = env["work"] / "incoming"
     write_shard(incoming / "day1-a.jsonl.zst", kjv_chapters[0:120])
@@ -82,19 +82,29 @@ def test_two_refreshes_then_noop(cpt_env, kjv_chapters):
         _download_runs(str(state.state_details.flow_run_id))) == 2
     assert completion_ok(env["url"], env["model_name"])  # same URL, new server
 
-    # day 2: one more shard; only it is downloaded and tokenized, the model continues from day 1's
-    old_dataset = env["work"] / "datasets"
-    mtimes = {p: p.stat().st_mtime_ns for p in old_dataset.rglob("*") if p.is_file()}
+    # day 2: one more shard, and two refreshes started at once (two processes, as two overlapping
+    # scheduled runs would be): one takes the concurrency limit and processes only the new shard
+    # (earlier datasets untouched), the other gives up; the registry sees one change.
+    old_datasets = {p: p.stat().st_mtime_ns for p in (env["work"] / "datasets").rglob("*") if p.is_file()}
     write_shard(incoming / "day2.jsonl.zst", kjv_chapters[240:360])
-    state = _refresh(_config(env))
-    assert state.is_completed(), state.message
-    second = state.result()
+    before = _registry(env).read()
+    outputs = _concurrent_refreshes(_config(env, lock_timeout_s=2), 2)
+    finals = [_final_line(out) for out in outputs]
+    refused = [f for f in finals if "another cpt-refresh holds" in f["message"]]
+    assert len(refused) == 1, "\n\n".join(o[-3000:] for o in outputs)
+    winner = next(f for f in finals if f not in refused)
+    assert winner["type"] == "COMPLETED", winner
+    second = winner["result"]
     assert second["new_sources"] == [str(incoming / "day2.jsonl.zst")]
-    assert len(_download_runs(str(state.state_details.flow_run_id))) == 1
-    assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items()), "an earlier dataset was rewritten"
+    assert len(_download_runs(winner["flow_run_id"])) == 1
+    assert all(p.stat().st_mtime_ns == t for p, t in old_datasets.items()), "an earlier dataset was rewritten"
     reg_state = _registry(env).read()
+    assert reg_state.generation == before.generation + 1
+    assert [h["generation"] for h in _registry(env).history()][-1] == before.generation + 1
     if second["decision"] == "promoted":
         assert [m.id for m in reg_state.lineage(reg_state.promoted)][1:] == [summary["candidate"], first_promoted]
+    else:
+        assert reg_state.promoted == summary["candidate"]
 
     # day 3: nothing new -> a quick no-op that changes nothing
     generation = reg_state.generation
@@ -128,23 +138,23 @@ def test_worse_candidate_is_not_promoted_and_old_server_keeps_answering(cpt_env,
     assert str(env["work"] / "incoming" / "day4.jsonl.zst") not in after.processed_sources
 
 
-def test_overlapping_refreshes_do_not_both_proceed(cpt_env):
-    """Two processes start a refresh at once (day4.jsonl.zst is still pending): one trains, one gives up."""
-    env = cpt_env
-    before = _registry(env).read()
-    script = (
-        "import json, sys\n"
-        "from flows.cpt_refresh import CptRefreshConfig, cpt_refresh\n"
-        "state = cpt_refresh(CptRefreshConfig.model_validate_json(sys.argv[1]), return_state=True)\n"
-        "print('STATE', state.type.value, json.dumps(state.message or ''))\n"
-    )
-    config = _config(env, lock_timeout_s=2).model_dump_json()
-    procs = [subprocess.Popen([sys.executable, "-c", script, config], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
-    outputs = [p.communicate(timeout=400)[0] for p in procs]
-    finals = [next((line for line in out.splitlines() if line.startswith("STATE")), "STATE ?") for out in outputs]
-    refused = [f for f in finals if "another cpt-refresh holds" in f]
-    assert len(refused) == 1, "\n\n".join(o[-3000:] for o in outputs)
-    after = _registry(env).read()
-    promotions = [h for h in _registry(env).history() if h["generation"] > before.generation]
-    assert len(promotions) == 1 and after.generation == before.generation + 1, promotions
+SCRIPT = """
+import json, sys
+from flows.cpt_refresh import CptRefreshConfig, cpt_refresh
+state = cpt_refresh(CptRefreshConfig.model_validate_json(sys.argv[1]), return_state=True)
+result = state.result(raise_on_failure=False) if state.is_completed() else None
+print("FINAL " + json.dumps({"type": state.type.value, "message": state.message or "",
+                             "flow_run_id": str(state.state_details.flow_run_id), "result": result}))
+"""
+
+
+def _concurrent_refreshes(config, n: int) -> list[str]:
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, config.model_dump_json()], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(n)]  # fmt: skip
+    return [p.communicate(timeout=500)[0] for p in procs]
+
+
+def _final_line(output: str) -> dict:
+    line = next((line for line in output.splitlines() if line.startswith("FINAL ")), None)
+    assert line, output[-3000:]
+    return json.loads(line[len("FINAL "):])
