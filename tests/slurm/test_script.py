@@ -46,7 +46,8 @@ def test_stage_resources_win_over_backend_defaults_and_options_fill_the_rest():
     assert d["--mem"] == "8G"  # the stage did not: backend default
     assert d["--gpus-per-node"] == "2" and d["--account"] == "proj" and d["--qos"] == "high"
     assert d["--constraint"] == "h100" and "--exclusive" in d and d["--dependency"] == "afterok:12"
-    assert script.rstrip().endswith("python -m workloads.train")  # one node, one task: run directly
+    # one node, one task: the workload replaces the shell (signals reach it directly)
+    assert script.rstrip().splitlines()[-1] == "exec python -m workloads.train"
 
 
 def test_array_job_exports_index_and_per_task_output():
@@ -77,7 +78,7 @@ def test_container_job_runs_srun_with_pyxis_flags():
                    mounts=[Mount(source="/shared/data", target="/data", read_only=True)],
                    workdir="/workspace")
     _, script = render(spec, container_mounts=["/shared/ckpt:/ckpt"])
-    launch = script.strip().splitlines()[-1]
+    launch = script.strip().splitlines()[-1].removeprefix("exec ")
     assert launch.startswith("srun --kill-on-bad-exit=1 --container-image=/shared/images/nemo-25.02.sqsh ")
     assert "--container-mounts=/shared/data:/data:ro,/shared/ckpt:/ckpt" in launch
     assert "--container-workdir=/workspace" in launch
@@ -93,7 +94,7 @@ def test_multi_node_uses_torchrun_rendezvous_on_first_node():
     assert req.launcher == "torchrun"
     assert 'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"' in script
     assert "export MASTER_PORT=29555" in script
-    launch = script.strip().splitlines()[-1]
+    launch = script.strip().splitlines()[-1].removeprefix("exec ")
     assert launch.startswith("srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes=4 python -m torch.distributed.run")
     assert "--nnodes=$SLURM_NNODES --nproc-per-node=8" in launch
     assert "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT" in launch
