@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -31,6 +32,9 @@ from tasks.refs import CheckpointRef, ImageRef
 from tasks.serve import DEFAULT_HOST, local_checkpoint, serve_command, service_name
 from tasks.smoke import smoke_test
 from tasks.train import REPO_ROOT
+
+
+_GLOB = re.compile(r"[*?\[]")
 
 
 def source_identity(url: str) -> str:
@@ -50,6 +54,10 @@ def discover_new_sources(
 ) -> list[reg.SourceRecord]:
     """Sources whose URL was never trained on, or whose content changed since (by checksum)."""
     processed = reg.ModelRegistry(registry_uri).read().processed_sources
+    if isinstance(sources, str) and _GLOB.search(sources) and not storage.glob(sources):
+        # An empty drop folder is the normal quiet night, not an error (expand_sources refuses it).
+        logger().info("no file matches %s", sources)
+        return []
     found = expand_sources(sources, chunks=chunks, shards=shards)
     new = []
     for source in found:

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -158,3 +159,58 @@ def _final_line(output: str) -> dict:
     line = next((line for line in output.splitlines() if line.startswith("FINAL ")), None)
     assert line, output[-3000:]
     return json.loads(line[len("FINAL "):])
+
+
+def test_candidate_trained_on_noise_loses_the_comparison(cpt_env):
+    """Corrupted training data: the candidate passes its own checks but is worse on the held-out set."""
+    import random
+
+    env = cpt_env
+    rng = random.Random(7)
+    noise = [" ".join("".join(rng.choice("qxzjkvw") for _ in range(rng.randint(3, 9))) for _ in range(400))
+             for _ in range(120)]  # fmt: skip
+    write_shard(env["work"] / "incoming-noise" / "noise.jsonl.zst", noise)
+    before = _registry(env).read()
+    config = _config(env, sources=str(env["work"] / "incoming-noise" / "*.jsonl.zst"), tolerance=0.0,
+                     train={**TINY_CPT, "max_steps": 12, "lr": 0.006})  # fmt: skip
+    state = _refresh(config)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result["decision"] == "rejected", result
+    assert result["candidate_loss"] > result["promoted_loss"]
+    after = _registry(env).read()
+    assert after.promoted == before.promoted and after.serving == before.serving
+    assert after.models[result["candidate"]].parent == before.promoted  # kept for the record, not promoted
+    assert not any("noise" in url for url in after.processed_sources)
+
+
+def test_rollback_from_the_cli_switches_the_server_without_downtime(cpt_env):
+    env = cpt_env
+    before = _registry(env).read()
+    assert len(before.promotions) >= 2, before.promotions
+    previous = before.promotions[-2]
+    poller = Poller(env["url"], env["model_name"])
+    poller.start()
+    proc = subprocess.run([str(Path(sys.executable).parent / "nemoflow"), "models", "rollback", "--serve"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    poller.stop()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    after = _registry(env).read()
+    assert after.promoted == previous and after.serving.model == previous
+    assert after.serving.url == before.serving.url
+    assert not poller.failures, poller.failures[:5]
+    assert poller.ok > 3
+    from infra import services
+
+    serving = services.get_service(after.serving.service)
+    assert serving is not None and serving.checkpoint == after.models[previous].checkpoint
+    assert services.get_service(before.serving.service) is None  # the old server was stopped
+
+
+def test_empty_drop_folder_is_a_quick_noop(cpt_env):
+    env = cpt_env
+    generation = _registry(env).read().generation
+    state = _refresh(_config(env, sources=str(env["work"] / "no-such-folder" / "*.jsonl.zst")))
+    assert state.is_completed(), state.message
+    assert state.result()["decision"] == "no-op"
+    assert _registry(env).read().generation == generation
