@@ -134,21 +134,41 @@ def prefect_cli(args: list[str], api_url: str, check: bool = True) -> subprocess
     return proc
 
 
-def ensure_work_pool(name: str, pool_type: str, api_url: str, base_job_template: str | None = None) -> None:
+# The work pools prefect.yaml deploys to: name -> (worker type, base job template).
+# `prefect --no-prompt deploy --all` refuses deployments whose pool does not exist,
+# so `nemoflow deploy` creates them first (creating a pool starts nothing).
+POOLS = {
+    "local": ("process", None),
+    "gpu-cluster": ("slurm", "deployments/slurm/base-job-template.json"),
+    "nemoflow-k8s": ("kubernetes", "deployments/k8s/base-job-template.json"),
+}
+
+
+def ensure_pools(api_url: str, echo=print) -> None:
+    for name, (pool_type, template) in POOLS.items():
+        if ensure_work_pool(name, pool_type, api_url, template):
+            echo(f"created work pool {name!r} ({pool_type})")
+
+
+def ensure_work_pool(name: str, pool_type: str, api_url: str, base_job_template: str | None = None) -> bool:
+    """Create the pool unless it exists; True when it was created."""
     if prefect_cli(["work-pool", "inspect", name], api_url, check=False).returncode == 0:
-        return
+        return False
     args = ["work-pool", "create", name, "--type", pool_type]
     if base_job_template:
-        args += ["--base-job-template", base_job_template]
+        args += ["--base-job-template", str(REPO_ROOT / base_job_template)]
     prefect_cli(args, api_url)
+    return True
 
 
-def deploy(names: list[str], api_url: str) -> None:
-    """``prefect --no-prompt deploy --name ...`` from prefect.yaml at the repository root."""
+def deploy(names: list[str] | None, api_url: str) -> str:
+    """``prefect --no-prompt deploy --all`` (or ``--name ...``) from prefect.yaml at the repository root."""
     args = ["--no-prompt", "deploy"]
-    for name in names:
+    if names is None:
+        args.append("--all")
+    for name in names or []:
         args += ["--name", name]
-    prefect_cli(args, api_url)
+    return prefect_cli(args, api_url).stdout
 
 
 def ensure_worker(pool: str, pool_type: str, api_url: str, echo=print) -> int:

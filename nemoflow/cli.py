@@ -14,6 +14,7 @@ import sys
 
 COMMANDS = [
     "demo",
+    "deploy",
     "settings",
     "preprocess",
     "prepare",

@@ -10,9 +10,9 @@ import sys
 import time
 
 POOLS = {
-    # backend: (work pool, worker type, deployment, base job template)
-    "local": ("local", "process", "end-to-end/local", None),
-    "slurm": ("gpu-cluster", "slurm", "end-to-end/slurm", "deployments/slurm/base-job-template.json"),
+    # backend: (work pool, worker type, deployment)
+    "local": ("local", "process", "end-to-end/local"),
+    "slurm": ("gpu-cluster", "slurm", "end-to-end/slurm"),
 }
 
 
@@ -60,14 +60,14 @@ def run(args) -> int:
         return 0
 
     started = time.monotonic()
-    pool, worker_type, deployment, template = POOLS[args.backend]
+    pool, worker_type, deployment = POOLS[args.backend]
     if args.backend == "slurm":
         subprocess.run([sys.executable, "-m", "nemoflow.cli", "local-slurm", "up"], check=True)
     api = pl.ensure_server(args.port)
     os.environ["PREFECT_API_URL"] = api
-    print(f"work pool {pool!r} ({worker_type}); deploying {deployment} from prefect.yaml")
-    pl.ensure_work_pool(pool, worker_type, api, template)
-    pl.deploy([deployment], api)
+    print("creating the work pools and deploying everything in prefect.yaml")
+    pl.ensure_pools(api)
+    pl.deploy(None, api)
     pl.ensure_worker(pool, worker_type, api)
 
     print(f"$ prefect deployment run {deployment} --watch")

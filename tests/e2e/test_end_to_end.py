@@ -88,9 +88,12 @@ def local_pool(prefect_server, work_dir, tmp_path):
         NEMOFLOW_HOME=str(tmp_path / "home"),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
     )
-    _prefect(["work-pool", "create", "local", "--type", "process", "--overwrite"], env)
+    from infra.prefect_local import ensure_pools
+
+    ensure_pools(prefect_server)  # prefect deploy refuses pools that do not exist
     deployed = _prefect(["--no-prompt", "deploy", "--all"], env)
-    assert "end-to-end/local" in deployed.stdout
+    for name in ("end-to-end/local", "prepare-dataset/local", "end-to-end/slurm", "end-to-end/k8s"):
+        assert f"Deployment '{name}' successfully" in deployed.stdout, deployed.stdout
     log = (tmp_path / "worker.log").open("w")
     worker = subprocess.Popen(
         [str(VENV_BIN / "prefect"), "worker", "start", "--pool", "local", "--type", "process"],
