@@ -129,7 +129,9 @@ def architecture_of(checkpoint: str) -> dict:
         "seq_length": meta.get("seq_length") or config.get("max_position_embeddings"),
     }
     if fields["arch"] == "mixtral":
-        fields.update(num_moe_experts=config.get("num_local_experts"), moe_router_topk=config.get("num_experts_per_tok", 2))
+        fields.update(
+            num_moe_experts=config.get("num_local_experts"), moe_router_topk=config.get("num_experts_per_tok", 2)
+        )
     return fields
 
 

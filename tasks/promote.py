@@ -256,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--output", required=True)
     args = parser.parse_args(argv)
     held_out = reg.HeldOut.model_validate_json(args.held_out)
-    result = {"candidate_loss": _evaluate(args.candidate, held_out), "promoted_loss": _evaluate(args.promoted, held_out)}
+    result = {
+        "candidate_loss": _evaluate(args.candidate, held_out),
+        "promoted_loss": _evaluate(args.promoted, held_out),
+    }
     storage.write_json(args.output, result)
     print(json.dumps(result), flush=True)
     return 0

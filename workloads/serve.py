@@ -705,7 +705,8 @@ class PortRelay:
             try:
                 sock = listen_socket(self.host, self.shared_port)
             except OSError as exc:
-                log.error("cannot join port %d (%s): is its server started without SO_REUSEPORT?", self.shared_port, exc)
+                log.error("cannot join port %d (%s): was its server started without SO_REUSEPORT?",
+                          self.shared_port, exc)  # fmt: skip
                 return
             ready = threading.Event()
 

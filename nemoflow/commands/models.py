@@ -149,7 +149,8 @@ def run_promote(args) -> int:
     state.model(args.id)
     serving = _switch(registry, state, args.id) if args.serve else None
     new = registry.promote(args.id, expected_generation=state.generation, serving=serving)
-    print(f"promoted {new.promoted} (registry generation {new.generation})" + (f"; serving at {serving.url}" if serving else ""))
+    where = f"; serving at {serving.url}" if serving else ""
+    print(f"promoted {new.promoted} (registry generation {new.generation}){where}")
     return 0
 
 
@@ -164,7 +165,8 @@ def run_rollback(args) -> int:
     target = state.promotions[-2]
     serving = _switch(registry, state, target) if args.serve else None
     new = registry.rollback(expected_generation=state.generation, serving=serving)
-    print(f"rolled back to {new.promoted} (registry generation {new.generation})" + (f"; serving at {serving.url}" if serving else ""))
+    where = f"; serving at {serving.url}" if serving else ""
+    print(f"rolled back to {new.promoted} (registry generation {new.generation}){where}")
     return 0
 
 

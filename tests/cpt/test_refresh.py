@@ -150,8 +150,11 @@ print("FINAL " + json.dumps({"type": state.type.value, "message": state.message 
 
 
 def _concurrent_refreshes(config, n: int) -> list[str]:
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, config.model_dump_json()], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(n)]  # fmt: skip
+    command = [sys.executable, "-c", SCRIPT, config.model_dump_json()]
+    procs = [
+        subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(n)
+    ]
     return [p.communicate(timeout=500)[0] for p in procs]
 
 
