@@ -40,3 +40,21 @@ def test_nightly_schedule_and_concurrency_limit_are_registered(prefect_server, w
         assert deployment.global_concurrency_limit is not None
         assert deployment.global_concurrency_limit.limit == 1
         assert deployment.concurrency_options.collision_strategy.value == "CANCEL_NEW"
+
+
+def test_every_pool_has_a_nightly_refresh():
+    import yaml
+
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    pools = {d["work_pool"]["name"] for d in spec["deployments"]}
+    nightly = {
+        d["work_pool"]["name"]: d
+        for d in spec["deployments"]
+        if d["entrypoint"] == "flows/cpt_refresh.py:cpt_refresh" and d.get("schedules")
+    }
+    assert set(nightly) == pools, f"pools without a nightly cpt-refresh: {pools - set(nightly)}"
+    for pool, deployment in nightly.items():
+        assert [s["cron"] for s in deployment["schedules"]] == ["0 2 * * *"], pool
+        assert deployment["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}, pool
+        backend = deployment.get("parameters", {}).get("config", {}).get("backend", "local")
+        assert backend == {"local": "local", "gpu-cluster": "slurm", "nemoflow-k8s": "k8s"}[pool]

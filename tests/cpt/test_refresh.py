@@ -45,6 +45,17 @@ def _download_runs(flow_run_id: str) -> dict[str, str]:
     return {r.name: r.state.name for r in runs if r.name.startswith("download")}
 
 
+def _artifact(flow_run_id: str, key: str) -> str:
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=[key])))
+    assert found, f"no {key} artifact on flow run {flow_run_id}"
+    return str(found[-1].data)
+
+
 def _refresh(config):
     from flows.cpt_refresh import cpt_refresh
 
@@ -136,6 +147,9 @@ def test_worse_candidate_is_not_promoted_and_old_server_keeps_answering(cpt_env,
         assert result["decision"] == "rejected" and result["candidate_loss"] > result["promoted_loss"], result
     else:  # stopped earlier by validate_checkpoint (worse than untrained): the flow says why
         assert "failed" in (state.message or "") and "check" in (state.message or ""), state.message
+    report = _artifact(str(state.state_details.flow_run_id), "cpt-refresh-report")
+    assert ("REJECTED" if state.is_completed() else "FAILED") in report
+    assert "day4.jsonl.zst" in report
     assert str(env["work"] / "incoming" / "day4.jsonl.zst") not in after.processed_sources
 
 
