@@ -187,8 +187,11 @@ def cpt_refresh(config: CptRefreshConfig | None = None) -> dict:
     _ensure_limit(CONCURRENCY_LIMIT)
     with contextlib.ExitStack() as held:
         try:
+            # strict: a missing limit must fail, not run unlimited. A lost lease renewal (an API blip in a
+            # long refresh) must not kill the run: the registry's generation check still stops a second writer.
             held.enter_context(
-                concurrency(CONCURRENCY_LIMIT, occupy=1, timeout_seconds=config.lock_timeout_s, strict=True)
+                concurrency(CONCURRENCY_LIMIT, occupy=1, timeout_seconds=config.lock_timeout_s, strict=True,
+                            raise_on_lease_renewal_failure=False)  # fmt: skip
             )
         except TimeoutError as exc:
             message = (f"another cpt-refresh holds the '{CONCURRENCY_LIMIT}' concurrency limit; this run did "

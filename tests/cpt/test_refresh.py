@@ -87,6 +87,7 @@ def test_day_by_day_refreshes_overlap_and_noop(cpt_env, kjv_chapters):
     assert summary["decision"] == "promoted", summary
     assert not poller.failures, poller.failures[:5]
     assert poller.ok > 5
+    print(f"day 1: {poller.ok} requests answered during the refresh and switch, none failed")
     reg_state = _registry(env).read()
     assert reg_state.promoted == summary["candidate"] != first_promoted
     assert reg_state.models[reg_state.promoted].parent == first_promoted
@@ -147,6 +148,8 @@ def test_worse_candidate_is_not_promoted_and_old_server_keeps_answering(cpt_env,
         assert result["decision"] == "rejected" and result["candidate_loss"] > result["promoted_loss"], result
     else:  # stopped earlier by validate_checkpoint (worse than untrained): the flow says why
         assert "failed" in (state.message or "") and "check" in (state.message or ""), state.message
+    print(f"worse candidate: {'rejected by the comparison' if state.is_completed() else 'failed validation'}; "
+          f"{poller.ok} requests answered during the refresh")
     report = _artifact(str(state.state_details.flow_run_id), "cpt-refresh-report")
     assert ("REJECTED" if state.is_completed() else "FAILED") in report
     assert "day4.jsonl.zst" in report
