@@ -147,6 +147,19 @@ def image_cache_key(context, parameters: dict[str, Any]) -> str | None:
         return None
     source = parameters.get("source")
     backend = parameters.get("backend", "slurm")
+    if backend == "local" and source is None:
+        # The "image" is this Python environment: key it by the interpreter and the installed
+        # distributions (what pip freeze lists, read without a subprocess), so a re-run is Cached.
+        import sys
+        from importlib import metadata
+
+        dists = sorted(f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions())
+        parts = [sys.executable, sys.version, *dists, code_fingerprint(*CODE_MODULES)]
+        return "stage-image-local-" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+    if backend in ("k8s", "kubernetes") and source is not None:
+        # A registry reference is validated and recorded, nothing is copied: the reference is the key.
+        parts = [source, backend, code_fingerprint(*CODE_MODULES)]
+        return "stage-image-k8s-" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
     if source is None or backend in ("k8s", "kubernetes", "local"):
         return None
     try:

@@ -159,3 +159,22 @@ def test_task_retries_transient_failures_only(prefect_server, served, tmp_path, 
         assert client.read_task_run(missing.state_details.task_run_id).run_count == 1  # a 404 is not retried
     with pytest.raises(images.ImageNotFound, match="missing.sqsh"):
         missing.result()
+
+
+def test_local_environment_and_k8s_reference_are_cached_on_rerun(prefect_server):
+    """The demo's second run must be all Cached: the local "image" and a k8s reference key on what they are."""
+    from prefect import flow
+
+    from tasks.image import stage_image
+
+    reference = "nvcr.io/nvidia/nemo:25.02@sha256:" + "ab" * 32
+
+    @flow
+    def twice():
+        return [stage_image(None, backend="local", return_state=True) for _ in range(2)] + [
+            stage_image(reference, backend="k8s", return_state=True) for _ in range(2)
+        ]
+
+    local_1, local_2, k8s_1, k8s_2 = twice()
+    assert local_2.name == "Cached" and k8s_2.name == "Cached"
+    assert local_2.result() == local_1.result() and k8s_2.result().digest == "sha256:" + "ab" * 32
