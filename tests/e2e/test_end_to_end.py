@@ -87,6 +87,7 @@ def local_pool(prefect_server, work_dir, tmp_path):
         NEMOFLOW_WORK_DIR=str(work_dir),
         NEMOFLOW_HOME=str(tmp_path / "home"),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_WORKER_QUERY_SECONDS="2",
     )
     from infra.prefect_local import ensure_pools
 
@@ -149,7 +150,7 @@ def test_end_to_end_deployment_then_all_cached_and_ui_shows_artifacts(local_pool
     second = time.monotonic() - started
     assert code == 0, output
     states = _task_states(second_id)
-    assert states and all(s == "Cached" for s in states.values()), states
+    assert states and {n: s for n, s in states.items() if s != "Cached"} == {}, states
     print(f"first run {first:.1f}s, cached re-run {second:.1f}s")
 
     _ui_shows_artifacts(prefect_server, run_id)
