@@ -234,3 +234,21 @@ def test_empty_drop_folder_is_a_quick_noop(cpt_env):
     assert state.is_completed(), state.message
     assert state.result()["decision"] == "no-op"
     assert _registry(env).read().generation == generation
+
+
+def test_a_switch_that_fails_before_taking_traffic_leaves_the_old_server(cpt_env, tmp_path):
+    """The new server cannot start (its checkpoint lacks weights): the old one keeps the port alone."""
+    from infra import services
+    from tasks.promote import switch_serving
+    from tasks.refs import CheckpointRef
+
+    env = cpt_env
+    state = _registry(env).read()
+    broken = tmp_path / "broken-checkpoint"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    with pytest.raises(services.ServiceError, match="exited with code"):
+        switch_serving.fn(CheckpointRef(uri=str(broken), step=0), "m-broken", state.serving, env["port"],
+                          env["model_name"], ready_timeout_s=60)  # fmt: skip
+    assert [s.name for s in services.list_services()] == [state.serving.service]
+    assert completion_ok(env["url"], env["model_name"])
