@@ -49,12 +49,18 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, lo
 
 
 def _stop(proc: subprocess.Popen) -> None:
+    """Stop a service started in its own session, with everything it spawned."""
+    import signal
+
     if proc.poll() is None:
-        proc.terminate()
         try:
+            os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
 
 
 @pytest.fixture(scope="session")
@@ -66,6 +72,7 @@ def gcs_endpoint(tmp_path_factory):
         [str(VENV_BIN / "gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     endpoint = f"http://127.0.0.1:{port}"
     wait_http(endpoint + "/storage/v1/b?project=test", 30, proc, log)
