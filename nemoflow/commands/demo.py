@@ -65,14 +65,14 @@ def run(args) -> int:
         subprocess.run([sys.executable, "-m", "nemoflow.cli", "local-slurm", "up"], check=True)
     api = pl.ensure_server(args.port)
     os.environ["PREFECT_API_URL"] = api
-    print("creating the work pools and deploying everything in prefect.yaml")
     pl.ensure_pools(api)
-    pl.deploy(None, api)
+    if not pl.deploy_if_changed(api):
+        print("prefect.yaml is already deployed (unchanged)")
     pl.ensure_worker(pool, worker_type, api)
 
     print(f"$ prefect deployment run {deployment} --watch")
     proc = subprocess.Popen(
-        [pl.prefect_bin(), "deployment", "run", deployment, "--watch", "--watch-interval", "3"],
+        [pl.prefect_bin(), "deployment", "run", deployment, "--watch", "--watch-interval", "1"],
         cwd=str(pl.REPO_ROOT),
         env=dict(os.environ, PREFECT_API_URL=api),
         stdout=subprocess.PIPE,
