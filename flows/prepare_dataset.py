@@ -165,35 +165,22 @@ def prepare_dataset(config: PrepareConfig | None = None) -> DatasetRef:
     checksums = [[f.sha256 for _, f in g] for g in groups]
 
     # 5. tokenize: in this process (local) or as ONE job array (slurm, k8s)
+    same = dict(
+        tokenizer=config.tokenizer,
+        dataset_uri=dataset_uri,
+        json_keys=config.json_keys,
+        append_eod=config.append_eod,
+        workers=config.workers,
+        skip_malformed=config.skip_malformed,
+    )
     parts = []
     if config.backend == "local":
         for concat_result, sums, g in zip(concats, checksums, groups):
-            parts.extend(
-                tokenize(
-                    concat_result,
-                    sums,
-                    config.tokenizer,
-                    dataset_uri,
-                    config.json_keys,
-                    config.append_eod,
-                    config.workers,
-                    config.skip_malformed,
-                )
-            )
+            parts.extend(tokenize(concat_result, sums, **same))
             advance(len(g))
     else:
         parts = tokenize_array(
-            concats,
-            checksums,
-            config.tokenizer,
-            dataset_uri,
-            config.json_keys,
-            config.append_eod,
-            config.workers,
-            config.skip_malformed,
-            config.backend,
-            len(concats),
-            config.image,
+            concats, checksums, **same, backend=config.backend, n=len(concats), image=config.image
         )
         advance(len(sources))
 

@@ -17,25 +17,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, VENV_BIN, free_port
+from tests.support.tiny import TINY_TRAIN
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
 
-TINY_TRAIN = {
-    "hidden_size": 64,
-    "num_layers": 2,
-    "num_attention_heads": 4,
-    "ffn_hidden_size": 128,
-    "seq_length": 64,
-    "global_batch_size": 4,
-    "micro_batch_size": 4,
-    "max_steps": 12,
-    "lr": 0.003,
-    "warmup_steps": 0,
-    "val_check_interval": 6,
-    "ckpt_every_n_steps": 6,
-    "limit_val_batches": 2,
-    "log_every_n_steps": 3,
-}
 
 
 def _prefect(args: list[str], env: dict, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
