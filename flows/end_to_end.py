@@ -118,7 +118,9 @@ def end_to_end(config: EndToEndConfig | None = None) -> dict:
     checkpoint = pretrain_(config.train, dataset, image, backend)
 
     # 4. validation: a failing check stops the flow here, before anything is deployed
-    report = validate_(checkpoint, dataset, config.validation_threshold, backend, image)
+    report = validate_(
+        checkpoint, dataset, config.validation_threshold, backend, image, cpus_per_task=config.train.cpus_per_task
+    )
 
     # 5. inference, then 6. the seed's smoke request against it
     endpoint = deploy_(

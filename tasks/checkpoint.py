@@ -67,7 +67,7 @@ def report_path(ckpt: CheckpointRef, threshold: float) -> str:
 
 def build_validate_job(
     ckpt: CheckpointRef, dataset: DatasetRef, threshold: float, output: str, image: ImageRef | None = None,
-    num_batches: int = 8,
+    num_batches: int = 8, cpus_per_task: int = 2,
 ) -> JobSpec:
     in_container = image is not None and image.kind in ("sqsh", "registry")
     python = "python" if in_container else (image.uri if image and image.kind == "python-env" else sys.executable)
@@ -86,7 +86,7 @@ def build_validate_job(
         name="validate-" + hashlib.sha256(output.encode()).hexdigest()[:10],
         command=command,
         env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO_ROOT},
-        resources=Resources(gpus_per_node=1 if in_container else 0, cpus_per_task=2, time="01:00:00"),
+        resources=Resources(gpus_per_node=1 if in_container else 0, cpus_per_task=cpus_per_task, time="01:00:00"),
         container_image=image.uri if in_container else None,
         mounts=[Mount(source=REPO_ROOT, target=REPO_ROOT, read_only=True),
                 Mount(source=os.path.dirname(output), target=os.path.dirname(output)),
@@ -142,12 +142,13 @@ def validate_checkpoint(
     backend: str = "local",
     image: ImageRef | None = None,
     num_batches: int = 8,
+    cpus_per_task: int = 2,
 ) -> ValidationReport:
     """Validate a checkpoint; raises :class:`CheckpointValidationFailed` naming the failed checks."""
     log = logger()
     output = report_path(ckpt, threshold)
     storage.makedirs(os.path.dirname(output))
-    run_job(build_validate_job(ckpt, dataset, threshold, output, image, num_batches), backend)
+    run_job(build_validate_job(ckpt, dataset, threshold, output, image, num_batches, cpus_per_task), backend)
     report = ValidationReport.model_validate({**storage.read_json(output), "report_uri": output})
     key = "checkpoint-validation-" + hashlib.sha256(report.checkpoint.encode()).hexdigest()[:10]
     create_markdown_artifact(key=key, markdown=report_markdown(report), description="checkpoint validation checks")

@@ -53,6 +53,10 @@ def default_dest() -> str:
     return storage.join(get_settings().work_dir, "images")
 
 
+# On Slurm, "python-env" instead of an image: run jobs with this (shared) Python environment.
+PYTHON_ENV = "python-env"
+
+
 def _check_backend(backend: str) -> str:
     backend = "k8s" if backend == "kubernetes" else backend
     if backend not in BACKENDS:
@@ -104,8 +108,17 @@ def stage(
         ref = python_env_ref()
         log(f"local backend: the image is the Python environment {ref.uri} ({ref.checksum})")
         return ref, {"cached": False, "bytes_copied": 0, "seconds": time.monotonic() - started}
+    if source == PYTHON_ENV and backend == "slurm":
+        # No container: the nodes share this file system and Python environment (the local test
+        # cluster, or nemoflow installed on the cluster's shared storage).
+        ref = python_env_ref()
+        log(f"slurm without a container: jobs run with the shared Python environment {ref.uri}")
+        return ref, {"cached": False, "bytes_copied": 0, "seconds": time.monotonic() - started}
     if source is None:
-        raise ValueError(f"the {backend} backend runs stages in a container: give an image SOURCE")
+        raise ValueError(
+            f"the {backend} backend runs stages in a container: give an image SOURCE"
+            + (f" (or {PYTHON_ENV!r} when the nodes share this Python environment)" if backend == "slurm" else "")
+        )
     source = images.resolve_region(source)
     if backend == "k8s":
         if convert:
@@ -147,14 +160,14 @@ def image_cache_key(context, parameters: dict[str, Any]) -> str | None:
         return None
     source = parameters.get("source")
     backend = parameters.get("backend", "slurm")
-    if backend == "local" and source is None:
+    if (backend == "local" and source is None) or (backend == "slurm" and source == PYTHON_ENV):
         # The "image" is this Python environment: key it by the interpreter and the installed
         # distributions (what pip freeze lists, read without a subprocess), so a re-run is Cached.
         import sys
         from importlib import metadata
 
         dists = sorted(f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions())
-        parts = [sys.executable, sys.version, *dists, code_fingerprint(*CODE_MODULES)]
+        parts = [backend, sys.executable, sys.version, *dists, code_fingerprint(*CODE_MODULES)]
         return "stage-image-local-" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
     if backend in ("k8s", "kubernetes") and source is not None:
         # A registry reference is validated and recorded, nothing is copied: the reference is the key.

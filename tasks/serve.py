@@ -191,8 +191,10 @@ def deploy_inference(
     host: str = DEFAULT_HOST,
 ) -> EndpointRef:
     """Serve ``checkpoint`` over the OpenAI API; return once ``/health`` answers 200."""
+    if backend == "slurm":
+        return _deploy_on_slurm(checkpoint, port, model_name, ready_timeout_s)
     if backend != "local":
-        raise ValueError(f"deploy_inference: backend {backend!r} cannot serve yet; only 'local' is implemented")
+        raise ValueError(f"deploy_inference: backend {backend!r} cannot serve yet; local and slurm can")
     log = logger()
     name = service_name(model_name)
     fingerprint = deployment_fingerprint(checkpoint, port, model_name, host)
@@ -230,11 +232,39 @@ def deploy_inference(
     return endpoint
 
 
+def _deploy_on_slurm(checkpoint: CheckpointRef, port: int, model_name: str, ready_timeout_s: float) -> EndpointRef:
+    """The server as a Slurm job on a compute node (the checkpoint must be on shared storage).
+
+    A job of the same name is replaced: the Slurm backend would otherwise reuse it even when it
+    serves another checkpoint.
+    """
+    from infra.backends import get_backend
+    from infra.jobs import Resources
+
+    log = logger()
+    name = service_name(model_name)
+    backend = get_backend("slurm")
+    if backend.stop_service(name):
+        log.info("stopped the previous %s server job", name)
+    command = serve_command(local_checkpoint(checkpoint.uri), port, model_name, "0.0.0.0")
+    spec = ServiceSpec(name=name, command=command, port=port, resources=Resources(cpus_per_task=1))
+    log.info("submitting %s as a Slurm job: %s", name, " ".join(command))
+    url = backend.start_service(spec, ready_timeout_s=ready_timeout_s)
+    endpoint = EndpointRef(url=url, model=model_name, backend="slurm", handle=name, checkpoint=checkpoint.uri)
+    log.info("%s is ready at %s", name, url)
+    create_link_artifact(key=f"endpoint-{name}", link=url + "/v1/models", link_text=f"{model_name} on Slurm")
+    return endpoint
+
+
 @task(name="stop-inference", task_run_name="stop {endpoint.model}")
 def stop_inference(endpoint: EndpointRef) -> bool:
     """Stop the server behind ``endpoint``; False if it was not running (already stopped)."""
+    if endpoint.backend == "slurm":
+        from infra.backends import get_backend
+
+        return get_backend("slurm").stop_service(endpoint.handle or service_name(endpoint.model))
     if endpoint.backend != "local":
-        raise ValueError(f"stop_inference: backend {endpoint.backend!r} is not implemented; only 'local' is")
+        raise ValueError(f"stop_inference: backend {endpoint.backend!r} is not implemented; local and slurm are")
     stopped = services.stop_service(endpoint.handle or service_name(endpoint.model))
     logger().info("%s: %s", endpoint.model, "stopped" if stopped else "was not running")
     return stopped
