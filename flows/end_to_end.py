@@ -124,7 +124,7 @@ def end_to_end(config: EndToEndConfig | None = None) -> dict:
 
     # 5. inference, then 6. the seed's smoke request against it
     endpoint = deploy_(
-        checkpoint, config.serve.port, config.serve.model_name, backend, config.serve.ready_timeout_s
+        checkpoint, config.serve.port, config.serve.model_name, backend, config.serve.ready_timeout_s, image=image
     )
     answer = smoke_(endpoint, config.smoke.prompt, config.smoke.max_tokens, config.smoke.timeout_s)
 

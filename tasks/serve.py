@@ -38,7 +38,7 @@ from prefect.cache_policies import CachePolicy
 from infra import services, storage
 from infra.jobs import ServiceSpec
 from tasks.common import code_fingerprint, logger
-from tasks.refs import CheckpointRef, EndpointRef
+from tasks.refs import CheckpointRef, EndpointRef, ImageRef
 
 DEFAULT_PORT = 8000
 DEFAULT_HOST = "127.0.0.1"
@@ -189,12 +189,13 @@ def deploy_inference(
     backend: str = "local",
     ready_timeout_s: float = 120,
     host: str = DEFAULT_HOST,
+    image: ImageRef | None = None,
 ) -> EndpointRef:
     """Serve ``checkpoint`` over the OpenAI API; return once ``/health`` answers 200."""
-    if backend == "slurm":
-        return _deploy_on_slurm(checkpoint, port, model_name, ready_timeout_s)
+    if backend in ("slurm", "k8s"):
+        return _deploy_on_cluster(backend, checkpoint, port, model_name, ready_timeout_s, image)
     if backend != "local":
-        raise ValueError(f"deploy_inference: backend {backend!r} cannot serve yet; local and slurm can")
+        raise ValueError(f"deploy_inference: unknown backend {backend!r}; local, slurm and k8s can serve")
     log = logger()
     name = service_name(model_name)
     fingerprint = deployment_fingerprint(checkpoint, port, model_name, host)
@@ -232,39 +233,60 @@ def deploy_inference(
     return endpoint
 
 
-def _deploy_on_slurm(checkpoint: CheckpointRef, port: int, model_name: str, ready_timeout_s: float) -> EndpointRef:
-    """The server as a Slurm job on a compute node (the checkpoint must be on shared storage).
+def _deploy_on_cluster(
+    backend_name: str, checkpoint: CheckpointRef, port: int, model_name: str, ready_timeout_s: float,
+    image: ImageRef | None,
+) -> EndpointRef:
+    """The server as a Slurm job on a compute node, or a Deployment + Service on Kubernetes.
 
-    A job of the same name is replaced: the Slurm backend would otherwise reuse it even when it
-    serves another checkpoint.
+    The checkpoint must be on storage the server sees (the cluster file system, the workspace
+    PVC). On Slurm a job of the same name is replaced first (the backend would otherwise reuse a
+    running job even when it serves another checkpoint); on Kubernetes the Deployment is applied
+    over the old one (a rolling update). Not cached: a cluster server's liveness is not recorded
+    here, so a re-run redeploys.
     """
     from infra.backends import get_backend
     from infra.jobs import Resources
+    from tasks.image import container_image
 
     log = logger()
     name = service_name(model_name)
-    backend = get_backend("slurm")
-    if backend.stop_service(name):
+    backend = get_backend(backend_name)
+    if backend_name == "slurm" and backend.stop_service(name):
         log.info("stopped the previous %s server job", name)
-    command = serve_command(local_checkpoint(checkpoint.uri), port, model_name, "0.0.0.0")
-    spec = ServiceSpec(name=name, command=command, port=port, resources=Resources(cpus_per_task=1))
-    log.info("submitting %s as a Slurm job: %s", name, " ".join(command))
-    url = backend.start_service(spec, ready_timeout_s=ready_timeout_s)
-    endpoint = EndpointRef(url=url, model=model_name, backend="slurm", handle=name, checkpoint=checkpoint.uri)
+    in_container = container_image(image) is not None
+    checkpoint_dir = checkpoint.uri if in_container or backend_name == "k8s" else local_checkpoint(checkpoint.uri)
+    command = serve_command(checkpoint_dir, port, model_name, "0.0.0.0")
+    if in_container or backend_name == "k8s":
+        command[0] = "python"  # the image's interpreter, not this machine's
+    spec = ServiceSpec(
+        name=name,
+        command=command,
+        port=port,
+        resources=Resources(cpus_per_task=1, gpus_per_node=1 if in_container else 0),
+        container_image=container_image(image),
+    )
+    log.info("starting %s on %s: %s", name, backend_name, " ".join(command))
+    if backend_name == "k8s":
+        # Applied over an existing Deployment of that name: a rolling update, no downtime.
+        url = backend.start_service(spec)
+    else:
+        url = backend.start_service(spec, ready_timeout_s=ready_timeout_s)
+    endpoint = EndpointRef(url=url, model=model_name, backend=backend_name, handle=name, checkpoint=checkpoint.uri)
     log.info("%s is ready at %s", name, url)
-    create_link_artifact(key=f"endpoint-{name}", link=url + "/v1/models", link_text=f"{model_name} on Slurm")
+    create_link_artifact(key=f"endpoint-{name}", link=url + "/v1/models", link_text=f"{model_name} on {backend_name}")
     return endpoint
 
 
 @task(name="stop-inference", task_run_name="stop {endpoint.model}")
 def stop_inference(endpoint: EndpointRef) -> bool:
     """Stop the server behind ``endpoint``; False if it was not running (already stopped)."""
-    if endpoint.backend == "slurm":
+    if endpoint.backend in ("slurm", "k8s"):
         from infra.backends import get_backend
 
-        return get_backend("slurm").stop_service(endpoint.handle or service_name(endpoint.model))
+        return get_backend(endpoint.backend).stop_service(endpoint.handle or service_name(endpoint.model))
     if endpoint.backend != "local":
-        raise ValueError(f"stop_inference: backend {endpoint.backend!r} is not implemented; local and slurm are")
+        raise ValueError(f"stop_inference: unknown backend {endpoint.backend!r}")
     stopped = services.stop_service(endpoint.handle or service_name(endpoint.model))
     logger().info("%s: %s", endpoint.model, "stopped" if stopped else "was not running")
     return stopped

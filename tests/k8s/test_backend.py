@@ -405,3 +405,29 @@ async def test_stage_helper_run_job_drives_the_k8s_backend(ready, caplog):
     ready.scripts["tok"] = JobScript(pod=lambda i: PodScript(logs=["killed"], exit_code=137, terminated_reason="OOMKilled"))
     with pytest.raises(JobFailed, match="ended out_of_memory with exit code 137: OOMKilled"):
         await asyncio.to_thread(run_job, spec(), "k8s", **opts)
+
+
+async def test_deploy_inference_stage_on_kubernetes(prefect_server, ready, make_backend, monkeypatch):
+    """The end-to-end flow's deploy stage on the k8s backend: a Deployment + Service serving the checkpoint."""
+    from prefect.logging import disable_run_logger
+
+    import infra.backends as backends
+    from tasks.refs import CheckpointRef, ImageRef
+    from tasks.serve import deploy_inference, stop_inference
+
+    backend = make_backend(ready)
+    monkeypatch.setattr(backends, "get_backend", lambda name, **kw: backend)
+    checkpoint = CheckpointRef(uri="/nemo-workspace/runs/llama/checkpoints/step-000060", step=60)
+    image = ImageRef(kind="registry", uri=IMAGE)
+    with disable_run_logger():
+        endpoint = await asyncio.to_thread(
+            deploy_inference.fn, checkpoint, 8000, "nemoflow-demo", "k8s", 60, "127.0.0.1", image
+        )
+    assert endpoint.url == "http://nemoflow-demo.team.svc.cluster.local:8000" and endpoint.backend == "k8s"
+    container = ready.live("apps/v1/deployments")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == IMAGE
+    command = container.get("command", []) + container.get("args", [])
+    assert "workloads.serve" in command and checkpoint.uri in command and "0.0.0.0" in command
+    with disable_run_logger():
+        await asyncio.to_thread(stop_inference.fn, endpoint)
+    assert ready.live("apps/v1/deployments") == []
