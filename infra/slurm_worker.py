@@ -228,7 +228,12 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
         rows = await anyio.to_thread.run_sync(backend.cli.squeue, [infrastructure_pid])
         if not any(not r.state.job_state.is_terminal for r in rows):
             raise InfrastructureNotFound(f"Slurm job {infrastructure_pid} is not pending or running")
-        await anyio.to_thread.run_sync(backend.cancel, infrastructure_pid, float(grace_seconds))
+        # Same as the cancellation watcher in run(): SIGKILL first. Prefect's base worker calls this
+        # on its own when it sees Cancelling; a SIGTERM would let the engine in the job report
+        # Crashed before the worker marks the run Cancelled (a race seen under load).
+        await anyio.to_thread.run_sync(
+            lambda: backend.cli.scancel([infrastructure_pid], signal="KILL", full=True))
+        await anyio.to_thread.run_sync(backend.cancel, infrastructure_pid)
 
 
 def default_base_job_template() -> dict[str, Any]:

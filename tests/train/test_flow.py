@@ -54,8 +54,23 @@ def test_pretrain_then_validate_flow(prefect_server, work_dir, train_dataset, tm
     assert report.passed and report.val_loss < report.untrained_loss
     assert {c.name for c in report.checks} >= {"checksums", "finite_weights", "val_loss_threshold"}
 
+    # The server is shared by the whole test session: pick this run's artifacts by their keys.
+    import hashlib
+
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    curve_key = "loss-curve-" + hashlib.sha256(checkpoint.run_dir.encode()).hexdigest()[:10]
+    validation_key = "checkpoint-validation-" + hashlib.sha256(report.checkpoint.encode()).hexdigest()[:10]
     with get_client(sync_client=True) as client:
-        artifacts = {a.key: a for a in client.read_artifacts() if a.key}
+        newest_first = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[curve_key, curve_key + "-table", validation_key])),
+            sort=ArtifactSort.CREATED_DESC,
+        )
+    artifacts: dict = {}
+    for artifact in newest_first:
+        artifacts.setdefault((artifact.key, artifact.type), artifact)
+    artifacts = {f"{key}:{kind}": a for (key, kind), a in artifacts.items()}
     curve = next(a for k, a in artifacts.items() if k.startswith("loss-curve-") and a.type == "markdown")
     assert "| step | loss | val_loss | lr | tokens/s |" in curve.data
     assert any(ch in curve.data for ch in "▁▂▃▄▅▆▇█")
