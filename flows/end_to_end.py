@@ -16,7 +16,7 @@ from typing import Literal
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from flows.prepare_dataset import PrepareConfig, prepare_dataset
 from infra import storage
@@ -87,6 +87,17 @@ class EndToEndConfig(BaseModel):
     )
     serve: ServeConfig = Field(default_factory=ServeConfig)
     smoke: SmokeConfig = Field(default_factory=SmokeConfig)
+
+    @field_validator("train", mode="before")
+    @classmethod
+    def _train_over_demo_defaults(cls, value):
+        """A partial `train` (e.g. {cpus_per_task: 1} in prefect.yaml) changes the demo model, not replaces it."""
+        if isinstance(value, dict):
+            merged = {**demo_train_config().model_dump(), **value}
+            if "max_tokens" in value and "max_steps" not in value:
+                merged["max_steps"] = None  # a token budget given instead of the demo's step count
+            return merged
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> EndToEndConfig:

@@ -196,3 +196,20 @@ def test_invalid_config_fails_before_compute():
         EndToEndConfig(train={**TINY_TRAIN, "global_batch_size": 30, "micro_batch_size": 4})
     with pytest.raises(ValueError, match="backend"):
         EndToEndConfig(backend="nomad")
+
+
+def test_partial_train_settings_change_the_demo_model_not_replace_it():
+    """prefect.yaml's end-to-end/slurm passes train: {cpus_per_task: 1}; that once dropped max_steps."""
+    from flows.end_to_end import EndToEndConfig, demo_train_config
+
+    config = EndToEndConfig(train={"cpus_per_task": 1})
+    assert config.train.cpus_per_task == 1
+    assert config.train.max_steps == demo_train_config().max_steps
+    assert config.train.hidden_size == demo_train_config().hidden_size
+    budget = EndToEndConfig(train={"max_tokens": 100_000})
+    assert budget.train.max_steps is None and budget.train.max_tokens == 100_000
+    import yaml
+
+    for deployment in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]:
+        if deployment["entrypoint"].startswith("flows/end_to_end.py"):
+            EndToEndConfig(**deployment.get("parameters", {}).get("config", {}))  # every deployment's config is valid
