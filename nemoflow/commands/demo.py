@@ -47,6 +47,16 @@ def _stop_endpoint() -> None:
                 print(f"stopped the inference server {handle.name}")
     except Exception as exc:  # the endpoint may already be gone
         print(f"note: could not stop the inference server: {exc}", file=sys.stderr)
+    import shutil
+
+    if shutil.which("scancel"):  # `demo --backend slurm` serves from a Slurm job
+        try:
+            from infra.backends import get_backend
+
+            if get_backend("slurm").stop_service("nemoflow-demo"):
+                print("cancelled the inference server's Slurm job nemoflow-demo")
+        except Exception as exc:  # no cluster running: nothing to stop
+            print(f"note: could not reach Slurm to stop nemoflow-demo: {exc}", file=sys.stderr)
 
 
 def run(args) -> int:
