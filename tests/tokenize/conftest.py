@@ -19,20 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.tokenize.reference import _bytes_to_unicode  # GPT-2 byte-to-unicode table, one copy
+
 CACHE = Path(os.environ.get("NEMOFLOW_TEST_CACHE", Path.home() / ".cache" / "nemoflow-test"))
 WHISPER = "openai-whisper==20250625"
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
 
 
 def _merge_pair(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
