@@ -132,8 +132,13 @@ def main() -> int:
         print(f"{name:<22} {median:>9.3f} {rate if rate is not None else float('nan'):>9.0f}")
     (OUT / "bench_image_copy.json").write_text(
         json.dumps(
-            {"bytes": size, "repeats": args.repeats, "cpus": os.cpu_count(), "python": platform.python_version(),
-             "results": rows},  # fmt: skip
+            {
+                "bytes": size,
+                "repeats": args.repeats,
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "results": rows,
+            },
             indent=2,
         )
         + "\n"

@@ -69,11 +69,23 @@ def load_texts(path: Path) -> list[str]:
         return [orjson.loads(line)["text"] for line in fh]
 
 
-
 def run_ours(src: Path, prefix: Path) -> dict:
-    cmd = [sys.executable, "-m", "workloads.tokenize", "--input", str(src), "--output-prefix", str(prefix),
-           "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", mixtral_model(),
-           "--append-eod", "--workers", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "workloads.tokenize",
+        "--input",
+        str(src),
+        "--output-prefix",
+        str(prefix),
+        "--tokenizer-type",
+        "GPTSentencePieceTokenizer",
+        "--tokenizer-model",
+        mixtral_model(),
+        "--append-eod",
+        "--workers",
+        "2",
+    ]
     wrapper = (
         "import runpy, sys\n"
         "sys.argv = ['workloads.tokenize'] + sys.argv[1:]\n"
@@ -94,15 +106,34 @@ def run_ours(src: Path, prefix: Path) -> dict:
         raise RuntimeError(proc.stderr[-3000:])
     stats = json.loads(proc.stdout.strip().splitlines()[-1])
     rss = next(int(line.split()[1]) for line in proc.stderr.splitlines() if line.startswith("MAXRSS_KB"))
-    return {"seconds": seconds, "inner_seconds": stats["seconds"], "backend": stats["backend"], "max_rss_mb": rss / 1024}
+    return {
+        "seconds": seconds,
+        "inner_seconds": stats["seconds"],
+        "backend": stats["backend"],
+        "max_rss_mb": rss / 1024,
+    }
 
 
 def run_megatron(src: Path, prefix: Path, megatron: Path, pythonpath: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, str(megatron), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, str(megatron / "tools" / "preprocess_data.py"), "--input", str(src), "--output-prefix", str(prefix),
-           "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", mixtral_model(), "--append-eod",
-           "--workers", "2", "--log-interval", "100000"]
+    cmd = [
+        sys.executable,
+        str(megatron / "tools" / "preprocess_data.py"),
+        "--input",
+        str(src),
+        "--output-prefix",
+        str(prefix),
+        "--tokenizer-type",
+        "GPTSentencePieceTokenizer",
+        "--tokenizer-model",
+        mixtral_model(),
+        "--append-eod",
+        "--workers",
+        "2",
+        "--log-interval",
+        "100000",
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=str(prefix.parent), capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start
@@ -131,14 +162,19 @@ def run_gigatoken(texts: list[str]) -> dict:
 
 
 def same_files(a: Path, b: Path) -> bool:
-    return all(Path(f"{a}_text_document{ext}").read_bytes() == Path(f"{b}_text_document{ext}").read_bytes() for ext in (".bin", ".idx"))
+    return all(
+        Path(f"{a}_text_document{ext}").read_bytes() == Path(f"{b}_text_document{ext}").read_bytes()
+        for ext in (".bin", ".idx")
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=float, default=60, help="input size in MB of JSON lines (default 60)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported (default 3)")
-    parser.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout: also time its tools/preprocess_data.py")
+    parser.add_argument(
+        "--megatron-lm", type=Path, help="a Megatron-LM checkout: also time its tools/preprocess_data.py"
+    )
     parser.add_argument("--megatron-pythonpath", default="", help="extra PYTHONPATH for Megatron-LM's imports")
     parser.add_argument("--skip-memory", action="store_true", help="skip the 1x vs 4x input peak-RSS runs")
     args = parser.parse_args()
@@ -148,7 +184,9 @@ def main() -> int:
     texts = load_texts(src)
     assert len(texts) == docs
     text_mb = text_bytes / 1e6
-    print(f"input: {src} ({src.stat().st_size / 1e6:.1f} MB JSONL, {docs:,} documents, {text_mb:.1f} MB text)", flush=True)
+    print(
+        f"input: {src} ({src.stat().st_size / 1e6:.1f} MB JSONL, {docs:,} documents, {text_mb:.1f} MB text)", flush=True
+    )
 
     results: dict[str, list[dict]] = {"nemoflow": [], "sentencepiece": [], "gigatoken": []}
     if args.megatron_lm:
@@ -158,20 +196,31 @@ def main() -> int:
         results["sentencepiece"].append(run_sentencepiece(texts))
         results["gigatoken"].append(run_gigatoken(texts))
         if args.megatron_lm:
-            results["megatron-lm"].append(run_megatron(src, OUT / "megatron", args.megatron_lm, args.megatron_pythonpath))
+            results["megatron-lm"].append(
+                run_megatron(src, OUT / "megatron", args.megatron_lm, args.megatron_pythonpath)
+            )
         line = ", ".join(f"{k} {text_mb / v[-1]['seconds']:.1f}" for k, v in results.items())
         print(f"round {round_ + 1}: MB/s {line}", flush=True)
     identical = same_files(OUT / "ours", OUT / "megatron") if args.megatron_lm else None
 
-    summary = {name: {"median_seconds": statistics.median(r["seconds"] for r in runs),
-                      "median_mb_per_s": text_mb / statistics.median(r["seconds"] for r in runs),
-                      "runs": runs} for name, runs in results.items()}
+    summary = {
+        name: {
+            "median_seconds": statistics.median(r["seconds"] for r in runs),
+            "median_mb_per_s": text_mb / statistics.median(r["seconds"] for r in runs),
+            "runs": runs,
+        }
+        for name, runs in results.items()
+    }
 
     memory = {}
     if not args.skip_memory:
         small, _, _ = make_input(args.mb / 4, OUT / f"kjv_{int(args.mb / 4)}mb.jsonl")
-        memory = {"1x_mb": small.stat().st_size / 1e6, "1x_max_rss_mb": run_ours(small, OUT / "mem1")["max_rss_mb"],
-                  "4x_mb": src.stat().st_size / 1e6, "4x_max_rss_mb": statistics.median(r["max_rss_mb"] for r in results["nemoflow"])}
+        memory = {
+            "1x_mb": small.stat().st_size / 1e6,
+            "1x_max_rss_mb": run_ours(small, OUT / "mem1")["max_rss_mb"],
+            "4x_mb": src.stat().st_size / 1e6,
+            "4x_max_rss_mb": statistics.median(r["max_rss_mb"] for r in results["nemoflow"]),
+        }
 
     ours = summary["nemoflow"]["median_mb_per_s"]
     print()
@@ -185,13 +234,21 @@ def main() -> int:
     if identical is not None:
         print(f"\nnemoflow and Megatron-LM outputs byte-identical: {identical}")
     if memory:
-        print(f"peak RSS: {memory['1x_mb']:.0f} MB input -> {memory['1x_max_rss_mb']:.0f} MB; "
-              f"{memory['4x_mb']:.0f} MB input -> {memory['4x_max_rss_mb']:.0f} MB")
+        print(
+            f"peak RSS: {memory['1x_mb']:.0f} MB input -> {memory['1x_max_rss_mb']:.0f} MB; "
+            f"{memory['4x_mb']:.0f} MB input -> {memory['4x_max_rss_mb']:.0f} MB"
+        )
     report = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "load_avg": os.getloadavg()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "load_avg": os.getloadavg(),
+        },
         "input": {"path": str(src), "jsonl_mb": src.stat().st_size / 1e6, "text_mb": text_mb, "documents": docs},
-        "results": summary, "megatron_identical": identical, "memory": memory,
+        "results": summary,
+        "megatron_identical": identical,
+        "memory": memory,
         "backend": results["nemoflow"][0]["backend"],
     }
     (OUT / "bench_tokenize.json").write_text(json.dumps(report, indent=2))

@@ -41,9 +41,13 @@ def planned_specs(config: dict[str, Any] | None = None) -> list[JobSpec | Servic
     tokenize = JobSpec(
         name=f"{c['run_name']}-tokenize",
         command=[
-            "python", "-m", "workloads.tokenize",
-            "--input-list", f"{run_dir}/data/file-groups.json",
-            "--output-dir", f"{run_dir}/data/tokenized",
+            "python",
+            "-m",
+            "workloads.tokenize",
+            "--input-list",
+            f"{run_dir}/data/file-groups.json",
+            "--output-dir",
+            f"{run_dir}/data/tokenized",
         ],
         secret_env=["HF_TOKEN"],
         resources=Resources(cpus_per_task=4, mem=c["mem"]),
@@ -67,9 +71,13 @@ def planned_specs(config: dict[str, Any] | None = None) -> list[JobSpec | Servic
     serve = ServiceSpec(
         name=f"{c['run_name']}-serve",
         command=[
-            "python", "-m", "workloads.serve",
-            "--checkpoint", f"{run_dir}/train/checkpoints/latest",
-            "--port", str(c["port"]),
+            "python",
+            "-m",
+            "workloads.serve",
+            "--checkpoint",
+            f"{run_dir}/train/checkpoints/latest",
+            "--port",
+            str(c["port"]),
         ],
         port=int(c["port"]),
         secret_env=["HF_TOKEN"],

@@ -80,9 +80,10 @@ class CptRefreshConfig(BaseModel):
     """The refresh's single parameter."""
 
     sources: str | list[str] | None = Field(
-        None, description="incoming data: a glob, a list, or a {chunk}/{shard} template; "
+        None,
+        description="incoming data: a glob, a list, or a {chunk}/{shard} template; "
         "unset = <work_dir>/incoming/*.jsonl.zst",
-    )  # fmt: skip
+    )
     chunks: str | None = None
     shards: str | None = None
     registry: str | None = Field(None, description="model registry URI (default <work_dir>/registry)")
@@ -117,8 +118,11 @@ class RefreshFailed(RuntimeError):
 def architecture_of(checkpoint: str) -> dict:
     """TrainConfig model fields read from a checkpoint's config.json and meta.json (CPT keeps the shape)."""
     config = storage.read_json(storage.join(checkpoint, "config.json"))
-    meta = storage.read_json(storage.join(checkpoint, "meta.json")) if storage.exists(
-        storage.join(checkpoint, "meta.json")) else {}  # fmt: skip
+    meta = (
+        storage.read_json(storage.join(checkpoint, "meta.json"))
+        if storage.exists(storage.join(checkpoint, "meta.json"))
+        else {}
+    )
     fields = {
         "arch": "mixtral" if config.get("model_type") == "mixtral" else "llama",
         "hidden_size": config["hidden_size"],
@@ -139,8 +143,9 @@ def cpt_train_config(promoted_checkpoint: str, cpt: CptTrainConfig, new_tokens: 
     """The TrainConfig of one refresh: the promoted model's shape, initialised from it, fresh schedule."""
     fields = architecture_of(promoted_checkpoint)
     budget = {"max_steps": cpt.max_steps} if cpt.max_steps else {"max_tokens": cpt.max_tokens or max(1, new_tokens)}
-    probe = TrainConfig(**fields, **budget, global_batch_size=cpt.global_batch_size,
-                        micro_batch_size=cpt.micro_batch_size)  # fmt: skip
+    probe = TrainConfig(
+        **fields, **budget, global_batch_size=cpt.global_batch_size, micro_batch_size=cpt.micro_batch_size
+    )
     total = probe.total_steps
     return TrainConfig(
         **fields,
@@ -190,12 +195,19 @@ def cpt_refresh(config: CptRefreshConfig | None = None) -> dict:
             # strict: a missing limit must fail, not run unlimited. A lost lease renewal (an API blip in a
             # long refresh) must not kill the run: the registry's generation check still stops a second writer.
             held.enter_context(
-                concurrency(CONCURRENCY_LIMIT, occupy=1, timeout_seconds=config.lock_timeout_s, strict=True,
-                            raise_on_lease_renewal_failure=False)  # fmt: skip
+                concurrency(
+                    CONCURRENCY_LIMIT,
+                    occupy=1,
+                    timeout_seconds=config.lock_timeout_s,
+                    strict=True,
+                    raise_on_lease_renewal_failure=False,
+                )
             )
         except TimeoutError as exc:
-            message = (f"another cpt-refresh holds the '{CONCURRENCY_LIMIT}' concurrency limit; this run did "
-                       f"nothing (waited {config.lock_timeout_s:g}s)")  # fmt: skip
+            message = (
+                f"another cpt-refresh holds the '{CONCURRENCY_LIMIT}' concurrency limit; this run did "
+                f"nothing (waited {config.lock_timeout_s:g}s)"
+            )
             _failure_artifact(message)
             raise RefreshFailed(message) from exc
         return _refresh(config)
@@ -209,9 +221,11 @@ def _refresh(config: CptRefreshConfig) -> dict:
     promoted = state.promoted_model()
     run_id = str(flow_run.id) if flow_run.id else None
     if promoted is None or state.held_out is None:
-        message = (f"the model registry {registry.uri} has no promoted model to continue from; run "
-                   "`prefect deployment run end-to-end/local` once (it registers and promotes its checkpoint) "
-                   "or `nemoflow models promote ID`")  # fmt: skip
+        message = (
+            f"the model registry {registry.uri} has no promoted model to continue from; run "
+            "`prefect deployment run end-to-end/local` once (it registers and promotes its checkpoint) "
+            "or `nemoflow models promote ID`"
+        )
         _failure_artifact(message)
         raise RefreshFailed(message)
 
@@ -220,8 +234,11 @@ def _refresh(config: CptRefreshConfig) -> dict:
     if not new:
         message = f"no new data under {config.sources_spec()}: nothing to do; {promoted.id} stays promoted"
         log.info(message)
-        create_markdown_artifact(key="cpt-refresh-report", markdown=f"# CPT refresh: no-op\n\n{message}\n",
-                                 description="nothing new to train on")  # fmt: skip
+        create_markdown_artifact(
+            key="cpt-refresh-report",
+            markdown=f"# CPT refresh: no-op\n\n{message}\n",
+            description="nothing new to train on",
+        )
         return {"decision": "no-op", "promoted": promoted.id, "new_sources": []}
 
     try:
@@ -238,19 +255,34 @@ def _train_and_decide(config, registry, state, base_generation, promoted, new, r
     identity = json.dumps(sorted((s.url, s.sha256) for s in new))
     name = "cpt-" + hashlib.sha256(identity.encode()).hexdigest()[:12]
     tokenizer = config.tokenizer or TokenizerRef(model=held_out.tokenizer_model)
-    dataset = prepare_dataset(PrepareConfig(name=name, sources=[s.url for s in new], tokenizer=tokenizer,
-                                            backend=config.backend, image=config.image.uri if config.image else None))
+    dataset = prepare_dataset(
+        PrepareConfig(
+            name=name,
+            sources=[s.url for s in new],
+            tokenizer=tokenizer,
+            backend=config.backend,
+            image=config.image.uri if config.image else None,
+        )
+    )
     manifest = storage.read_json(dataset.manifest_uri)
     sizes = {shard["url"]: shard.get("size") for shard in manifest.get("shards", [])}
 
     # 4. continue pretraining from the promoted checkpoint
     train = cpt_train_config(promoted.checkpoint, config.train, dataset.tokens)
-    log.info("continuing %s on %d new tokens: %d steps, lr %g -> %g, warmup %d, reset_optimizer=%s",
-             promoted.id, dataset.tokens, train.total_steps, train.lr, train.min_lr, train.warmup_steps,
-             train.reset_optimizer)  # fmt: skip
+    log.info(
+        "continuing %s on %d new tokens: %d steps, lr %g -> %g, warmup %d, reset_optimizer=%s",
+        promoted.id,
+        dataset.tokens,
+        train.total_steps,
+        train.lr,
+        train.min_lr,
+        train.warmup_steps,
+        train.reset_optimizer,
+    )
     results = result_storage()  # where every stage persists its result (NEMOFLOW_RESULT_STORAGE)
-    candidate: CheckpointRef = pretrain.with_options(result_storage=results)(train, dataset, config.image,
-                                                                             config.backend)  # fmt: skip
+    candidate: CheckpointRef = pretrain.with_options(result_storage=results)(
+        train, dataset, config.image, config.backend
+    )
 
     # 5. the candidate's own checks (files, weights, loss threshold, better than untrained)
     report = validate_checkpoint.with_options(result_storage=results)(
@@ -261,8 +293,10 @@ def _train_and_decide(config, registry, state, base_generation, promoted, new, r
     losses = compare_on_held_out(candidate, promoted.checkpoint, held_out, config.backend, config.image)
     limit = losses.promoted_loss * (1 + config.tolerance)
     accept = losses.candidate_loss <= limit
-    why = (f"candidate held-out loss {losses.candidate_loss:.4f} {'<=' if accept else '>'} promoted "
-           f"{losses.promoted_loss:.4f} x (1 + tolerance {config.tolerance:g}) = {limit:.4f}")  # fmt: skip
+    why = (
+        f"candidate held-out loss {losses.candidate_loss:.4f} {'<=' if accept else '>'} promoted "
+        f"{losses.promoted_loss:.4f} x (1 + tolerance {config.tolerance:g}) = {limit:.4f}"
+    )
     model_id = reg.new_model_id(candidate.uri)
     record = reg.ModelRecord(
         id=model_id,
@@ -270,9 +304,14 @@ def _train_and_decide(config, registry, state, base_generation, promoted, new, r
         parent=promoted.id,
         data=[s.model_copy(update={"size": sizes.get(s.url)}) for s in new],
         dataset_manifest=dataset.manifest_uri,
-        metrics={"val_loss": report.val_loss, "untrained_loss": report.untrained_loss,
-                 "held_out_loss": losses.candidate_loss, "parent_held_out_loss": losses.promoted_loss,
-                 "tokens": dataset.tokens, "steps": train.total_steps},  # fmt: skip
+        metrics={
+            "val_loss": report.val_loss,
+            "untrained_loss": report.untrained_loss,
+            "held_out_loss": losses.candidate_loss,
+            "parent_held_out_loss": losses.promoted_loss,
+            "tokens": dataset.tokens,
+            "steps": train.total_steps,
+        },
         image=config.image.model_dump(mode="json") if config.image else None,
         code_version=reg.code_version(),
         flow_run_id=run_id,
@@ -284,11 +323,19 @@ def _train_and_decide(config, registry, state, base_generation, promoted, new, r
         if registry.read().generation != base_generation:
             raise reg.ConcurrentUpdate(f"registry {registry.uri} changed during this refresh; not switching")
         # 7. zero-downtime switch; only then the registry says the candidate is promoted
-        serving = switch_serving(candidate, model_id, state.serving, config.serve.port, config.serve.model_name,
-                                 config.serve.smoke_prompt, config.serve.ready_timeout_s)  # fmt: skip
+        serving = switch_serving(
+            candidate,
+            model_id,
+            state.serving,
+            config.serve.port,
+            config.serve.model_name,
+            config.serve.smoke_prompt,
+            config.serve.ready_timeout_s,
+        )
     # A rejected candidate is kept for the record, but its sources stay pending (see module docstring).
-    new_state = record_model(registry.uri, record, accept, record.data if accept else [], base_generation,
-                             serving if accept else None)  # fmt: skip
+    new_state = record_model(
+        registry.uri, record, accept, record.data if accept else [], base_generation, serving if accept else None
+    )
     summary = {
         "decision": "promoted" if accept else "rejected",
         "reason": why,
@@ -312,8 +359,9 @@ def _failure_artifact(message: str, new: list | None = None) -> None:
     create_markdown_artifact(key="cpt-refresh-report", markdown="\n".join(lines), description="refresh failed")
 
 
-def _report_artifacts(summary: dict, record: reg.ModelRecord, parent: reg.ModelRecord,
-                      state: reg.RegistryState, held_out: reg.HeldOut) -> None:  # fmt: skip
+def _report_artifacts(
+    summary: dict, record: reg.ModelRecord, parent: reg.ModelRecord, state: reg.RegistryState, held_out: reg.HeldOut
+) -> None:
     lines = [
         f"# CPT refresh: {summary['decision'].upper()}",
         "",
@@ -335,17 +383,26 @@ def _report_artifacts(summary: dict, record: reg.ModelRecord, parent: reg.ModelR
         f"Serving: {summary['endpoint'] or 'unchanged'}; now promoted: `{state.promoted}`",
     ]
     create_markdown_artifact(key="cpt-refresh-report", markdown="\n".join(lines), description="CPT refresh decision")
-    create_markdown_artifact(key="model-lineage", markdown=lineage_markdown(state, state.promoted),
-                             description="the promoted model and its parents")  # fmt: skip
+    create_markdown_artifact(
+        key="model-lineage",
+        markdown=lineage_markdown(state, state.promoted),
+        description="the promoted model and its parents",
+    )
 
 
 def lineage_markdown(state: reg.RegistryState, model_id: str | None) -> str:
-    lines = [f"# Lineage of `{model_id}`", "", "| model | parent | held-out loss | val loss | data | created |",
-             "|---|---|---:|---:|---|---|"]  # fmt: skip
+    lines = [
+        f"# Lineage of `{model_id}`",
+        "",
+        "| model | parent | held-out loss | val loss | data | created |",
+        "|---|---|---:|---:|---|---|",
+    ]
     for record in state.lineage(model_id) if model_id else []:
         data = ", ".join(f"`{s.name}`" for s in record.data[:5]) + (" ..." if len(record.data) > 5 else "")
         held = record.metrics.get("held_out_loss")
         val = record.metrics.get("val_loss")
-        lines.append(f"| `{record.id}` | `{record.parent or '-'}` | {'' if held is None else f'{held:.4f}'} | "
-                     f"{'' if val is None else f'{val:.4f}'} | {data} | {record.created_at} |")  # fmt: skip
+        lines.append(
+            f"| `{record.id}` | `{record.parent or '-'}` | {'' if held is None else f'{held:.4f}'} | "
+            f"{'' if val is None else f'{val:.4f}'} | {data} | {record.created_at} |"
+        )
     return "\n".join(lines)

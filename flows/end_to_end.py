@@ -21,8 +21,8 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from flows.prepare_dataset import PrepareConfig, prepare_dataset
 from infra import storage
 from infra.settings import get_settings
-from tasks.common import result_storage
 from tasks.checkpoint import validate_checkpoint
+from tasks.common import result_storage
 from tasks.image import container_image, stage_image
 from tasks.serve import deploy_inference
 from tasks.smoke import DEFAULT_PROMPT, smoke_test
@@ -171,8 +171,10 @@ def register_checkpoint(config, checkpoint, dataset, report, endpoint, image) ->
     if existing:
         return existing  # a cached re-run: already registered
     manifest = storage.read_json(dataset.manifest_uri)
-    sources = [reg.SourceRecord(name=s["name"], url=s["url"], sha256=s.get("sha256"), size=s.get("size"))
-               for s in manifest.get("shards", [])]  # fmt: skip
+    sources = [
+        reg.SourceRecord(name=s["name"], url=s["url"], sha256=s.get("sha256"), size=s.get("size"))
+        for s in manifest.get("shards", [])
+    ]
     record = reg.ModelRecord(
         id=reg.new_model_id(checkpoint.uri),
         checkpoint=checkpoint.uri,
@@ -186,20 +188,33 @@ def register_checkpoint(config, checkpoint, dataset, report, endpoint, image) ->
     )
     first = state.promoted is None
     held_out = reg.HeldOut(
-        data_prefix=dataset.blend, tokenizer_model=dataset.tokenizer.model, seq_length=config.train.seq_length,
-        split=config.train.split, seed=config.train.seed, origin=f"validation split of {dataset.manifest_uri}",
-    )  # fmt: skip
-    serving = reg.Serving(model=record.id, service=endpoint.handle, port=config.serve.port,
-                          model_name=endpoint.model, url=endpoint.url)  # fmt: skip
+        data_prefix=dataset.blend,
+        tokenizer_model=dataset.tokenizer.model,
+        seq_length=config.train.seq_length,
+        split=config.train.split,
+        seed=config.train.seed,
+        origin=f"validation split of {dataset.manifest_uri}",
+    )
+    serving = reg.Serving(
+        model=record.id, service=endpoint.handle, port=config.serve.port, model_name=endpoint.model, url=endpoint.url
+    )
     # Its sources count as processed only when it becomes the base the refresh continues from.
-    registry.register(record, promote=first, sources=sources if first else [], held_out=held_out if first else None,
-                      serving=serving if first else None, expected_generation=state.generation)  # fmt: skip
+    registry.register(
+        record,
+        promote=first,
+        sources=sources if first else [],
+        held_out=held_out if first else None,
+        serving=serving if first else None,
+        expected_generation=state.generation,
+    )
     return record.id
 
 
 def _publish_summary(summary: dict) -> None:
     if summary["flow_run_id"]:
-        storage.write_json(storage.join(get_settings().work_dir, "flow-runs", f"{summary['flow_run_id']}.json"), summary)
+        storage.write_json(
+            storage.join(get_settings().work_dir, "flow-runs", f"{summary['flow_run_id']}.json"), summary
+        )
     create_markdown_artifact(
         key="end-to-end-summary",
         description="what this run produced",

@@ -65,7 +65,9 @@ def _check_tokenizer(config) -> None:
 class PrepareConfig(BaseModel):
     """Everything the data stage needs; the defaults prepare the embedded demo corpus."""
 
-    name: str = Field("demo", pattern=r"^[A-Za-z0-9._-]+$", description="dataset name (directory under work_dir/datasets)")
+    name: str = Field(
+        "demo", pattern=r"^[A-Za-z0-9._-]+$", description="dataset name (directory under work_dir/datasets)"
+    )
     sources: str | list[str] | None = Field(
         None,
         description="a list of URIs, a glob, or a URL template with {chunk}/{shard}; "
@@ -94,7 +96,11 @@ class PrepareConfig(BaseModel):
         return self
 
     def dataset_uri(self) -> str:
-        return storage.normalize(self.output) if self.output else storage.join(get_settings().work_dir, "datasets", self.name)
+        return (
+            storage.normalize(self.output)
+            if self.output
+            else storage.join(get_settings().work_dir, "datasets", self.name)
+        )
 
     def resolved(self) -> PrepareConfig:
         """Fill the demo corpus and the default tokenizer; fingerprint the tokenizer (cache key)."""
@@ -179,9 +185,7 @@ def prepare_dataset(config: PrepareConfig | None = None) -> DatasetRef:
             parts.extend(tokenize(concat_result, sums, **same))
             advance(len(g))
     else:
-        parts = tokenize_array(
-            concats, checksums, **same, backend=config.backend, n=len(concats), image=config.image
-        )
+        parts = tokenize_array(concats, checksums, **same, backend=config.backend, n=len(concats), image=config.image)
         advance(len(sources))
 
     # 6. blend weights (NeMo data_prefix) and the manifest

@@ -45,7 +45,7 @@ import re
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel
@@ -143,7 +143,9 @@ def _scheme(url: str) -> str:
     if proto == "gcs":
         return "gs"
     if proto not in ("http", "https", "gs", "file"):
-        raise FetchError(f"unsupported scheme {proto!r} in {redact(url)}: supported are https, http, gs, file and plain paths")
+        raise FetchError(
+            f"unsupported scheme {proto!r} in {redact(url)}: supported are https, http, gs, file and plain paths"
+        )
     return proto
 
 
@@ -208,8 +210,8 @@ def _retry_after(value: str | None) -> float | None:
     except (TypeError, ValueError):
         return None
     if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
 
 
 def _hash_file(path: str, want_md5: bool, want_crc32c: bool) -> dict[str, str]:
@@ -253,7 +255,7 @@ def probe(url: str, *, timeout: float = 60) -> RemoteInfo:
             st = os.stat(path)
         except FileNotFoundError:
             raise NotFound(f"not found: {url}") from None
-        modified = datetime.fromtimestamp(st.st_mtime, timezone.utc).isoformat()
+        modified = datetime.fromtimestamp(st.st_mtime, UTC).isoformat()
         return RemoteInfo(url=redact(url), size=st.st_size, last_modified=modified)
     if proto == "gs":
         try:
@@ -362,7 +364,9 @@ class _Progress:
             self.fn(done, total)
 
 
-def _http_attempt(session, url: str, part: str, state_path: str, timeout: float, say: Log, progress: _Progress) -> _Outcome:
+def _http_attempt(
+    session, url: str, part: str, state_path: str, timeout: float, say: Log, progress: _Progress
+) -> _Outcome:
     import requests
     import urllib3
 
@@ -411,7 +415,10 @@ def _http_attempt(session, url: str, part: str, state_path: str, timeout: float,
             m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", resp.headers.get("Content-Range", "").strip())
             if not m or int(m.group(1)) != have:
                 _discard(part)
-                raise _Retry(f"bad Content-Range {resp.headers.get('Content-Range')!r} for a resume at {have}: restarting", now=True)
+                raise _Retry(
+                    f"bad Content-Range {resp.headers.get('Content-Range')!r} for a resume at {have}: restarting",
+                    now=True,
+                )
             if state.get("validator") and validator and validator != state["validator"]:
                 _discard(part)
                 raise _Retry("the file changed on the server (validator differs): restarting", now=True)
@@ -449,7 +456,7 @@ def _gcs_attempt(url: str, part: str, state_path: str, say: Log, progress: _Prog
         meta = fs.info(path)
     except FileNotFoundError:
         raise NotFound(f"not found: {url}") from None
-    except Exception as exc:  # gcsfs raises several types for transient errors
+    except Exception as exc:  # noqa: BLE001 - gcsfs raises several types for transient errors
         raise _Retry(f"cannot stat: {exc}") from None
     total = int(meta["size"])
     generation = str(meta.get("generation") or meta.get("etag") or meta.get("md5Hash") or "")
@@ -468,13 +475,13 @@ def _gcs_attempt(url: str, part: str, state_path: str, say: Log, progress: _Prog
             src.seek(have)
         except FileNotFoundError:
             raise NotFound(f"not found: {url}") from None
-        except Exception as exc:  # gcsfs/aiohttp raise many types for transient errors
+        except Exception as exc:  # noqa: BLE001 - gcsfs/aiohttp raise many types for transient errors
             raise _Retry(f"open failed: {exc}") from None
         with src:
             while True:
                 try:
                     block = src.read(8 * CHUNK)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - any read error is retried by the caller
                     raise _Retry(f"read failed after {done} bytes: {exc}") from None
                 if not block:
                     break
@@ -509,7 +516,9 @@ def _file_attempt(url: str, part: str, progress: _Progress) -> _Outcome:
 # --------------------------------------------------------------------------- verify & commit
 
 
-def _verify(part: str, outcome: _Outcome, expected_size: int | None, expected_sha256: str | None, want_md5: bool) -> dict[str, str]:
+def _verify(
+    part: str, outcome: _Outcome, expected_size: int | None, expected_sha256: str | None, want_md5: bool
+) -> dict[str, str]:
     size = os.path.getsize(part)
     if outcome.total is not None and size != outcome.total:
         _discard(part)
@@ -529,7 +538,9 @@ def _verify(part: str, outcome: _Outcome, expected_size: int | None, expected_sh
     return hashes
 
 
-def _existing(url: str, dest_uri: str, meta_uri: str, expected_size: int | None, expected_sha256: str | None) -> dict | None:
+def _existing(
+    url: str, dest_uri: str, meta_uri: str, expected_size: int | None, expected_sha256: str | None
+) -> dict | None:
     """The sidecar of a verified copy of ``url`` at ``dest_uri``, or None."""
     try:
         if not storage.exists(dest_uri):
@@ -565,7 +576,9 @@ def _existing(url: str, dest_uri: str, meta_uri: str, expected_size: int | None,
         return None
 
 
-def _adopt(url: str, dest_uri: str, meta_uri: str, expected_size: int | None, expected_sha256: str | None) -> dict | None:
+def _adopt(
+    url: str, dest_uri: str, meta_uri: str, expected_size: int | None, expected_sha256: str | None
+) -> dict | None:
     """A local file put there by hand (no sidecar) counts as verified if it has the expected sha256."""
     if not expected_sha256 or not storage.is_local(dest_uri):
         return None
@@ -629,8 +642,14 @@ def download(
             return None
         say(f"already present and verified ({meta['size']} bytes, sha256 {meta['sha256'][:12]}…): not fetched again")
         return FetchResult(
-            url=safe_url, uri=dest_uri, size=meta["size"], sha256=meta["sha256"], etag=meta.get("etag"),
-            attempts=0, skipped=True, seconds=time.monotonic() - started,
+            url=safe_url,
+            uri=dest_uri,
+            size=meta["size"],
+            sha256=meta["sha256"],
+            etag=meta.get("etag"),
+            attempts=0,
+            skipped=True,
+            seconds=time.monotonic() - started,
         )
 
     if (done := present()) is not None:
@@ -639,9 +658,23 @@ def download(
         # Another thread or process may have finished this file while we waited for the lock.
         if (done := present()) is not None:
             return done
-        return _fetch(url, dest_uri, meta_uri, proto, name, safe_url, started, say, expected_size=expected_size,
-                      expected_sha256=expected_sha256, retries=retries, backoff=backoff, max_backoff=max_backoff,
-                      timeout=timeout, progress=progress)
+        return _fetch(
+            url,
+            dest_uri,
+            meta_uri,
+            proto,
+            name,
+            safe_url,
+            started,
+            say,
+            expected_size=expected_size,
+            expected_sha256=expected_sha256,
+            retries=retries,
+            backoff=backoff,
+            max_backoff=max_backoff,
+            timeout=timeout,
+            progress=progress,
+        )
 
 
 @contextlib.contextmanager
@@ -662,8 +695,24 @@ def _dest_lock(dest_uri: str, say: Log):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _fetch(url, dest_uri, meta_uri, proto, name, safe_url, started, say, *, expected_size, expected_sha256,
-           retries, backoff, max_backoff, timeout, progress) -> FetchResult:
+def _fetch(
+    url,
+    dest_uri,
+    meta_uri,
+    proto,
+    name,
+    safe_url,
+    started,
+    say,
+    *,
+    expected_size,
+    expected_sha256,
+    retries,
+    backoff,
+    max_backoff,
+    timeout,
+    progress,
+) -> FetchResult:
     local_dest = storage.is_local(dest_uri)
     if local_dest:
         final = storage.local_path(dest_uri)
@@ -696,7 +745,9 @@ def _fetch(url, dest_uri, meta_uri, proto, name, safe_url, started, say, *, expe
             except _Retry as exc:
                 content_failures += exc.content
                 if attempts > retries or content_failures > CONTENT_RETRIES:
-                    raise FetchError(f"{name}: giving up on {safe_url} after {attempts} attempts: {redact(exc.reason)}") from None
+                    raise FetchError(
+                        f"{name}: giving up on {safe_url} after {attempts} attempts: {redact(exc.reason)}"
+                    ) from None
                 if exc.now:
                     delay = 0.0
                 elif exc.retry_after is not None:
@@ -731,8 +782,14 @@ def _fetch(url, dest_uri, meta_uri, proto, name, safe_url, started, say, *, expe
     seconds = time.monotonic() - started
     say(f"done: {size} bytes in {seconds:.1f}s, {attempts} attempt(s), sha256 {hashes['sha256'][:12]}…")
     return FetchResult(
-        url=safe_url, uri=dest_uri, size=size, sha256=hashes["sha256"], etag=outcome.etag,
-        attempts=attempts, skipped=False, seconds=seconds,
+        url=safe_url,
+        uri=dest_uri,
+        size=size,
+        sha256=hashes["sha256"],
+        etag=outcome.etag,
+        attempts=attempts,
+        skipped=False,
+        seconds=seconds,
     )
 
 

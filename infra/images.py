@@ -50,7 +50,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -284,8 +284,7 @@ def parse_docker_ref(reference: str) -> DockerRef:
     if not _REPOSITORY_RE.match(path):
         hint = " (repository names are lowercase)" if path.lower() != path else ""
         raise ImageError(
-            f"image reference {reference!r}: repository {path!r} is not lowercase components "
-            f"separated by '/'{hint}"
+            f"image reference {reference!r}: repository {path!r} is not lowercase components separated by '/'{hint}"
         )
     if tag is None and digest is None:
         raise ImageError(
@@ -328,14 +327,26 @@ def check_superblock(header: bytes, file_size: int, name: str) -> Superblock:
             f"({SUPERBLOCK_SIZE})"
         )
     fields = SUPERBLOCK.unpack_from(header)
-    (magic, inodes, _mtime, block_size, _frags, compression, block_log, _flags, _ids,
-     major, minor, _root, bytes_used, *tables) = fields  # fmt: skip
+    (
+        magic,
+        inodes,
+        _mtime,
+        block_size,
+        _frags,
+        compression,
+        block_log,
+        _flags,
+        _ids,
+        major,
+        minor,
+        _root,
+        bytes_used,
+        *tables,
+    ) = fields
     if magic != SQUASHFS_MAGIC:
         if header[:4] == b"sqsh":
             raise ImageVerificationError(f"{name} is a big-endian (pre-4.0) squashfs image; enroot needs 4.0")
-        raise ImageVerificationError(
-            f"{name} is not a squashfs image (first bytes {header[:4]!r}, expected b'hsqs')"
-        )
+        raise ImageVerificationError(f"{name} is not a squashfs image (first bytes {header[:4]!r}, expected b'hsqs')")
     if (major, minor) != (4, 0):
         raise ImageVerificationError(f"{name}: squashfs version {major}.{minor}, expected 4.0")
     if not (4096 <= block_size <= 1 << 20) or block_size & (block_size - 1) or 1 << block_log != block_size:
@@ -611,7 +622,7 @@ def _write_sidecar(image: StagedImage, verified_at: str | None = None) -> None:
             "checksum": image.checksum,
             "size": image.size,
             "digest": image.digest,
-            "verified_at": verified_at or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "verified_at": verified_at or datetime.now(UTC).isoformat(timespec="seconds"),
             "superblock": dataclasses.asdict(image.superblock) if image.superblock else None,
         },
     )
@@ -689,7 +700,7 @@ class _ResumableReader:
             raise ImageNotFound(f"image source not found: {uri}") from exc
         except ImageError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported with its type, scrubbed of credentials
             detail = _scrub(str(exc), self.info.uri)
             raise ImageSourceError(f"cannot open {uri} at byte {offset}: {type(exc).__name__}: {detail}") from None
 
@@ -767,7 +778,7 @@ class _HashWriter:
                 try:
                     self._hasher.update(block)
                     self._out.write(block)
-                except BaseException as exc:  # re-raised in the reading thread
+                except BaseException as exc:  # noqa: BLE001 - re-raised in the reading thread
                     self._error = exc
 
     def put(self, block: bytes) -> None:
@@ -826,8 +837,10 @@ def _copy_within_gcs(info: SourceInfo, tmp: str, final: str, log: LogSink, progr
     _write_sidecar(image)
     if progress is not None:
         progress(info.size, info.size)
-    log(f"verified {final}: {info.checksum} stated by GCS for the copy, squashfs {superblock.version} "
-        f"{superblock.compression}, {superblock.inodes} inodes")
+    log(
+        f"verified {final}: {info.checksum} stated by GCS for the copy, squashfs {superblock.version} "
+        f"{superblock.compression}, {superblock.inodes} inodes"
+    )
     return image
 
 
@@ -856,7 +869,7 @@ def _read_source(fh, chunk: int, source: str, copied: int, size: int | None) -> 
         detail = _scrub(str(exc), source)
     except OSError:
         raise
-    except Exception as exc:  # aiohttp's payload errors are not OSErrors
+    except Exception as exc:  # noqa: BLE001 - aiohttp's payload errors are not OSErrors
         detail = f"{type(exc).__name__}: {_scrub(str(exc), source)}"
     raise ImageSourceError(f"reading {public_uri(source)} failed after {copied} of {human_bytes(size)} bytes: {detail}")
 
@@ -971,8 +984,10 @@ def copy_image(
     if progress is not None:
         progress(copied, info.size)
     rate = copied / image.seconds / (1 << 20) if image.seconds > 0 else 0.0
-    log(f"verified {final}: {actual}, squashfs {superblock.version} {superblock.compression}, "
-        f"{superblock.inodes} inodes; {human_bytes(copied)} in {image.seconds:.1f} s ({rate:.0f} MiB/s)")
+    log(
+        f"verified {final}: {actual}, squashfs {superblock.version} {superblock.compression}, "
+        f"{superblock.inodes} inodes; {human_bytes(copied)} in {image.seconds:.1f} s ({rate:.0f} MiB/s)"
+    )
     return image
 
 

@@ -35,7 +35,7 @@ def _healthy(api_url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(api_url.rstrip("/") + "/health", timeout=timeout) as resp:
             return resp.status == 200
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure means: not healthy
         return False
 
 
@@ -110,9 +110,7 @@ def ensure_server(port: int = DEFAULT_PORT, timeout: float = 120.0, echo=print) 
         # The UI calls the API at PREFECT_UI_API_URL, which must match the port we chose.
         env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_API_URL=api)
         env.pop("PREFECT_API_URL", None)
-        _start_background(
-            "server", [prefect_bin(), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env
-        )
+        _start_background("server", [prefect_bin(), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env)
         echo(f"starting a local Prefect server on port {port} (log: {STATE_DIR / 'server.log'})")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -126,9 +124,7 @@ def ensure_server(port: int = DEFAULT_PORT, timeout: float = 120.0, echo=print) 
 
 def prefect_cli(args: list[str], api_url: str, check: bool = True) -> subprocess.CompletedProcess:
     env = dict(os.environ, PREFECT_API_URL=api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false", PWD=str(REPO_ROOT))
-    proc = subprocess.run(
-        [prefect_bin(), *args], cwd=str(REPO_ROOT), env=env, capture_output=True, text=True
-    )
+    proc = subprocess.run([prefect_bin(), *args], cwd=str(REPO_ROOT), env=env, capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise RuntimeError(f"`prefect {' '.join(args)}` failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -223,7 +219,9 @@ def ensure_worker(pool: str, pool_type: str, api_url: str, echo=print) -> int:
     if pid is not None:
         return pid
     # Poll every second instead of Prefect's 10 s: a cached re-run then starts at once.
-    env = dict(os.environ, PREFECT_API_URL=api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_WORKER_QUERY_SECONDS="1")
+    env = dict(
+        os.environ, PREFECT_API_URL=api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_WORKER_QUERY_SECONDS="1"
+    )
     pid = _start_background(name, [prefect_bin(), "worker", "start", "--pool", pool, "--type", pool_type], env)
     echo(f"started a {pool_type} worker for pool {pool!r} (pid {pid}, log: {STATE_DIR / (name + '.log')})")
     return pid

@@ -35,7 +35,7 @@ import hashlib
 import os
 import subprocess
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -60,7 +60,7 @@ class UnknownModel(RegistryError, KeyError):
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 class SourceRecord(BaseModel):
@@ -147,8 +147,10 @@ def code_version(repo: str | None = None) -> str:
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=10,
-        ).stdout.strip()  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return f"git:{commit}" + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         digest = hashlib.sha256()
@@ -260,8 +262,9 @@ class ModelRegistry:
 
         return self.commit(change, expected_generation, "promote" if promote else "register")
 
-    def promote(self, model_id: str, expected_generation: int | None = None,
-                serving: Serving | None = None) -> RegistryState:  # fmt: skip
+    def promote(
+        self, model_id: str, expected_generation: int | None = None, serving: Serving | None = None
+    ) -> RegistryState:
         def change(state: RegistryState) -> str:
             state.model(model_id)
             if state.promoted == model_id:
@@ -278,9 +281,7 @@ class ModelRegistry:
 
         def change(state: RegistryState) -> str:
             if len(state.promotions) < 2:
-                raise RegistryError(
-                    f"nothing to roll back to: promotion history is {state.promotions or 'empty'}"
-                )
+                raise RegistryError(f"nothing to roll back to: promotion history is {state.promotions or 'empty'}")
             current = state.promotions.pop()
             state.promoted = state.promotions[-1]
             if serving is not None:
@@ -304,5 +305,5 @@ def _promote(state: RegistryState, model_id: str) -> None:
 
 def new_model_id(checkpoint: str) -> str:
     """``m-<UTC time>-<hash of the checkpoint>``: sorts by time, unique per checkpoint."""
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
     return f"m-{stamp}-{hashlib.sha256(storage.normalize(checkpoint).encode()).hexdigest()[:6]}"

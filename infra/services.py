@@ -39,7 +39,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
@@ -80,7 +80,7 @@ class ServiceHandle(BaseModel):
     host: str = "127.0.0.1"
     health_path: str = "/health"
     state: Literal["starting", "ready"] = "starting"
-    started: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    started: datetime = Field(default_factory=lambda: datetime.now(UTC))
     proc_start: int | None = Field(None, description="process start time (clock ticks since boot): pid identity")
     checkpoint: str | None = None
     model: str | None = None
@@ -296,7 +296,7 @@ def start_service(
     check_port_free(spec.port, host)
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     log_path = log_dir / f"{spec.name}-{stamp}-{os.getpid()}.log"
     url_host = f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("0.0.0.0", "") else host)
     url = f"http://{url_host}:{spec.port}"

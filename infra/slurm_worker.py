@@ -33,16 +33,15 @@ from __future__ import annotations
 import re
 import shlex
 import sys
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
-from pydantic import Field
-
 from prefect.client.schemas.objects import StateType
 from prefect.exceptions import InfrastructureNotFound
 from prefect.states import Cancelled
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
+from pydantic import Field
 
 from infra.backends.slurm import SlurmBackend
 from infra.jobs import JobSpec, JobState, Resources
@@ -59,29 +58,29 @@ if TYPE_CHECKING:
 class SlurmJobConfiguration(BaseJobConfiguration):
     """The sbatch job of one flow run; every field is a template variable of the work pool."""
 
-    partition: Optional[str] = Field(default=None)
-    time: Optional[str] = Field(default=None)
+    partition: str | None = Field(default=None)
+    time: str | None = Field(default=None)
     nodes: int = Field(default=1, ge=1)
     cpus_per_task: int = Field(default=1, ge=1)
-    mem: Optional[str] = Field(default=None)
+    mem: str | None = Field(default=None)
     gpus_per_node: int = Field(default=0, ge=0)
-    account: Optional[str] = Field(default=None)
-    qos: Optional[str] = Field(default=None)
+    account: str | None = Field(default=None)
+    qos: str | None = Field(default=None)
     extra_sbatch_flags: list[str] = Field(default_factory=list)
     setup_lines: list[str] = Field(default_factory=list)
-    working_dir: Optional[str] = Field(default=None)
-    log_dir: Optional[str] = Field(default=None)
+    working_dir: str | None = Field(default=None)
+    log_dir: str | None = Field(default=None)
     stream_output: bool = Field(default=True)
     poll_interval_s: float = Field(default=2.0, gt=0)
 
     def prepare_for_flow_run(
         self,
-        flow_run: "FlowRun",
-        deployment: "DeploymentResponse | None" = None,
-        flow: "APIFlow | None" = None,
-        work_pool: "WorkPool | None" = None,
+        flow_run: FlowRun,
+        deployment: DeploymentResponse | None = None,
+        flow: APIFlow | None = None,
+        work_pool: WorkPool | None = None,
         worker_name: str | None = None,
-        worker_id: "UUID | None" = None,
+        worker_id: UUID | None = None,
     ) -> None:
         configured = self.command is not None
         super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
@@ -89,7 +88,7 @@ class SlurmJobConfiguration(BaseJobConfiguration):
             # The worker's own interpreter: on a cluster the venv sits on shared storage.
             self.command = f"{shlex.quote(sys.executable)} -m prefect.engine"
 
-    def job_spec(self, flow_run: "FlowRun") -> JobSpec:
+    def job_spec(self, flow_run: FlowRun) -> JobSpec:
         name = re.sub(r"[^a-z0-9-]+", "-", (self.name or flow_run.name).lower()).strip("-")[:40] or "flow-run"
         return JobSpec(
             name=f"prefect-{name}"[:63].rstrip("-"),
@@ -97,29 +96,35 @@ class SlurmJobConfiguration(BaseJobConfiguration):
             workdir=self.working_dir,
             log_dir=self.log_dir,
             resources=Resources(
-                nodes=self.nodes, cpus_per_task=self.cpus_per_task, gpus_per_node=self.gpus_per_node,
-                mem=self.mem, time=self.time,
+                nodes=self.nodes,
+                cpus_per_task=self.cpus_per_task,
+                gpus_per_node=self.gpus_per_node,
+                mem=self.mem,
+                time=self.time,
             ),
         )
 
     def slurm_options(self) -> SlurmOptions:
         return SlurmOptions(
-            partition=self.partition, account=self.account, qos=self.qos,
-            extra_sbatch_flags=self.extra_sbatch_flags, setup_lines=self.setup_lines,
+            partition=self.partition,
+            account=self.account,
+            qos=self.qos,
+            extra_sbatch_flags=self.extra_sbatch_flags,
+            setup_lines=self.setup_lines,
             # A flow run is not resumable by resubmission: Prefect's retries own that.
             max_resubmits=0,
         )
 
 
 class SlurmVariables(BaseVariables):
-    partition: Optional[str] = Field(default=None, description="sbatch --partition; the cluster default if unset.")
-    time: Optional[str] = Field(default=None, description="sbatch --time, e.g. '04:00:00'.")
+    partition: str | None = Field(default=None, description="sbatch --partition; the cluster default if unset.")
+    time: str | None = Field(default=None, description="sbatch --time, e.g. '04:00:00'.")
     nodes: int = Field(default=1, ge=1, description="sbatch --nodes.")
     cpus_per_task: int = Field(default=1, ge=1, description="sbatch --cpus-per-task.")
-    mem: Optional[str] = Field(default=None, description="sbatch --mem (per node), e.g. '32G'.")
+    mem: str | None = Field(default=None, description="sbatch --mem (per node), e.g. '32G'.")
     gpus_per_node: int = Field(default=0, ge=0, description="sbatch --gpus-per-node.")
-    account: Optional[str] = Field(default=None, description="sbatch --account.")
-    qos: Optional[str] = Field(default=None, description="sbatch --qos.")
+    account: str | None = Field(default=None, description="sbatch --account.")
+    qos: str | None = Field(default=None, description="sbatch --qos.")
     extra_sbatch_flags: list[str] = Field(
         default_factory=list, description="More sbatch flags, e.g. ['--reservation=train', '--exclusive']."
     )
@@ -127,9 +132,10 @@ class SlurmVariables(BaseVariables):
         default_factory=list,
         description="Shell lines run before the flow, e.g. ['module load cuda', 'source /shared/venv/bin/activate'].",
     )
-    working_dir: Optional[str] = Field(default=None, title="Working Directory",
-                                       description="Directory the job starts in (sbatch --chdir).")
-    log_dir: Optional[str] = Field(default=None, description="Where job scripts and output files go (shared storage).")
+    working_dir: str | None = Field(
+        default=None, title="Working Directory", description="Directory the job starts in (sbatch --chdir)."
+    )
+    log_dir: str | None = Field(default=None, description="Where job scripts and output files go (shared storage).")
     stream_output: bool = Field(default=True, description="Copy the job's output to the worker's stdout.")
     poll_interval_s: float = Field(default=2.0, gt=0, description="Seconds between job state polls.")
 
@@ -149,9 +155,9 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
 
     async def run(
         self,
-        flow_run: "FlowRun",
+        flow_run: FlowRun,
         configuration: SlurmJobConfiguration,
-        task_status: Optional[anyio.abc.TaskStatus[str]] = None,
+        task_status: anyio.abc.TaskStatus[str] | None = None,
     ) -> SlurmWorkerResult:
         logger = self.get_flow_run_logger(flow_run)
         backend = SlurmBackend(configuration.slurm_options(), poll_interval_s=configuration.poll_interval_s)
@@ -174,7 +180,7 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
                     return
                 try:
                     state = (await self.client.read_flow_run(flow_run.id)).state
-                except Exception:
+                except Exception:  # noqa: BLE001 - an API blip: poll again
                     continue
                 if state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED):
                     cancelled = True
@@ -182,8 +188,7 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
                     await self._ensure_cancelled(flow_run, f"Slurm job {job_id} cancelled")
                     # SIGKILL, not scancel's SIGTERM: on SIGTERM the engine in the job forces
                     # the run to Crashed (firing crash hooks) although the user cancelled it.
-                    await anyio.to_thread.run_sync(
-                        lambda: backend.cli.scancel([job_id], signal="KILL", full=True))
+                    await anyio.to_thread.run_sync(lambda: backend.cli.scancel([job_id], signal="KILL", full=True))
                     await anyio.to_thread.run_sync(backend.cancel, job_id)
                     return
 
@@ -211,7 +216,7 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
         await self._propose_crashed_state(flow_run, message)
         return SlurmWorkerResult(identifier=job_id, status_code=status.exit_code or 1)
 
-    async def _ensure_cancelled(self, flow_run: "FlowRun", message: str) -> None:
+    async def _ensure_cancelled(self, flow_run: FlowRun, message: str) -> None:
         # scancel's SIGTERM makes the engine in the job report Crashed; the user asked for a cancel.
         current = await self.client.read_flow_run(flow_run.id)
         if current.state is None or not current.state.is_cancelled():
@@ -231,8 +236,7 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
         # Same as the cancellation watcher in run(): SIGKILL first. Prefect's base worker calls this
         # on its own when it sees Cancelling; a SIGTERM would let the engine in the job report
         # Crashed before the worker marks the run Cancelled (a race seen under load).
-        await anyio.to_thread.run_sync(
-            lambda: backend.cli.scancel([infrastructure_pid], signal="KILL", full=True))
+        await anyio.to_thread.run_sync(lambda: backend.cli.scancel([infrastructure_pid], signal="KILL", full=True))
         await anyio.to_thread.run_sync(backend.cancel, infrastructure_pid)
 
 

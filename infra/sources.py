@@ -66,8 +66,7 @@ def _scheme(uri: str) -> str:
     proto = uri.split("://", 1)[0].lower()
     if proto not in SUPPORTED_SCHEMES:
         raise SourceError(
-            f"unsupported scheme {proto!r} in {uri!r}: supported are "
-            f"{', '.join(SUPPORTED_SCHEMES)} and plain paths"
+            f"unsupported scheme {proto!r} in {uri!r}: supported are {', '.join(SUPPORTED_SCHEMES)} and plain paths"
         )
     return proto
 
@@ -157,9 +156,13 @@ def _expand_template(template: str, chunks: str | None, shards: str | None) -> l
     for c in ranges.get("chunk", [None]):
         for s in ranges.get("shard", [None]):
             values = {"chunk": c, "shard": s}
-            fill = lambda t: _FIELD.sub(lambda m: _format(values[m.group(1)], m.group(2), template), t)  # noqa: E731
-            out.append(Source(url=fill(template), name=fill(name_template)))
+            out.append(Source(url=_fill(template, values), name=_fill(name_template, values, template)))
     return out
+
+
+def _fill(text: str, values: dict, template: str | None = None) -> str:
+    """``text`` with its ``{chunk}``/``{shard}`` placeholders filled (errors name ``template``)."""
+    return _FIELD.sub(lambda m: _format(values[m.group(1)], m.group(2), template or text), text)
 
 
 def expand_sources(spec: str | list[str], chunks: str | None = None, shards: str | None = None) -> list[Source]:

@@ -26,9 +26,9 @@ from typing import IO, Any
 # ~60 s. It must be set before gcsfs is imported.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-import fsspec  # noqa: E402
+import fsspec
 
-from infra.settings import get_settings  # noqa: E402
+from infra.settings import get_settings
 
 TMP_MARK = ".tmp-"
 

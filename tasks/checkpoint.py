@@ -66,17 +66,29 @@ def report_path(ckpt: CheckpointRef, threshold: float) -> str:
 
 
 def build_validate_job(
-    ckpt: CheckpointRef, dataset: DatasetRef, threshold: float, output: str, image: ImageRef | None = None,
-    num_batches: int = 8, cpus_per_task: int = 2,
+    ckpt: CheckpointRef,
+    dataset: DatasetRef,
+    threshold: float,
+    output: str,
+    image: ImageRef | None = None,
+    num_batches: int = 8,
+    cpus_per_task: int = 2,
 ) -> JobSpec:
     in_container = image is not None and image.kind in ("sqsh", "registry")
     python = "python" if in_container else (image.uri if image and image.kind == "python-env" else sys.executable)
     command = [
-        python, "-m", "workloads.validate_checkpoint", storage.local_path(ckpt.uri),
-        "--threshold", repr(float(threshold)),
-        "--data-prefix", json.dumps(dataset.blend),
-        "--num-batches", str(num_batches),
-        "--output", output,
+        python,
+        "-m",
+        "workloads.validate_checkpoint",
+        storage.local_path(ckpt.uri),
+        "--threshold",
+        repr(float(threshold)),
+        "--data-prefix",
+        json.dumps(dataset.blend),
+        "--num-batches",
+        str(num_batches),
+        "--output",
+        output,
         "--exit-zero",
     ]
     if dataset.tokenizer.model:
@@ -88,9 +100,11 @@ def build_validate_job(
         env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO_ROOT},
         resources=Resources(gpus_per_node=1 if in_container else 0, cpus_per_task=cpus_per_task, time="01:00:00"),
         container_image=image.uri if in_container else None,
-        mounts=[Mount(source=REPO_ROOT, target=REPO_ROOT, read_only=True),
-                Mount(source=os.path.dirname(output), target=os.path.dirname(output)),
-                Mount(source=ckpt_dir, target=ckpt_dir, read_only=True)]
+        mounts=[
+            Mount(source=REPO_ROOT, target=REPO_ROOT, read_only=True),
+            Mount(source=os.path.dirname(output), target=os.path.dirname(output)),
+            Mount(source=ckpt_dir, target=ckpt_dir, read_only=True),
+        ]
         if in_container
         else [],
         workdir=REPO_ROOT,
@@ -121,7 +135,7 @@ def _retry_unless_checks_failed(task, task_run, state) -> bool:
         state.result()
     except CheckpointValidationFailed:
         return False
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - any other failure is infrastructure: retry
         return True
     return True
 
@@ -154,6 +168,11 @@ def validate_checkpoint(
     create_markdown_artifact(key=key, markdown=report_markdown(report), description="checkpoint validation checks")
     if not report.passed:
         raise CheckpointValidationFailed(report)
-    log.info("checkpoint %s passed: val_loss %.4f < threshold %s and < untrained %.4f",
-             report.checkpoint, report.val_loss, report.threshold, report.untrained_loss)
+    log.info(
+        "checkpoint %s passed: val_loss %.4f < threshold %s and < untrained %.4f",
+        report.checkpoint,
+        report.val_loss,
+        report.threshold,
+        report.untrained_loss,
+    )
     return report

@@ -30,12 +30,12 @@ from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, Field
 
 from infra import storage
-from infra.fetch import FetchResult, RemoteInfo, download, probe
+from infra.fetch import FetchResult, RemoteInfo, download
 from infra.jobs import JobSpec, Resources
 from infra.sources import Source
 from tasks.common import cache_policy, logger, run_job
 from tasks.refs import DatasetRef, TokenizerRef
-from workloads.shards import CorruptArchive, ConcatResult, ExtractResult, concatenate, extract_zst
+from workloads.shards import ConcatResult, CorruptArchive, ExtractResult, concatenate, extract_zst
 
 RETRIES = 3
 
@@ -113,7 +113,9 @@ def _extracted_uri(dataset_uri: str, source_name: str) -> str:
     cache_expiration=timedelta(days=30),
     persist_result=True,
 )
-def extract_shard(source: Source, fetched: FetchResult, dataset_uri: str, delete_compressed: bool = False) -> ExtractResult:
+def extract_shard(
+    source: Source, fetched: FetchResult, dataset_uri: str, delete_compressed: bool = False
+) -> ExtractResult:
     """Stream ``.zst`` -> ``.jsonl``. A corrupt or truncated archive is fetched again once."""
     log = logger()
     dest = _extracted_uri(dataset_uri, source.name)
@@ -282,7 +284,7 @@ def tokenize_part(
     )
     seconds = time.monotonic() - started
     parts = []
-    for key, prefix in prefixes.items():
+    for prefix in prefixes.values():
         documents, tokens = read_index_counts(prefix)
         part = TokenizedPart(
             input=concat.uri,

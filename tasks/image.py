@@ -188,7 +188,7 @@ def image_cache_key(context, parameters: dict[str, Any]) -> str | None:
             final = storage.join(dest, images.destination_name(source))
         sidecar = images._read_sidecar(final)
         staged = bool(sidecar) and sidecar.get("source_checksum") == identity and storage.exists(final)
-    except Exception:  # the task body raises the clear error; a key must not
+    except Exception:  # noqa: BLE001 - the task body raises the clear error; a key must not
         return None
     parts = [source, identity, dest, backend, str(bool(parameters.get("convert"))), code_fingerprint(*CODE_MODULES)]
     key = "stage-image-" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
@@ -196,7 +196,7 @@ def image_cache_key(context, parameters: dict[str, Any]) -> str | None:
         store = getattr(context, "result_store", None)
         try:
             stale = store is None or store.exists(key)
-        except Exception:
+        except Exception:  # noqa: BLE001 - an unreadable store counts as stale
             stale = True
         if stale:
             return f"{key}-restage-{uuid.uuid4().hex[:8]}"
@@ -211,7 +211,7 @@ def _retry_transient(task, task_run, state) -> bool:
         return exc.transient
     except (ConnectionError, TimeoutError):
         return True
-    except Exception:
+    except Exception:  # noqa: BLE001 - anything else is not a transient transfer failure
         return False
     return False
 
@@ -224,8 +224,12 @@ def artifact_markdown(ref: ImageRef, facts: dict[str, Any]) -> str:
         ("checksum", f"`{ref.checksum}`" if ref.checksum else "-"),
         ("source", f"`{ref.source}`" if ref.source else "-"),
         ("digest", f"`{ref.digest}`" if ref.digest else "-"),
-        ("copied", "no (verified copy already staged)" if facts.get("cached") else
-         images.human_bytes(facts.get("bytes_copied", 0))),  # fmt: skip
+        (
+            "copied",
+            "no (verified copy already staged)"
+            if facts.get("cached")
+            else images.human_bytes(facts.get("bytes_copied", 0)),
+        ),
         ("seconds", f"{facts.get('seconds', 0.0):.1f}"),
     ]
     lines = ["### Staged image", "", "| field | value |", "|---|---|"]
@@ -254,7 +258,7 @@ class _ProgressArtifact:
                 )
             else:
                 update_progress_artifact(self.artifact_id, progress=percent)
-        except Exception as exc:  # progress display must never fail a copy
+        except Exception as exc:  # noqa: BLE001 - progress display must never fail a copy
             logger().debug("progress artifact: %s", exc)
 
 
@@ -286,9 +290,16 @@ def stage_image(
 
     log = logger()
     ref, facts = stage(
-        source, dest, backend, convert, force, log=lambda line: log.info("%s", line), progress=_ProgressArtifact(),
-        resources=resources, backend_options=backend_options,
-    )  # fmt: skip
+        source,
+        dest,
+        backend,
+        convert,
+        force,
+        log=lambda line: log.info("%s", line),
+        progress=_ProgressArtifact(),
+        resources=resources,
+        backend_options=backend_options,
+    )
     create_markdown_artifact(
         key="staged-image",
         markdown=artifact_markdown(ref, facts),

@@ -33,7 +33,6 @@ from tasks.serve import DEFAULT_HOST, local_checkpoint, serve_command, service_n
 from tasks.smoke import smoke_test
 from tasks.train import REPO_ROOT
 
-
 _GLOB = re.compile(r"[*?\[]")
 
 
@@ -75,38 +74,67 @@ class HeldOutLosses(BaseModel):
     held_out: reg.HeldOut
 
 
-def build_compare_job(candidate: str, promoted: str, held_out: reg.HeldOut, output: str,
-                      image: ImageRef | None = None) -> JobSpec:  # fmt: skip
+def build_compare_job(
+    candidate: str, promoted: str, held_out: reg.HeldOut, output: str, image: ImageRef | None = None
+) -> JobSpec:
     in_container = image is not None and image.kind in ("sqsh", "registry")
     python = "python" if in_container else (image.uri if image and image.kind == "python-env" else sys.executable)
     return JobSpec(
         name="compare-" + hashlib.sha256(output.encode()).hexdigest()[:10],
-        command=[python, "-m", "tasks.promote", "compare", "--candidate", candidate, "--promoted", promoted,
-                 "--held-out", held_out.model_dump_json(), "--output", output],  # fmt: skip
+        command=[
+            python,
+            "-m",
+            "tasks.promote",
+            "compare",
+            "--candidate",
+            candidate,
+            "--promoted",
+            promoted,
+            "--held-out",
+            held_out.model_dump_json(),
+            "--output",
+            output,
+        ],
         env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO_ROOT},
         resources=Resources(gpus_per_node=1 if in_container else 0, cpus_per_task=2, time="01:00:00"),
         container_image=image.uri if in_container else None,
-        mounts=[Mount(source=REPO_ROOT, target=REPO_ROOT, read_only=True),
-                Mount(source=os.path.dirname(output), target=os.path.dirname(output))] if in_container else [],
+        mounts=[
+            Mount(source=REPO_ROOT, target=REPO_ROOT, read_only=True),
+            Mount(source=os.path.dirname(output), target=os.path.dirname(output)),
+        ]
+        if in_container
+        else [],
         workdir=REPO_ROOT,
     )
 
 
-@task(name="compare-on-held-out", task_run_name="candidate vs promoted on the held-out set", retries=1,
-      retry_delay_seconds=5)  # fmt: skip
+@task(
+    name="compare-on-held-out",
+    task_run_name="candidate vs promoted on the held-out set",
+    retries=1,
+    retry_delay_seconds=5,
+)
 def compare_on_held_out(
-    candidate: CheckpointRef, promoted_checkpoint: str, held_out: reg.HeldOut, backend: str = "local",
+    candidate: CheckpointRef,
+    promoted_checkpoint: str,
+    held_out: reg.HeldOut,
+    backend: str = "local",
     image: ImageRef | None = None,
 ) -> HeldOutLosses:
     """Both models' mean loss on exactly the same held-out samples (see workloads.validate_checkpoint)."""
     run_dir = candidate.run_dir or os.path.dirname(os.path.dirname(storage.local_path(candidate.uri)))
     output = os.path.join(storage.local_path(run_dir), "validation", "held-out-comparison.json")
     storage.makedirs(os.path.dirname(output))
-    run_job(build_compare_job(storage.local_path(candidate.uri), local_checkpoint(promoted_checkpoint), held_out,
-                              output, image), backend)  # fmt: skip
+    run_job(
+        build_compare_job(
+            storage.local_path(candidate.uri), local_checkpoint(promoted_checkpoint), held_out, output, image
+        ),
+        backend,
+    )
     result = storage.read_json(output)
-    return HeldOutLosses(candidate_loss=result["candidate_loss"], promoted_loss=result["promoted_loss"],
-                         held_out=held_out)  # fmt: skip
+    return HeldOutLosses(
+        candidate_loss=result["candidate_loss"], promoted_loss=result["promoted_loss"], held_out=held_out
+    )
 
 
 def _evaluate(checkpoint: str, held_out: reg.HeldOut) -> float:
@@ -202,8 +230,9 @@ def switch_serving(
     try:
         from tasks.refs import EndpointRef
 
-        smoke_test.fn(EndpointRef(url=handle.url, model=model_name, handle=name, checkpoint=checkpoint.uri),
-                      smoke_prompt, 8, 60)  # fmt: skip
+        smoke_test.fn(
+            EndpointRef(url=handle.url, model=model_name, handle=name, checkpoint=checkpoint.uri), smoke_prompt, 8, 60
+        )
         _signal(handle, signal.SIGUSR1)
         if not _wait_for_log(handle.log_path, f"joined port {port}", 20):
             raise services.ServiceError(
@@ -238,9 +267,13 @@ def record_model(
     held_out: reg.HeldOut | None = None,
 ) -> reg.RegistryState:
     return reg.ModelRegistry(registry_uri).register(
-        record, promote=promote, sources=sources, serving=serving, held_out=held_out,
+        record,
+        promote=promote,
+        sources=sources,
+        serving=serving,
+        held_out=held_out,
         expected_generation=expected_generation,
-    )  # fmt: skip
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,13 +6,13 @@ Stage modules may subclass or extend them; keep fields JSON-serialisable.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from pydantic import BaseModel, Field
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class ImageRef(BaseModel):

@@ -70,9 +70,18 @@ def deployment_fingerprint(checkpoint: CheckpointRef, port: int, model_name: str
 
 def serve_command(checkpoint_dir: str, port: int, model_name: str, host: str = DEFAULT_HOST) -> list[str]:
     return [
-        sys.executable, "-m", "workloads.serve", "--checkpoint", checkpoint_dir,
-        "--port", str(port), "--host", host, "--model-name", model_name,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "workloads.serve",
+        "--checkpoint",
+        checkpoint_dir,
+        "--port",
+        str(port),
+        "--host",
+        host,
+        "--model-name",
+        model_name,
+    ]
 
 
 def local_checkpoint(uri: str) -> str:
@@ -117,7 +126,7 @@ def _drop_record(task_ctx, key: str) -> bool:
             return False
         try:
             storage.remove(storage.join(str(basepath), key))
-        except Exception:
+        except Exception:  # noqa: BLE001 - a record that cannot be removed is reported as not dropped
             return False
     return True
 
@@ -180,8 +189,12 @@ Stop it: `nemoflow serve stop {key}`
     )
 
 
-@task(name="deploy-inference", task_run_name="deploy {model_name} on port {port}", cache_policy=LiveServiceCache(),
-      persist_result=True)  # fmt: skip
+@task(
+    name="deploy-inference",
+    task_run_name="deploy {model_name} on port {port}",
+    cache_policy=LiveServiceCache(),
+    persist_result=True,
+)
 def deploy_inference(
     checkpoint: CheckpointRef,
     port: int = DEFAULT_PORT,
@@ -234,7 +247,11 @@ def deploy_inference(
 
 
 def _deploy_on_cluster(
-    backend_name: str, checkpoint: CheckpointRef, port: int, model_name: str, ready_timeout_s: float,
+    backend_name: str,
+    checkpoint: CheckpointRef,
+    port: int,
+    model_name: str,
+    ready_timeout_s: float,
     image: ImageRef | None,
 ) -> EndpointRef:
     """The server as a Slurm job on a compute node, or a Deployment + Service on Kubernetes.
@@ -290,4 +307,3 @@ def stop_inference(endpoint: EndpointRef) -> bool:
     stopped = services.stop_service(endpoint.handle or service_name(endpoint.model))
     logger().info("%s: %s", endpoint.model, "stopped" if stopped else "was not running")
     return stopped
-

@@ -86,8 +86,9 @@ def run_smoke(endpoint: EndpointRef, body: dict, timeout_s: float) -> SmokeResul
     try:
         payload = response.json()
     except ValueError:
-        return SmokeResult(**result, status=f"HTTP {response.status_code} from {url} with a non-JSON body: "
-                           f"{response.text[:200]!r}")  # fmt: skip
+        return SmokeResult(
+            **result, status=f"HTTP {response.status_code} from {url} with a non-JSON body: {response.text[:200]!r}"
+        )
     if response.status_code != 200:
         message = (payload.get("error") or {}).get("message") if isinstance(payload, dict) else None
         return SmokeResult(**result, status=f"HTTP {response.status_code} from {url}: {message or payload}")
@@ -169,8 +170,12 @@ class SameServerProcess(CachePolicy):
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
-@task(name="smoke-test", task_run_name="smoke-test {endpoint.model}", persist_result=True,
-      cache_policy=SameServerProcess())  # fmt: skip
+@task(
+    name="smoke-test",
+    task_run_name="smoke-test {endpoint.model}",
+    persist_result=True,
+    cache_policy=SameServerProcess(),
+)
 def smoke_test(
     endpoint: EndpointRef,
     prompt: str = DEFAULT_PROMPT,

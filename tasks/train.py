@@ -137,8 +137,9 @@ def loss_chart_svg(metrics: list[dict], width: int = 480, height: int = 160) -> 
         return f"{x:.1f},{y:.1f}"
 
     line = " ".join(xy(s, v) for s, v in train)
-    dots = "".join(f'<circle cx="{xy(s, v).split(",")[0]}" cy="{xy(s, v).split(",")[1]}" r="3" fill="#e8710a"/>'
-                   for s, v in val)
+    dots = "".join(
+        f'<circle cx="{xy(s, v).split(",")[0]}" cy="{xy(s, v).split(",")[1]}" r="3" fill="#e8710a"/>' for s, v in val
+    )
     bottom = height - pad_b
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
@@ -219,7 +220,7 @@ def _retry_if_resumable(task, task_run, state) -> bool:
         return exc.result.state is not JobState.OUT_OF_MEMORY and exc.result.exit_code != 2
     except (ValueError, ParallelismError):
         return False
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a crash or lost worker: retry resumes from the checkpoint
         return True
     return True
 

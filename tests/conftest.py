@@ -7,9 +7,7 @@ start them lazily, the first time a test asks.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -43,7 +41,7 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, lo
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return
-        except Exception:
+        except Exception:  # noqa: BLE001 - not up yet, whatever the error
             time.sleep(0.2)
     raise RuntimeError(f"{url} not ready after {timeout}s:\n{log.read_text() if log else ''}")
 

@@ -266,6 +266,4 @@ def load_weights(model, checkpoint_dir: str | os.PathLike) -> None:
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
-        raise ValueError(
-            f"{path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
+        raise ValueError(f"{path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")

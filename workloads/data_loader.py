@@ -101,9 +101,7 @@ def build_datasets(
         mid_level_dataset_surplus=0.005,
     )
     if valid_data_prefix:
-        config = GPTDatasetConfig(
-            blend_per_split=[_blend(data_prefix), _blend(valid_data_prefix), None], **common
-        )
+        config = GPTDatasetConfig(blend_per_split=[_blend(data_prefix), _blend(valid_data_prefix), None], **common)
     else:
         config = GPTDatasetConfig(blend=_blend(data_prefix), split=split, **common)
     sizes = [train_samples, valid_samples, 0]

@@ -14,7 +14,6 @@ from functools import lru_cache
 from pathlib import Path
 
 
-
 def _kjv_file() -> Path:
     import importlib.util
 

@@ -98,7 +98,7 @@ class IndexedDatasetWriter:
         tag = uuid.uuid4().hex[:12]
         self._tmp_bin = os.path.join(directory, f".tmp-{tag}-{name}.bin")
         self._tmp_idx = os.path.join(directory, f".tmp-{tag}-{name}.idx")
-        self._bin = open(self._tmp_bin, "wb", buffering=buffer_size)  # noqa: SIM115
+        self._bin = open(self._tmp_bin, "wb", buffering=buffer_size)
         # Compact typed arrays: 4 bytes per sequence length, 8 per document index.
         self._lengths = array("i")
         self._doc_index = array("q", [0])

@@ -79,7 +79,7 @@ def open_input(path: str) -> IO[bytes]:
 
     if storage.is_local(path):
         try:
-            return open(storage.local_path(path), "rb")  # noqa: SIM115
+            return open(storage.local_path(path), "rb")
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"input file not found: {path}") from exc
         except IsADirectoryError as exc:
@@ -150,7 +150,7 @@ def parse_line(line: bytes, path: str, line_no: int) -> dict:
             text = line.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise InputError(
-                f"{path}:{line_no}: not valid UTF-8 (byte {exc.start} of the line: {line[exc.start:exc.start + 4]!r})"
+                f"{path}:{line_no}: not valid UTF-8 (byte {exc.start} of the line: {line[exc.start : exc.start + 4]!r})"
             ) from None
         try:
             obj = json.loads(text)

@@ -83,7 +83,7 @@ class APIError(Exception):
         self,
         status: int,
         message: str,
-        type: str = "invalid_request_error",
+        type: str = "invalid_request_error",  # noqa: A002 - the OpenAI error field's name
         param: str | None = None,
         code: str | None = None,
     ):
@@ -705,8 +705,9 @@ class PortRelay:
             try:
                 sock = listen_socket(self.host, self.shared_port)
             except OSError as exc:
-                log.error("cannot join port %d (%s): was its server started without SO_REUSEPORT?",
-                          self.shared_port, exc)  # fmt: skip
+                log.error(
+                    "cannot join port %d (%s): was its server started without SO_REUSEPORT?", self.shared_port, exc
+                )
                 return
             ready = threading.Event()
 
@@ -808,9 +809,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens_cap=args.max_tokens_cap,
     )
     server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(state), host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5
-        )
+        uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
     )
     try:
         sock = listen_socket(args.host, args.port)
@@ -828,7 +827,7 @@ def main(argv: list[str] | None = None) -> int:
     def load() -> None:
         try:
             state.load()
-        except Exception:
+        except Exception:  # noqa: BLE001 - the load error is logged by state.load; the server must not look alive
             server.should_exit = True  # a server that cannot serve must not look alive
 
     threading.Thread(target=load, name="load-model", daemon=True).start()

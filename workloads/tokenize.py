@@ -135,7 +135,9 @@ def _extract(obj: dict, key: str, path: str, line_no: int) -> str | list[str]:
     raise InputError(f"{path}:{line_no}: key {key!r} holds {type(value).__name__}, expected a string")
 
 
-def _parse_batches(path: str, json_keys: Sequence[str], skip_malformed: bool, batch_bytes: int) -> Iterator[ParsedBatch]:
+def _parse_batches(
+    path: str, json_keys: Sequence[str], skip_malformed: bool, batch_bytes: int
+) -> Iterator[ParsedBatch]:
     nkeys = len(json_keys)
     for lines in iter_line_batches(path, batch_bytes):
         batch = ParsedBatch(texts=[[] for _ in json_keys], sentences=[None] * nkeys)
@@ -305,14 +307,23 @@ def tokenize_file(
     final = output_paths(output_prefix, json_keys)
     workdir = tempfile.mkdtemp(prefix="nemoflow-tokenize-") if remote else None
     try:
-        local_prefix = os.path.join(workdir, storage.basename(output_prefix)) if remote else storage.local_path(output_prefix)
+        local_prefix = (
+            os.path.join(workdir, storage.basename(output_prefix)) if remote else storage.local_path(output_prefix)
+        )
         _check_output_dir(os.path.dirname(local_prefix) or ".", output_prefix)
         try:
             stats = _run(input_path, local_prefix, tok, json_keys, append_eod, skip_malformed, progress, batch_bytes)
         except _FastPathDisagrees as exc:
-            log.warning("gigatoken disagreed with %s on %r...; redoing %s with %s",
-                        tok.reference.backend, str(exc), input_path, tok.reference.backend)
-            stats = _run(input_path, local_prefix, tok.reference, json_keys, append_eod, skip_malformed, progress, batch_bytes)
+            log.warning(
+                "gigatoken disagreed with %s on %r...; redoing %s with %s",
+                tok.reference.backend,
+                str(exc),
+                input_path,
+                tok.reference.backend,
+            )
+            stats = _run(
+                input_path, local_prefix, tok.reference, json_keys, append_eod, skip_malformed, progress, batch_bytes
+            )
         if remote:
             for key in json_keys:
                 local = output_paths(local_prefix, [key])[key]
@@ -333,7 +344,9 @@ def _check_output_dir(directory: str, output_prefix: str) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
-        raise OutputError(f"cannot create output directory {directory} (for {output_prefix}): {exc.strerror or exc}") from exc
+        raise OutputError(
+            f"cannot create output directory {directory} (for {output_prefix}): {exc.strerror or exc}"
+        ) from exc
     if not os.access(directory, os.W_OK | os.X_OK):
         raise OutputError(f"output directory {directory} is not writable (for {output_prefix})")
 
@@ -417,31 +430,56 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("input data")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to tokenize (default: text)")
     group.add_argument(
-        "--split-sentences", action="store_true",
+        "--split-sentences",
+        action="store_true",
         help="not supported (Megatron's NLTK sentence splitting); pass pre-split sentences as a JSON list instead",
     )
     group.add_argument("--keep-newlines", action="store_true", help=argparse.SUPPRESS)
     group.add_argument("--lang", default="english", help=argparse.SUPPRESS)
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES, metavar="TYPE",
-                       help=f"one of: {', '.join(TOKENIZER_TYPES)}")
-    group.add_argument("--tokenizer-model", help="sentencepiece .model, or for HuggingFaceTokenizer a tokenizer.json, directory or hub id")
+    group.add_argument(
+        "--tokenizer-type",
+        required=True,
+        choices=TOKENIZER_TYPES,
+        metavar="TYPE",
+        help=f"one of: {', '.join(TOKENIZER_TYPES)}",
+    )
+    group.add_argument(
+        "--tokenizer-model",
+        help="sentencepiece .model, or for HuggingFaceTokenizer a tokenizer.json, directory or hub id",
+    )
     group.add_argument("--vocab-file", help="GPT2BPETokenizer: gpt2-vocab.json")
     group.add_argument("--merge-file", help="GPT2BPETokenizer: gpt2-merges.txt")
-    group.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every non-empty document")
-    group.add_argument("--no-fast", action="store_true",
-                       help="do not use the gigatoken fast path (ids are identical either way; this is only slower)")
+    group.add_argument(
+        "--append-eod", action="store_true", help="append the end-of-document token to every non-empty document"
+    )
+    group.add_argument(
+        "--no-fast",
+        action="store_true",
+        help="do not use the gigatoken fast path (ids are identical either way; this is only slower)",
+    )
     group = parser.add_argument_group("runtime")
-    group.add_argument("--workers", type=int, default=2, help="tokenizer threads (default 2; Megatron: worker processes)")
-    group.add_argument("--partitions", type=int, default=1,
-                       help="accepted with --keep-sequential-samples (same files as 1 partition); "
-                       "without it Megatron interleaves documents, which is refused")
-    group.add_argument("--log-interval", type=int, default=1000,
-                       help="accepted for compatibility; progress is printed every 2 s")
-    group.add_argument("--keep-sequential-samples", action="store_true",
-                       help="accepted: documents always keep their input order")
-    group.add_argument("--skip-malformed", action="store_true",
-                       help="skip (and count) records that are not valid JSON / UTF-8 or lack a key, instead of stopping")
+    group.add_argument(
+        "--workers", type=int, default=2, help="tokenizer threads (default 2; Megatron: worker processes)"
+    )
+    group.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="accepted with --keep-sequential-samples (same files as 1 partition); "
+        "without it Megatron interleaves documents, which is refused",
+    )
+    group.add_argument(
+        "--log-interval", type=int, default=1000, help="accepted for compatibility; progress is printed every 2 s"
+    )
+    group.add_argument(
+        "--keep-sequential-samples", action="store_true", help="accepted: documents always keep their input order"
+    )
+    group.add_argument(
+        "--skip-malformed",
+        action="store_true",
+        help="skip (and count) records that are not valid JSON / UTF-8 or lack a key, instead of stopping",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TokenizerConfig:
@@ -459,8 +497,11 @@ def config_from_args(args: argparse.Namespace) -> TokenizerConfig:
     if args.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
     return TokenizerConfig(
-        type=args.tokenizer_type, model=args.tokenizer_model, vocab_file=args.vocab_file,
-        merge_file=args.merge_file, fast=not args.no_fast,
+        type=args.tokenizer_type,
+        model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        fast=not args.no_fast,
     )
 
 
@@ -486,7 +527,11 @@ class StderrProgress:
         self.last = now
         elapsed = now - self.start
         pct = f" {100 * done / self.total:5.1f}%" if self.total else ""
-        print(f"{self.path}:{pct} {done / 1e6:,.1f} MB read, {done / 1e6 / elapsed:,.1f} MB/s", file=sys.stderr, flush=True)
+        print(
+            f"{self.path}:{pct} {done / 1e6:,.1f} MB read, {done / 1e6 / elapsed:,.1f} MB/s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def select_inputs(inputs: list[str], input_list: str | None, array_index: int | None) -> list[tuple[int, str]]:
@@ -520,10 +565,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--input", action="append", default=[], help="input .jsonl or .jsonl.zst (repeatable)")
     parser.add_argument("--input-list", help="file with one input path or URI per line")
-    parser.add_argument("--array-index", type=int, default=None,
-                        help="process only this entry of the input list (default: $NEMOFLOW_ARRAY_INDEX, else all)")
-    parser.add_argument("--output-prefix", required=True,
-                        help="output prefix; {stem} = input name without .jsonl[.zst], {index} = its position")
+    parser.add_argument(
+        "--array-index",
+        type=int,
+        default=None,
+        help="process only this entry of the input list (default: $NEMOFLOW_ARRAY_INDEX, else all)",
+    )
+    parser.add_argument(
+        "--output-prefix",
+        required=True,
+        help="output prefix; {stem} = input name without .jsonl[.zst], {index} = its position",
+    )
     add_megatron_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
@@ -537,9 +589,16 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
         for position, path in selected:
             prefix = args.output_prefix.format(stem=input_stem(path), index=position)
-            stats = tokenize_file(path, prefix, config, json_keys=args.json_keys, append_eod=args.append_eod,
-                                  workers=args.workers, skip_malformed=args.skip_malformed,
-                                  progress=StderrProgress(path))
+            stats = tokenize_file(
+                path,
+                prefix,
+                config,
+                json_keys=args.json_keys,
+                append_eod=args.append_eod,
+                workers=args.workers,
+                skip_malformed=args.skip_malformed,
+                progress=StderrProgress(path),
+            )
             print(stats.model_dump_json(), flush=True)
     except (ValueError, FileNotFoundError, PermissionError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -322,7 +322,7 @@ def _load_hf(config: TokenizerConfig) -> HuggingFaceReference:
         merges = _require_file(config.merge_file, "--merge-file", config.type)
         try:
             hf = transformers.GPT2Tokenizer(vocab=vocab, merges=merges)
-        except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file
+        except Exception as exc:
             raise TokenizerError(f"GPT2BPETokenizer: cannot read {vocab} / {merges}: {exc}") from exc
         return HuggingFaceReference(config.type, hf, f"{vocab} + {merges}")
 
@@ -345,14 +345,14 @@ def _load_hf(config: TokenizerConfig) -> HuggingFaceReference:
             # Not a local path: a hub model id ("gpt2", "org/name"), as Megatron accepts; needs the hub or its cache.
             try:
                 hf = transformers.AutoTokenizer.from_pretrained(model)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 raise TokenizerError(
                     f"HuggingFaceTokenizer: --tokenizer-model {model} is not a local file or directory, "
                     f"and loading it as a Hugging Face hub id failed: {exc}"
                 ) from exc
     except TokenizerError:
         raise
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise TokenizerError(f"HuggingFaceTokenizer: cannot load {model}: {exc}") from exc
     return HuggingFaceReference(config.type, hf, model)
 
@@ -377,9 +377,7 @@ def load_tokenizer(config: TokenizerConfig, workers: int = 2, verify: bool = Tru
     elif config.type in HF_TYPES:
         reference = _load_hf(config)
     else:
-        raise TokenizerError(
-            f"unknown tokenizer type {config.type!r}; supported: {', '.join(TOKENIZER_TYPES)}"
-        )
+        raise TokenizerError(f"unknown tokenizer type {config.type!r}; supported: {', '.join(TOKENIZER_TYPES)}")
     if not config.fast:
         return reference
     twin = _gigatoken_twin(reference)
@@ -390,7 +388,10 @@ def load_tokenizer(config: TokenizerConfig, workers: int = 2, verify: bool = Tru
         if bad:
             log.warning(
                 "gigatoken disagrees with %s on %d probe text(s) (first: %r); using %s",
-                reference.backend, len(bad), PROBE_TEXTS[bad[0]][:60], reference.backend,
+                reference.backend,
+                len(bad),
+                PROBE_TEXTS[bad[0]][:60],
+                reference.backend,
             )
             return reference
     return twin

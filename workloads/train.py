@@ -34,13 +34,13 @@ from pathlib import Path
 # megatron-core warns at import that Apex / Transformer Engine are absent; we use neither.
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import numpy as np  # noqa: E402 - after the warnings filter, which must precede megatron's import
+import torch  # noqa: E402 - see numpy's import
+import torch.nn.functional as F  # noqa: E402 - see numpy's import
 
-from workloads import checkpoint as ckpt  # noqa: E402
-from workloads.data_loader import DatasetMissingError, build_datasets, check_prefixes, get_batch  # noqa: E402
-from workloads.train_config import (  # noqa: E402
+from workloads import checkpoint as ckpt  # noqa: E402 - see numpy's import
+from workloads.data_loader import DatasetMissingError, build_datasets, check_prefixes, get_batch  # noqa: E402 - see numpy's import
+from workloads.train_config import (  # noqa: E402 - see numpy's import
     EXIT_OUT_OF_MEMORY,
     EXIT_PREEMPTED,
     ParallelismError,
@@ -398,7 +398,9 @@ def train(config: TrainConfig) -> int:
             elif stop:
                 save(train_loss)
             if stop and step < total_steps:
-                print(f"received {signal.Signals(stop.signum).name}: checkpoint saved at step {step}, exiting", flush=True)
+                print(
+                    f"received {signal.Signals(stop.signum).name}: checkpoint saved at step {step}, exiting", flush=True
+                )
                 return EXIT_PREEMPTED
     except (torch.OutOfMemoryError, MemoryError):
         print(

@@ -33,7 +33,7 @@ from pathlib import Path
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
-from workloads import checkpoint as ckpt  # noqa: E402
+from workloads import checkpoint as ckpt  # noqa: E402 - after the warnings filter (megatron import)
 
 DEFAULT_NUM_BATCHES = 8
 
@@ -170,7 +170,9 @@ def validate(
     incomplete = [p for p in problems if "sha256" not in p]
     corrupt = [p for p in problems if "sha256" in p]
     checks.append(
-        _check("files_complete", not incomplete, "; ".join(incomplete) or f"{len(files)} files present with their sizes")
+        _check(
+            "files_complete", not incomplete, "; ".join(incomplete) or f"{len(files)} files present with their sizes"
+        )
     )
     checks.append(
         _check(
@@ -225,8 +227,14 @@ def validate(
             report["failed"] = [c["name"] for c in checks if not c["passed"]]
             report["passed"] = False
             return report
-        report.update(val_loss=val_loss, untrained_loss=untrained, num_batches=num_batches,
-                      micro_batch_size=micro_batch_size, data_prefix=held_out[0], seed=held_out[4])
+        report.update(
+            val_loss=val_loss,
+            untrained_loss=untrained,
+            num_batches=num_batches,
+            micro_batch_size=micro_batch_size,
+            data_prefix=held_out[0],
+            seed=held_out[4],
+        )
         finite = math.isfinite(val_loss)
         checks.append(
             _check(
@@ -255,8 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("checkpoint", help="a checkpoint directory (RUN_DIR/checkpoints/step-NNNNNN)")
     parser.add_argument("--threshold", type=float, required=True, help="the held-out loss must be below this")
-    parser.add_argument("--data-prefix", help="held-out blend as JSON, e.g. '[0.5, \"/d/a\", 0.5, \"/d/b\"]' "
-                        "(default: the checkpoint's training blend, validation split)")
+    parser.add_argument(
+        "--data-prefix",
+        help='held-out blend as JSON, e.g. \'[0.5, "/d/a", 0.5, "/d/b"]\' '
+        "(default: the checkpoint's training blend, validation split)",
+    )
     parser.add_argument("--valid-data-prefix", help="a separate validation blend as JSON")
     parser.add_argument("--tokenizer-model", help="default: the checkpoint's tokenizer.model")
     parser.add_argument("--num-batches", type=int, default=DEFAULT_NUM_BATCHES)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import json
 import re
 import threading
@@ -79,7 +80,7 @@ _CUSTOM = {
 
 
 # Runs in progress in this process, for cancel_in_flight(): run id -> (backend, created objects, cancel event)
-_IN_FLIGHT: dict[str, tuple["KubernetesBackend", list[dict[str, Any]], threading.Event]] = {}
+_IN_FLIGHT: dict[str, tuple[KubernetesBackend, list[dict[str, Any]], threading.Event]] = {}
 _IN_FLIGHT_LOCK = threading.Lock()
 
 
@@ -291,18 +292,22 @@ class KubernetesBackend:
         custom = _custom_key(obj)
         if custom:
             group, version, plural = _CUSTOM[custom]
-            create = lambda: self.custom.create_namespaced_custom_object(group, version, self.ns, plural, obj)  # noqa: E731
-            read = lambda: self.custom.get_namespaced_custom_object(group, version, self.ns, plural, name)  # noqa: E731
-            patch = lambda: self.custom.patch_namespaced_custom_object(group, version, self.ns, plural, name, obj)  # noqa: E731
+            create = functools.partial(
+                self.custom.create_namespaced_custom_object, group, version, self.ns, plural, obj
+            )
+            read = functools.partial(self.custom.get_namespaced_custom_object, group, version, self.ns, plural, name)
+            patch = functools.partial(
+                self.custom.patch_namespaced_custom_object, group, version, self.ns, plural, name, obj
+            )
         else:
             api, suffix = {
                 "Job": (self.batch, "job"),
                 "Service": (self.core, "service"),
                 "Deployment": (self.apps, "deployment"),
             }[kind]
-            create = lambda: getattr(api, f"create_namespaced_{suffix}")(self.ns, obj)  # noqa: E731
-            read = lambda: getattr(api, f"read_namespaced_{suffix}")(name, self.ns)  # noqa: E731
-            patch = lambda: getattr(api, f"patch_namespaced_{suffix}")(name, self.ns, obj)  # noqa: E731
+            create = functools.partial(getattr(api, f"create_namespaced_{suffix}"), self.ns, obj)
+            read = functools.partial(getattr(api, f"read_namespaced_{suffix}"), name, self.ns)
+            patch = functools.partial(getattr(api, f"patch_namespaced_{suffix}"), name, self.ns, obj)
         try:
             self._call(create)
             return
@@ -325,8 +330,12 @@ class KubernetesBackend:
         body = client.V1DeleteOptions(propagation_policy="Foreground")
         try:
             if kind == "PyTorchJob" or api_version.startswith("serving.knative.dev/"):
-                group, version, plural = _CUSTOM["PyTorchJob" if kind == "PyTorchJob" else "Service.serving.knative.dev"]
-                self._call(self.custom.delete_namespaced_custom_object, group, version, self.ns, plural, name, body=body)
+                group, version, plural = _CUSTOM[
+                    "PyTorchJob" if kind == "PyTorchJob" else "Service.serving.knative.dev"
+                ]
+                self._call(
+                    self.custom.delete_namespaced_custom_object, group, version, self.ns, plural, name, body=body
+                )
             elif kind == "Job":
                 self._call(self.batch.delete_namespaced_job, name, self.ns, body=body)
             elif kind == "Deployment":
@@ -411,7 +420,7 @@ class KubernetesBackend:
             try:
                 for pod in self._pods(LABEL_RUN, run_id):
                     self._delete("Pod", pod["metadata"]["name"])
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - reported below, with the label selector
                 left.append(f"pods with label {LABEL_RUN}={run_id} ({_short(exc)})")
         if left:
             emit(f"[k8s] could not delete, remove by hand in namespace {self.ns}: " + "; ".join(left))
@@ -420,8 +429,13 @@ class KubernetesBackend:
         name = obj["metadata"]["name"]
         try:
             if obj["kind"] == "PyTorchJob":
-                return self._call(self.custom.get_namespaced_custom_object, *_CUSTOM["PyTorchJob"][:2], self.ns,
-                                  _CUSTOM["PyTorchJob"][2], name)
+                return self._call(
+                    self.custom.get_namespaced_custom_object,
+                    *_CUSTOM["PyTorchJob"][:2],
+                    self.ns,
+                    _CUSTOM["PyTorchJob"][2],
+                    name,
+                )
             return self._dict(self._call(self.batch.read_namespaced_job, name, self.ns))
         except ApiException as exc:
             if exc.status == 404:
@@ -458,10 +472,14 @@ class KubernetesBackend:
                 continue
             outage_since = None
             if job is None:
-                return reasons.Verdict(JobState.CANCELLED, f"{job_obj['kind']} {name} was deleted outside nemoflow"), True
+                return reasons.Verdict(
+                    JobState.CANCELLED, f"{job_obj['kind']} {name} was deleted outside nemoflow"
+                ), True
             self._follow_logs(pods, followers, emit)
             verdict = (
-                reasons.pytorchjob_verdict(job, pods) if job_obj["kind"] == "PyTorchJob" else reasons.job_verdict(job, pods)
+                reasons.pytorchjob_verdict(job, pods)
+                if job_obj["kind"] == "PyTorchJob"
+                else reasons.job_verdict(job, pods)
             )
             if verdict is not None:
                 return verdict, True
@@ -559,7 +577,7 @@ class KubernetesBackend:
         for attempt in range(self.log_reconnects + 1):
             kwargs: dict[str, Any] = dict(container=container, follow=True, timestamps=True, _preload_content=False)
             if cursor.last_time is not None:
-                age = (datetime.datetime.now(datetime.timezone.utc) - cursor.last_time).total_seconds()
+                age = (datetime.datetime.now(datetime.UTC) - cursor.last_time).total_seconds()
                 kwargs["since_seconds"] = max(1, int(age) + LOG_RESUME_MARGIN_S)
             try:
                 resp = self._call(self.core.read_namespaced_pod_log, pod_name, self.ns, **kwargs)
@@ -633,7 +651,9 @@ class KubernetesBackend:
                 group, version, plural = _CUSTOM["Service.serving.knative.dev"]
                 ksvc = self._call(self.custom.get_namespaced_custom_object, group, version, self.ns, plural, spec.name)
                 status = ksvc.get("status") or {}
-                ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+                ready = any(
+                    c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+                )
                 if ready and status.get("url"):
                     return status["url"]
             else:
@@ -687,7 +707,7 @@ class _LogCursor:
             return line  # a server that ignores timestamps=true: nothing to resume by
         base, fraction, offset = match.groups()
         when = datetime.datetime.fromisoformat(base + ("+00:00" if offset == "Z" else offset))
-        when = when.astimezone(datetime.timezone.utc)
+        when = when.astimezone(datetime.UTC)
         key = (when.strftime("%Y-%m-%dT%H:%M:%S"), (fraction or "").ljust(9, "0"))
         if self.last_key is not None and key <= self.last_key:
             if key < self.last_key:

@@ -33,7 +33,7 @@ from infra.settings import DEFAULT_HOME, get_settings, redact
 from infra.slurm.commands import SlurmCLI, SlurmCommandError
 from infra.slurm.options import SbatchRequest, SlurmOptions, merge
 from infra.slurm.parsers import parse_scontrol_record
-from infra.slurm.preflight import SlurmPreflightError, preflight
+from infra.slurm.preflight import preflight
 from infra.slurm.script import render_batch_script
 from infra.slurm.watcher import JobStatus, SlurmWatcher, shared_watcher
 
@@ -138,8 +138,14 @@ class SlurmBackend:
         req = merge(spec, self.options, self.log_dir(spec), array_indices)
         return req, render_batch_script(spec, req, self.options.container_mounts)
 
-    def submit(self, spec: JobSpec, array_indices: list[int] | None = None, attempt: int = 1,
-               extra_env: dict[str, str] | None = None, check: bool | None = None) -> tuple[str, SbatchRequest]:
+    def submit(
+        self,
+        spec: JobSpec,
+        array_indices: list[int] | None = None,
+        attempt: int = 1,
+        extra_env: dict[str, str] | None = None,
+        check: bool | None = None,
+    ) -> tuple[str, SbatchRequest]:
         """Preflight, write the script (atomically), sbatch it; returns (job id, request)."""
         req, script = self.prepare(spec, array_indices)
         if self.check if check is None else check:
@@ -159,14 +165,14 @@ class SlurmBackend:
         """scancel and wait until squeue no longer lists the job (pending, running or completing)."""
         try:
             self.cli.scancel([job_id])
-        except Exception as exc:  # never mask the exception that got us here
+        except Exception as exc:  # noqa: BLE001 - never mask the exception that got us here
             logger.warning("scancel %s failed: %s", job_id, exc)
             return
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             try:
                 rows = self.cli.squeue([job_id])
-            except Exception:
+            except Exception:  # noqa: BLE001 - squeue failing means nothing more to wait for
                 return
             if not any(r.state.job_state in (JobState.PENDING, JobState.RUNNING) for r in rows):
                 return
@@ -177,9 +183,11 @@ class SlurmBackend:
     def run(self, spec: JobSpec, on_log: LogSink | None = None, extra_env: dict[str, str] | None = None) -> JobResult:
         indices = list(range(spec.array_size)) if spec.array_size else None
         tail: collections.deque[str] = collections.deque(maxlen=50)
-        secrets = get_settings().secret_values() + [
-            os.environ[n] for n in spec.secret_env if os.environ.get(n)
-        ] + [v for k, v in (extra_env or {}).items() if "KEY" in k or "TOKEN" in k or "SECRET" in k]
+        secrets = (
+            get_settings().secret_values()
+            + [os.environ[n] for n in spec.secret_env if os.environ.get(n)]
+            + [v for k, v in (extra_env or {}).items() if "KEY" in k or "TOKEN" in k or "SECRET" in k]
+        )
 
         def emit(line: str) -> None:
             line = redact(line, secrets)
@@ -191,15 +199,22 @@ class SlurmBackend:
         while True:
             attempts += 1
             job_id, req = self.submit(spec, indices, attempts, extra_env, check=self.check and attempts == 1)
-            emit(f"[slurm] submitted job {job_id} (attempt {attempts}"
-                 + (f", array {req.array}" if req.array else "") + ")")
+            emit(
+                f"[slurm] submitted job {job_id} (attempt {attempts}"
+                + (f", array {req.array}" if req.array else "")
+                + ")"
+            )
             status = self.wait(job_id, req, indices, emit)
             if status.state.is_resumable and attempts <= self.options.max_resubmits:
                 if indices is not None:
-                    indices = sorted(i for i, row in status.tasks.items()
-                                     if row.state.job_state is not JobState.COMPLETED) or indices
-                emit(f"[slurm] job {job_id} ended {status.state.value}; resubmitting "
-                     f"({attempts}/{self.options.max_resubmits}) to resume from the latest checkpoint")
+                    indices = (
+                        sorted(i for i, row in status.tasks.items() if row.state.job_state is not JobState.COMPLETED)
+                        or indices
+                    )
+                emit(
+                    f"[slurm] job {job_id} ended {status.state.value}; resubmitting "
+                    f"({attempts}/{self.options.max_resubmits}) to resume from the latest checkpoint"
+                )
                 continue
             break
         exit_code = status.exit_code
@@ -216,8 +231,13 @@ class SlurmBackend:
             if exit_code is not None:
                 reason += f", exit code {exit_code}"
         return JobResult(
-            job_id=job_id, backend=self.name, state=status.state, exit_code=exit_code,
-            reason=reason, log_tail=list(tail), attempts=attempts,
+            job_id=job_id,
+            backend=self.name,
+            state=status.state,
+            exit_code=exit_code,
+            reason=reason,
+            log_tail=list(tail),
+            attempts=attempts,
         )
 
     def wait(self, job_id: str, req: SbatchRequest, indices: list[int] | None, emit: LogSink) -> JobStatus:
@@ -291,9 +311,16 @@ class SlurmBackend:
         if existing:
             job_id = existing[0][0]
         else:
-            job = JobSpec(name=spec.name, command=spec.command, env=spec.env, secret_env=spec.secret_env,
-                          resources=spec.resources, container_image=spec.container_image, mounts=spec.mounts,
-                          workdir=spec.workdir)
+            job = JobSpec(
+                name=spec.name,
+                command=spec.command,
+                env=spec.env,
+                secret_env=spec.secret_env,
+                resources=spec.resources,
+                container_image=spec.container_image,
+                mounts=spec.mounts,
+                workdir=spec.workdir,
+            )
             job_id, _ = self.submit(job)
         deadline = time.monotonic() + ready_timeout_s
         url = None
@@ -301,10 +328,16 @@ class SlurmBackend:
             while time.monotonic() < deadline:
                 status = self.watcher.status(job_id)
                 if status.state.is_terminal:
-                    raise JobFailed(spec.name, JobResult(job_id=job_id, backend=self.name, state=status.state,
-                                                         exit_code=status.exit_code,
-                                                         reason=f"service job ended before it was ready: "
-                                                                f"{status.reason or status.state.value}"))
+                    raise JobFailed(
+                        spec.name,
+                        JobResult(
+                            job_id=job_id,
+                            backend=self.name,
+                            state=status.state,
+                            exit_code=status.exit_code,
+                            reason=f"service job ended before it was ready: {status.reason or status.state.value}",
+                        ),
+                    )
                 if url is None and status.state is JobState.RUNNING:
                     nodes = [r[2] for r in self._service_jobs(spec.name) if r[0] == job_id]
                     if nodes and nodes[0]:
@@ -329,8 +362,10 @@ class SlurmBackend:
         self.watcher.forget(job_id)
         if not existing:
             self.cancel(job_id)
-        raise TimeoutError(f"service {spec.name} (Slurm job {job_id}) not healthy at "
-                           f"{url or 'an unknown node'}{spec.health_path} after {ready_timeout_s:.0f}s")
+        raise TimeoutError(
+            f"service {spec.name} (Slurm job {job_id}) not healthy at "
+            f"{url or 'an unknown node'}{spec.health_path} after {ready_timeout_s:.0f}s"
+        )
 
     def stop_service(self, name: str) -> bool:
         """scancel the service's job(s); False when none was running."""

@@ -48,7 +48,9 @@ def api_client(
         ) from exc
 
 
-def client_from_credentials(credentials, *, kubeconfig: str | None = None, context: str | None = None) -> client.ApiClient:
+def client_from_credentials(
+    credentials, *, kubeconfig: str | None = None, context: str | None = None
+) -> client.ApiClient:
     """A sync client from a prefect-kubernetes ``KubernetesCredentials`` block.
 
     The block's own clients are kubernetes_asyncio; the backend is synchronous, so a

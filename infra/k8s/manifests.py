@@ -133,7 +133,9 @@ def _volumes(mounts: list[Mount], options: K8sOptions) -> tuple[list[k.V1Volume]
             continue
         sub_path = mount.source[len(root) :].lstrip("/") or None
         volume_mounts.append(
-            k.V1VolumeMount(name="workspace", mount_path=mount.target, sub_path=sub_path, read_only=mount.read_only or None)
+            k.V1VolumeMount(
+                name="workspace", mount_path=mount.target, sub_path=sub_path, read_only=mount.read_only or None
+            )
         )
     if options.shm:
         volumes.append(
@@ -270,7 +272,9 @@ def rendezvous_env(name: str, spec: JobSpec, options: K8sOptions, *, rank_env: b
         k.V1EnvVar(name="MASTER_ADDR", value=f"{name}-0.{name}"),
         k.V1EnvVar(name="MASTER_PORT", value=str(options.rendezvous_port)),
         k.V1EnvVar(name="NNODES", value=str(spec.resources.nodes)),
-        k.V1EnvVar(name="NPROC_PER_NODE", value=str(max(1, spec.resources.gpus_per_node or spec.resources.ntasks_per_node))),
+        k.V1EnvVar(
+            name="NPROC_PER_NODE", value=str(max(1, spec.resources.gpus_per_node or spec.resources.ntasks_per_node))
+        ),
     ]
     if rank_env:
         env.append(_index_env("NODE_RANK"))
@@ -294,7 +298,9 @@ def multinode_job(spec: JobSpec, options: K8sOptions, *, name: str | None = None
     )
 
 
-def headless_service(name: str, options: K8sOptions, *, run_id: str | None = None, port: int | None = None) -> k.V1Service:
+def headless_service(
+    name: str, options: K8sOptions, *, run_id: str | None = None, port: int | None = None
+) -> k.V1Service:
     """DNS names for the pods of a multi-node Job; addresses published before readiness so rendezvous can start."""
     labels = labels_for(name, options, run_id)
     return k.V1Service(
@@ -347,7 +353,9 @@ class PyTorchJob(_CamelModel):
     spec: PyTorchJobSpec
 
 
-def pytorch_job(spec: JobSpec, options: K8sOptions, *, name: str | None = None, run_id: str | None = None) -> PyTorchJob:
+def pytorch_job(
+    spec: JobSpec, options: K8sOptions, *, name: str | None = None, run_id: str | None = None
+) -> PyTorchJob:
     """Master + Workers for clusters with the Kubeflow training operator (it injects MASTER_ADDR, RANK, ...)."""
     name = name or spec.name
     labels = labels_for(name, options, run_id)

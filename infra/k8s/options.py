@@ -36,7 +36,9 @@ class K8sOptions(BaseSettings):
     image_pull_secrets: list[str] = Field(default_factory=list, description="names of registry Secrets")
     pvc_name: str | None = Field("nemo-workspace", description="shared ReadWriteMany PVC; None: no workspace")
     workspace_mount: str = Field(WORKSPACE_MOUNT, description="where the PVC is mounted in every pod")
-    pvc_storage_class: str | None = Field(None, description="storage class of the PVC manifest (cluster default if unset)")
+    pvc_storage_class: str | None = Field(
+        None, description="storage class of the PVC manifest (cluster default if unset)"
+    )
     pvc_size: str = Field("1Ti", description="size of the PVC manifest")
     shm: bool = Field(True, description="mount an in-memory emptyDir at /dev/shm (NCCL, DataLoader workers)")
     shm_size: str | None = Field(None, description="size limit of /dev/shm, e.g. '64Gi' (unbounded if unset)")
@@ -60,7 +62,8 @@ class K8sOptions(BaseSettings):
     backoff_limit: int = Field(0, ge=0, description="pod retries of a Job (0: a failure fails the stage)")
     array_parallelism: int | None = Field(None, ge=1, description="default parallelism of Indexed array Jobs")
     training_kind: str = Field(
-        "indexed-job", pattern="^(indexed-job|pytorchjob)$",
+        "indexed-job",
+        pattern="^(indexed-job|pytorchjob)$",
         description="multi-node training as an Indexed Job + headless Service (any cluster) or a Kubeflow PyTorchJob",
     )
     rendezvous_port: int = Field(29500, ge=1, le=65535)
@@ -71,6 +74,6 @@ class K8sOptions(BaseSettings):
         return self.secret_names.get(env_name, self.secret_name)
 
     @classmethod
-    def from_mapping(cls, data: dict[str, Any] | None) -> "K8sOptions":
+    def from_mapping(cls, data: dict[str, Any] | None) -> K8sOptions:
         """Options from a config-file section; environment variables fill what it leaves out."""
         return cls(**(data or {}))

@@ -123,9 +123,12 @@ def failure_verdict(job_reason: str | None, job_message: str | None, pods: list[
     """Combine the Job's reason with what its pods say; OOM and deadlines get their own states."""
     # The first container to fail is the cause; the ranks that died after it (SIGTERM'd by
     # the Job controller, or timed out in a collective) are consequences.
-    pod_failures = [f for _, f in sorted(
-        ((_finished_at(p), f) for p in pods for f in [terminated_failure(p)] if f), key=lambda item: item[0]
-    )]
+    pod_failures = [
+        f
+        for _, f in sorted(
+            ((_finished_at(p), f) for p in pods for f in [terminated_failure(p)] if f), key=lambda item: item[0]
+        )
+    ]
     oom = next((f for f in pod_failures if f[0].startswith("OOMKilled")), None)
     stuck = [r for r in (unschedulable(p) or fatal_waiting(p) for p in pods) if r]
     head = job_reason or "Failed"

@@ -13,7 +13,9 @@ from infra.k8s.manifests import job_objects, service_objects, to_dict, workspace
 from infra.k8s.options import K8sOptions
 
 
-def planned_objects(specs: list[JobSpec | ServiceSpec], options: K8sOptions, *, with_pvc: bool = True) -> list[dict[str, Any]]:
+def planned_objects(
+    specs: list[JobSpec | ServiceSpec], options: K8sOptions, *, with_pvc: bool = True
+) -> list[dict[str, Any]]:
     objects: list[Any] = [workspace_pvc(options)] if with_pvc and options.pvc_name else []
     for spec in specs:
         objects.extend(service_objects(spec, options) if isinstance(spec, ServiceSpec) else job_objects(spec, options))

@@ -207,9 +207,7 @@ class LocalSlurm:
     @staticmethod
     def missing_packages() -> list[str]:
         return [
-            pkg
-            for pkg in DEBIAN_PACKAGES
-            if subprocess.run(["dpkg", "-s", pkg], capture_output=True).returncode != 0
+            pkg for pkg in DEBIAN_PACKAGES if subprocess.run(["dpkg", "-s", pkg], capture_output=True).returncode != 0
         ]
 
     def install(self) -> None:
@@ -234,11 +232,13 @@ class LocalSlurm:
     def is_up(self) -> bool:
         if not all(self.running().values()):
             return False
-        proc = subprocess.run(
-            ["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, env=self.env(), timeout=10
-        )
+        proc = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, env=self.env(), timeout=10)
         states = proc.stdout.split()
-        return proc.returncode == 0 and bool(states) and all(s.rstrip("*~#") in ("idle", "mixed", "allocated") for s in states)
+        return (
+            proc.returncode == 0
+            and bool(states)
+            and all(s.rstrip("*~#") in ("idle", "mixed", "allocated") for s in states)
+        )
 
     def env(self) -> dict[str, str]:
         return dict(os.environ, SLURM_CONF=str(self.layout.slurm_conf))
@@ -316,8 +316,12 @@ class LocalSlurm:
         proc = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
             raise LocalSlurmError(f"{name} failed to start (exit {proc.returncode}); see {self.layout.log}/{name}.out")
-        _wait(lambda: _alive(self.layout.pidfile(name), name) is not None, 20, f"{name} pid file",
-              self.layout.log / f"{name}.log")
+        _wait(
+            lambda: _alive(self.layout.pidfile(name), name) is not None,
+            20,
+            f"{name} pid file",
+            self.layout.log / f"{name}.log",
+        )
 
     def _start_munged(self) -> None:
         key = Path("/etc/munge/munge.key")
@@ -330,7 +334,8 @@ class LocalSlurm:
         tmp_pid = Path("/run/munge/nemoflow-munged.pid")
         proc = subprocess.run(
             ["runuser", "-u", "munge", "--", "munged", f"--pid-file={tmp_pid}"],
-            capture_output=True, text=True,
+            capture_output=True,
+            text=True,
         )
         if proc.returncode != 0 and "already running" not in proc.stderr.lower():
             raise LocalSlurmError(f"munged failed to start: {proc.stderr.strip()}")
@@ -345,9 +350,15 @@ class LocalSlurm:
             datadir.mkdir(parents=True, exist_ok=True)
             shutil.chown(datadir, "mysql", "mysql")
             proc = subprocess.run(
-                ["mariadb-install-db", f"--datadir={datadir}", "--user=mysql",
-                 "--auth-root-authentication-method=socket", "--skip-test-db"],
-                capture_output=True, text=True,
+                [
+                    "mariadb-install-db",
+                    f"--datadir={datadir}",
+                    "--user=mysql",
+                    "--auth-root-authentication-method=socket",
+                    "--skip-test-db",
+                ],
+                capture_output=True,
+                text=True,
             )
             if proc.returncode != 0:
                 raise LocalSlurmError(f"mariadb-install-db failed:\n{proc.stderr[-2000:]}")
@@ -356,14 +367,29 @@ class LocalSlurm:
         sock = lay.mysql_run / "mysqld.sock"
         log = (lay.log / "mariadbd.log").open("ab")
         server = subprocess.Popen(
-            ["mariadbd", "--no-defaults", f"--datadir={datadir}", "--user=mysql",
-             f"--socket={sock}", f"--pid-file={lay.pidfile('mariadbd')}",
-             "--bind-address=127.0.0.1", f"--port={DB_PORT}", "--innodb-buffer-pool-size=64M",
-             "--skip-name-resolve"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            [
+                "mariadbd",
+                "--no-defaults",
+                f"--datadir={datadir}",
+                "--user=mysql",
+                f"--socket={sock}",
+                f"--pid-file={lay.pidfile('mariadbd')}",
+                "--bind-address=127.0.0.1",
+                f"--port={DB_PORT}",
+                "--innodb-buffer-pool-size=64M",
+                "--skip-name-resolve",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
-        _wait(lambda: server.poll() is not None or (sock.exists() and _port_open(DB_PORT)), timeout, "MariaDB",
-              lay.log / "mariadbd.log")
+        _wait(
+            lambda: server.poll() is not None or (sock.exists() and _port_open(DB_PORT)),
+            timeout,
+            "MariaDB",
+            lay.log / "mariadbd.log",
+        )
         if server.poll() is not None:
             tail = "\n".join((lay.log / "mariadbd.log").read_text(errors="replace").splitlines()[-10:])
             raise LocalSlurmError(f"MariaDB exited ({server.returncode}):\n{tail}")
@@ -383,13 +409,15 @@ class LocalSlurm:
         return _node_hardware()[0]
 
     def _node_ready(self, node: str) -> bool:
-        proc = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T"], capture_output=True, text=True,
-                              env=self.env())
+        proc = subprocess.run(
+            ["sinfo", "-h", "-N", "-n", node, "-o", "%T"], capture_output=True, text=True, env=self.env()
+        )
         state = proc.stdout.strip().split("\n")[0].rstrip("*~#") if proc.returncode == 0 else ""
         if state in ("down", "drained", "draining", "drain"):
             # A node that was down when slurmctld stopped stays down: bring it back.
-            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True,
-                           env=self.env())
+            subprocess.run(
+                ["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True, env=self.env()
+            )
         return state in ("idle", "mixed", "allocated")
 
     # ------------------------------------------------------------------ down
@@ -431,7 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m infra.slurm.cluster")
     sub = parser.add_subparsers(dest="command")
     local_slurm.register(sub)
-    return local_slurm.run(parser.parse_args(["local-slurm", *(argv if argv is not None else __import__("sys").argv[1:])]))
+    return local_slurm.run(
+        parser.parse_args(["local-slurm", *(argv if argv is not None else __import__("sys").argv[1:])])
+    )
 
 
 if __name__ == "__main__":

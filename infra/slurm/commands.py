@@ -17,8 +17,13 @@ from collections.abc import Iterable, Mapping
 
 from infra.slurm import parsers
 
-_TRANSIENT = ("Socket timed out", "Unable to contact slurm controller", "Slurm temporarily unable",
-              "Transport endpoint is not connected", "Resource temporarily unavailable")
+_TRANSIENT = (
+    "Socket timed out",
+    "Unable to contact slurm controller",
+    "Slurm temporarily unable",
+    "Transport endpoint is not connected",
+    "Resource temporarily unavailable",
+)
 
 
 class SlurmUnavailable(RuntimeError):
@@ -39,7 +44,7 @@ class SlurmCLI:
         self.retry_delay_s = retry_delay_s
         self.timeout_s = timeout_s
 
-    def run(self, argv: list[str], env: Mapping[str, str] | None = None, input: str | None = None) -> str:
+    def run(self, argv: list[str], env: Mapping[str, str] | None = None, input: str | None = None) -> str:  # noqa: A002 - subprocess.run's name
         if shutil.which(argv[0], path=(env or os.environ).get("PATH")) is None:
             raise SlurmUnavailable(
                 f"`{argv[0]}` is not on PATH: install Slurm's client tools (Debian: slurm-client) "
@@ -48,8 +53,12 @@ class SlurmCLI:
         for attempt in range(self.retries + 1):
             try:
                 proc = subprocess.run(
-                    argv, capture_output=True, text=True, env=dict(env) if env is not None else None,
-                    input=input, timeout=self.timeout_s,
+                    argv,
+                    capture_output=True,
+                    text=True,
+                    env=dict(env) if env is not None else None,
+                    input=input,
+                    timeout=self.timeout_s,
                 )
             except subprocess.TimeoutExpired as exc:
                 if attempt == self.retries:

@@ -295,8 +295,15 @@ def parse_sinfo(output: str) -> dict[str, Partition]:
         part = partitions.get(name)
         if part is None:
             partitions[name] = Partition(
-                name, default, avail, parse_time_or_none(limit), int(nodes or 0), cpus_n, mem_n,
-                parse_gpu_count(gres), [state] if state else [],
+                name,
+                default,
+                avail,
+                parse_time_or_none(limit),
+                int(nodes or 0),
+                cpus_n,
+                mem_n,
+                parse_gpu_count(gres),
+                [state] if state else [],
             )
         else:
             part.nodes += int(nodes or 0)

@@ -40,9 +40,7 @@ def check_request(req: SbatchRequest, spec: JobSpec, partitions: dict[str, Parti
             )
         part = defaults[0]
     elif req.partition not in partitions:
-        raise SlurmPreflightError(
-            f"partition {req.partition!r} does not exist; available: {', '.join(partitions)}"
-        )
+        raise SlurmPreflightError(f"partition {req.partition!r} does not exist; available: {', '.join(partitions)}")
     else:
         part = partitions[req.partition]
     where = f"partition {part.name!r}"
@@ -63,13 +61,10 @@ def check_request(req: SbatchRequest, spec: JobSpec, partitions: dict[str, Parti
         wanted = parse_memory_mb(req.mem)
         if wanted > part.mem_per_node_mb:
             raise SlurmPreflightError(
-                f"mem={req.mem} ({wanted} MB) requested but the largest node in {where} has "
-                f"{part.mem_per_node_mb} MB"
+                f"mem={req.mem} ({wanted} MB) requested but the largest node in {where} has {part.mem_per_node_mb} MB"
             )
     if req.time_seconds and part.max_time_s and req.time_seconds > part.max_time_s:
-        raise SlurmPreflightError(
-            f"time={req.time} exceeds the MaxTime of {where} ({_fmt_seconds(part.max_time_s)})"
-        )
+        raise SlurmPreflightError(f"time={req.time} exceeds the MaxTime of {where} ({_fmt_seconds(part.max_time_s)})")
     check_image(spec)
     return part
 

@@ -63,7 +63,8 @@ def launch_line(spec: JobSpec, req: SbatchRequest, extra_mounts: list[str] | Non
         nproc = req.gpus_per_node or req.ntasks_per_node
         srun += ["--ntasks-per-node=1", f"--nodes={req.nodes}"]
         rendezvous = [
-            "-m", "torch.distributed.run",
+            "-m",
+            "torch.distributed.run",
             "--nnodes=$SLURM_NNODES",
             f"--nproc-per-node={nproc}",
             "--rdzv-id=$SLURM_JOB_ID",
@@ -82,10 +83,14 @@ def render_batch_script(spec: JobSpec, req: SbatchRequest, extra_mounts: list[st
     forward = None
     if req.signal and req.signal.upper().startswith("B:"):
         forward = req.signal.split(":", 1)[1].split("@", 1)[0]
-    return _env().get_template("batch.sh.j2").render(
-        r=req,
-        workdir=spec.workdir if not spec.container_image else None,
-        array_env=ARRAY_INDEX_ENV,
-        launch=launch_line(spec, req, extra_mounts),
-        forward_signal=forward,
+    return (
+        _env()
+        .get_template("batch.sh.j2")
+        .render(
+            r=req,
+            workdir=spec.workdir if not spec.container_image else None,
+            array_env=ARRAY_INDEX_ENV,
+            launch=launch_line(spec, req, extra_mounts),
+            forward_signal=forward,
+        )
     )

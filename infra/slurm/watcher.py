@@ -38,8 +38,15 @@ class JobStatus:
 
 
 # When tasks end differently, the array's state is the most actionable one.
-_PRIORITY = [JobState.FAILED, JobState.OUT_OF_MEMORY, JobState.CANCELLED, JobState.NODE_FAIL,
-             JobState.PREEMPTED, JobState.TIMEOUT, JobState.COMPLETED]
+_PRIORITY = [
+    JobState.FAILED,
+    JobState.OUT_OF_MEMORY,
+    JobState.CANCELLED,
+    JobState.NODE_FAIL,
+    JobState.PREEMPTED,
+    JobState.TIMEOUT,
+    JobState.COMPLETED,
+]
 
 
 def merge_rows(job_id: str, rows: list[JobRow], expected_tasks: set[int] | None = None) -> JobStatus:
@@ -59,8 +66,7 @@ def merge_rows(job_id: str, rows: list[JobRow], expected_tasks: set[int] | None 
         return JobStatus(job_id, JobState.RUNNING, restarts=restarts, tasks=tasks, source=source)
     if JobState.PENDING in states or JobState.UNKNOWN in states:
         pending = next(r for r in rows if r.state.job_state in (JobState.PENDING, JobState.UNKNOWN))
-        return JobStatus(job_id, JobState.PENDING, reason=pending.reason, restarts=restarts, tasks=tasks,
-                         source=source)
+        return JobStatus(job_id, JobState.PENDING, reason=pending.reason, restarts=restarts, tasks=tasks, source=source)
     if expected_tasks and not expected_tasks <= set(tasks):
         return JobStatus(job_id, JobState.UNKNOWN, restarts=restarts, tasks=tasks, source=source)
     for state in _PRIORITY:

@@ -31,7 +31,9 @@ The inference server stays up after the run (`nemoflow serve stop nemoflow-demo`
 A second run with nothing changed finishes with every stage Cached.""",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--backend", choices=sorted(POOLS), default="local", help="work pool to run on (default: local)")
+    parser.add_argument(
+        "--backend", choices=sorted(POOLS), default="local", help="work pool to run on (default: local)"
+    )
     parser.add_argument("--port", type=int, default=4200, help="port of the local Prefect server if one is started")
     parser.add_argument("--down", action="store_true", help="stop the demo's worker, server and inference endpoint")
     parser.set_defaults(func=run)
@@ -45,7 +47,7 @@ def _stop_endpoint() -> None:
             if handle.name.startswith("nemoflow-demo"):
                 services.stop_service(handle.name)
                 print(f"stopped the inference server {handle.name}")
-    except Exception as exc:  # the endpoint may already be gone
+    except Exception as exc:  # noqa: BLE001 - the endpoint may already be gone
         print(f"note: could not stop the inference server: {exc}", file=sys.stderr)
     import shutil
 
@@ -55,7 +57,7 @@ def _stop_endpoint() -> None:
 
             if get_backend("slurm").stop_service("nemoflow-demo"):
                 print("cancelled the inference server's Slurm job nemoflow-demo")
-        except Exception as exc:  # no cluster running: nothing to stop
+        except Exception as exc:  # noqa: BLE001 - no cluster running: nothing to stop
             print(f"note: could not reach Slurm to stop nemoflow-demo: {exc}", file=sys.stderr)
 
 

@@ -61,7 +61,9 @@ def run(args) -> int:
     for i, src in enumerate(sources, 1):
         dest = storage.join(args.dest, local_name(src))
         try:
-            result = download(src.url, dest, retries=args.retries, timeout=args.timeout, log=lambda m: print(m, file=sys.stderr))
+            result = download(
+                src.url, dest, retries=args.retries, timeout=args.timeout, log=lambda m: print(m, file=sys.stderr)
+            )
             state = "present" if result.skipped else f"{result.attempts} attempt(s)"
             print(f"[{i}/{len(sources)}] {src.name}: {result.size} bytes, sha256 {result.sha256[:16]}, {state}")
             if args.extract and dest.endswith(".zst"):

@@ -43,8 +43,11 @@ def register(sub) -> None:
 
     promote = actions.add_parser("promote", help="make a registered model the promoted one")
     promote.add_argument("id", help="model id")
-    promote.add_argument("--serve", action="store_true",
-                         help="also switch the local server to it (blue/green on the same port, no downtime)")
+    promote.add_argument(
+        "--serve",
+        action="store_true",
+        help="also switch the local server to it (blue/green on the same port, no downtime)",
+    )
     promote.set_defaults(func=run_promote)
 
     rollback = actions.add_parser("rollback", help="promote the model that was promoted before the current one")
@@ -83,8 +86,16 @@ def run_list(args) -> int:
     state = _registry(args).read()
     models = sorted(state.models.values(), key=lambda m: m.created_at, reverse=True)
     if args.json:
-        print(json.dumps({"promoted": state.promoted, "generation": state.generation,
-                          "models": [m.model_dump(mode="json") for m in models]}, indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "promoted": state.promoted,
+                    "generation": state.generation,
+                    "models": [m.model_dump(mode="json") for m in models],
+                },
+                indent=2,
+            )
+        )
         return 0
     if not models:
         print(f"no models in {_registry(args).uri}")
@@ -92,8 +103,10 @@ def run_list(args) -> int:
     print(f"{'':1} {'ID':<28} {'PARENT':<28} {'HELD-OUT':>8} {'VAL':>7}  CHECKPOINT")
     for m in models:
         held, val = m.metrics.get("held_out_loss"), m.metrics.get("val_loss")
-        print(f"{'*' if m.id == state.promoted else ' '} {m.id:<28} {(m.parent or '-'):<28} "
-              f"{'' if held is None else f'{held:.4f}':>8} {'' if val is None else f'{val:.4f}':>7}  {m.checkpoint}")
+        print(
+            f"{'*' if m.id == state.promoted else ' '} {m.id:<28} {(m.parent or '-'):<28} "
+            f"{'' if held is None else f'{held:.4f}':>8} {'' if val is None else f'{val:.4f}':>7}  {m.checkpoint}"
+        )
     return 0
 
 
@@ -108,8 +121,16 @@ def run_show(args) -> int:
     record = state.model(model_id)
     lineage = state.lineage(model_id)
     if args.json:
-        print(json.dumps({"model": record.model_dump(mode="json"), "promoted": model_id == state.promoted,
-                          "lineage": [m.id for m in lineage]}, indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "model": record.model_dump(mode="json"),
+                    "promoted": model_id == state.promoted,
+                    "lineage": [m.id for m in lineage],
+                },
+                indent=2,
+            )
+        )
         return 0
     print(f"model       {record.id}{'  (promoted)' if model_id == state.promoted else ''}")
     print(f"checkpoint  {record.checkpoint}")
@@ -138,8 +159,13 @@ def _switch(registry, state, model_id: str):
     if state.serving is None:
         raise UserError("the registry records no serving endpoint to switch (run end-to-end or a refresh first)")
     record = state.model(model_id)
-    return switch_serving.fn(CheckpointRef(uri=record.checkpoint, step=0), model_id, state.serving,
-                             state.serving.port, state.serving.model_name)  # fmt: skip
+    return switch_serving.fn(
+        CheckpointRef(uri=record.checkpoint, step=0),
+        model_id,
+        state.serving,
+        state.serving.port,
+        state.serving.model_name,
+    )
 
 
 @_user_errors

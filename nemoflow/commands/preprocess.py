@@ -44,8 +44,14 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     config = config_from_args(args)
     stats = tokenize_file(
-        args.input, args.output_prefix, config, json_keys=args.json_keys, append_eod=args.append_eod,
-        workers=args.workers, skip_malformed=args.skip_malformed, progress=StderrProgress(args.input),
+        args.input,
+        args.output_prefix,
+        config,
+        json_keys=args.json_keys,
+        append_eod=args.append_eod,
+        workers=args.workers,
+        skip_malformed=args.skip_malformed,
+        progress=StderrProgress(args.input),
     )
     skipped = f", skipped {stats.malformed_skipped} malformed record(s)" if stats.malformed_skipped else ""
     print(

@@ -9,8 +9,7 @@ def register(sub) -> None:
     parser = sub.add_parser(
         "settings",
         help="show the effective settings (from NEMOFLOW_* variables and .env), secrets masked",
-        description="Print every setting, where it can be set, and its current value. "
-        "Secret values are never printed.",
+        description="Print every setting, where it can be set, and its current value. Secret values are never printed.",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(func=run)
@@ -21,7 +20,7 @@ def run(args) -> int:
 
     settings = get_settings()
     values = {}
-    for name, field in Settings.model_fields.items():
+    for name in Settings.model_fields:
         value = getattr(settings, name)
         if hasattr(value, "get_secret_value"):
             value = "**********"

@@ -68,8 +68,12 @@ def register(sub) -> None:
         help="where later stages run (default: slurm); decides what staging means, see above",
     )
     job = parser.add_argument_group("the enroot import job (--convert)")
-    job.add_argument("--cpus-per-task", type=int, metavar="N",
-                     help="CPUs for enroot import (default 4; more makes mksquashfs faster)")  # fmt: skip
+    job.add_argument(
+        "--cpus-per-task",
+        type=int,
+        metavar="N",
+        help="CPUs for enroot import (default 4; more makes mksquashfs faster)",
+    )
     job.add_argument("--time", metavar="LIMIT", help="time limit, sbatch syntax (default 02:00:00)")
     job.add_argument("--partition", metavar="NAME", help="Slurm partition (default: the cluster's default)")
     job.add_argument("--account", metavar="NAME", help="Slurm account")
@@ -113,8 +117,15 @@ def _run_in_flow(args):
 
     @flow(name="stage-image", log_prints=False)
     def stage_image_flow(source, dest, backend, convert, force):
-        return stage_image(source, dest=dest, backend=backend, convert=convert, force=force,
-                           resources=resources, backend_options=options)  # fmt: skip
+        return stage_image(
+            source,
+            dest=dest,
+            backend=backend,
+            convert=convert,
+            force=force,
+            resources=resources,
+            backend_options=options,
+        )
 
     return stage_image_flow(args.source, args.dest, args.backend, args.convert, args.force)
 
@@ -128,9 +139,15 @@ def run(args) -> int:
 
             resources, options = _job_options(args)
             ref, facts = stage(
-                args.source, args.dest, args.backend, args.convert, args.force,
-                log=lambda line: print(line, file=sys.stderr), resources=resources, backend_options=options,
-            )  # fmt: skip
+                args.source,
+                args.dest,
+                args.backend,
+                args.convert,
+                args.force,
+                log=lambda line: print(line, file=sys.stderr),
+                resources=resources,
+                backend_options=options,
+            )
             note = " (already staged, nothing copied)" if facts["cached"] else ""
         else:
             ref = _run_in_flow(args)

@@ -14,7 +14,6 @@ import pytest
 from tests.conftest import free_port
 from tests.support.tiny import TINY_TRAIN
 
-
 # The CPT run of a refresh, shrunk: 8 steps of 4 x 64 tokens.
 TINY_CPT = {
     "max_steps": 8,
@@ -57,13 +56,14 @@ class Poller(threading.Thread):
         body = json.dumps({"prompt": "In the beginning", "model": self.model, "max_tokens": 2}).encode()
         while not self._halt.is_set():
             try:
-                req = urllib.request.Request(self.url + "/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"})  # fmt: skip
+                req = urllib.request.Request(
+                    self.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+                )
                 with urllib.request.urlopen(req, timeout=30) as resp:
                     payload = json.load(resp)
                     assert payload["choices"], payload
                 self.ok += 1
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - every failure is recorded and asserted on
                 self.failures.append(f"{time.strftime('%X')} {type(exc).__name__}: {exc}")
             time.sleep(0.05)
 
@@ -91,13 +91,23 @@ def cpt_env(prefect_server, tmp_path_factory, mixtral_tokenizer_model):
         from workloads.demo_data import kjv_chapters
 
         shard = write_shard(root / "base" / "base.jsonl.zst", kjv_chapters()[600:900])
-        summary = end_to_end(EndToEndConfig(train=TINY_TRAIN, validation_threshold=9.5,
-                                            data={"name": "base", "sources": [str(shard)]},
-                                            serve={"port": port, "model_name": "nemoflow-cpt"}))  # fmt: skip
+        summary = end_to_end(
+            EndToEndConfig(
+                train=TINY_TRAIN,
+                validation_threshold=9.5,
+                data={"name": "base", "sources": [str(shard)]},
+                serve={"port": port, "model_name": "nemoflow-cpt"},
+            )
+        )
         print(f"bootstrap end-to-end: {time.monotonic() - started:.1f}s")
         try:
-            yield {"work": root / "work", "port": port, "url": f"http://127.0.0.1:{port}", "summary": summary,
-                   "model_name": "nemoflow-cpt"}  # fmt: skip
+            yield {
+                "work": root / "work",
+                "port": port,
+                "url": f"http://127.0.0.1:{port}",
+                "summary": summary,
+                "model_name": "nemoflow-cpt",
+            }
         finally:
             from infra import services
 
@@ -111,5 +121,3 @@ def completion_ok(url: str, model: str) -> bool:
     req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         return bool(json.load(resp)["choices"])
-
-

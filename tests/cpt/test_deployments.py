@@ -14,8 +14,9 @@ pytestmark = [pytest.mark.prefect]
 
 
 def _prefect(args: list[str], env: dict) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(VENV_BIN / "prefect"), *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [str(VENV_BIN / "prefect"), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, f"prefect {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
     return proc
 

@@ -22,8 +22,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.prefect]
 def _config(env, **update):
     from flows.cpt_refresh import CptRefreshConfig
 
-    base = {"train": TINY_CPT, "tolerance": 0.05, "validation_threshold": 9.5,
-            "serve": {"port": env["port"], "model_name": env["model_name"]}}  # fmt: skip
+    base = {
+        "train": TINY_CPT,
+        "tolerance": 0.05,
+        "validation_threshold": 9.5,
+        "serve": {"port": env["port"], "model_name": env["model_name"]},
+    }
     return CptRefreshConfig.model_validate({**base, **update})
 
 
@@ -50,8 +54,11 @@ def _artifact(flow_run_id: str, key: str) -> str:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(
-            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=[key])))
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=[key])
+            )
+        )
     assert found, f"no {key} artifact on flow run {flow_run_id}"
     return str(found[-1].data)
 
@@ -91,8 +98,10 @@ def test_day_by_day_refreshes_overlap_and_noop(cpt_env, kjv_chapters):
     reg_state = _registry(env).read()
     assert reg_state.promoted == summary["candidate"] != first_promoted
     assert reg_state.models[reg_state.promoted].parent == first_promoted
-    assert set(_download_runs(str(state.state_details.flow_run_id)).keys()) and len(
-        _download_runs(str(state.state_details.flow_run_id))) == 2
+    assert (
+        set(_download_runs(str(state.state_details.flow_run_id)).keys())
+        and len(_download_runs(str(state.state_details.flow_run_id))) == 2
+    )
     assert completion_ok(env["url"], env["model_name"])  # same URL, new server
 
     # day 2: one more shard, and two refreshes started at once (two processes, as two overlapping
@@ -148,8 +157,10 @@ def test_worse_candidate_is_not_promoted_and_old_server_keeps_answering(cpt_env,
         assert result["decision"] == "rejected" and result["candidate_loss"] > result["promoted_loss"], result
     else:  # stopped earlier by validate_checkpoint (worse than untrained): the flow says why
         assert "failed" in (state.message or "") and "check" in (state.message or ""), state.message
-    print(f"worse candidate: {'rejected by the comparison' if state.is_completed() else 'failed validation'}; "
-          f"{poller.ok} requests answered during the refresh")
+    print(
+        f"worse candidate: {'rejected by the comparison' if state.is_completed() else 'failed validation'}; "
+        f"{poller.ok} requests answered during the refresh"
+    )
     report = _artifact(str(state.state_details.flow_run_id), "cpt-refresh-report")
     assert ("REJECTED" if state.is_completed() else "FAILED") in report
     assert "day4.jsonl.zst" in report
@@ -178,7 +189,7 @@ def _concurrent_refreshes(config, n: int) -> list[str]:
 def _final_line(output: str) -> dict:
     line = next((line for line in output.splitlines() if line.startswith("FINAL ")), None)
     assert line, output[-3000:]
-    return json.loads(line[len("FINAL "):])
+    return json.loads(line[len("FINAL ") :])
 
 
 def test_candidate_trained_on_noise_loses_the_comparison(cpt_env):
@@ -187,12 +198,18 @@ def test_candidate_trained_on_noise_loses_the_comparison(cpt_env):
 
     env = cpt_env
     rng = random.Random(7)
-    noise = [" ".join("".join(rng.choice("qxzjkvw") for _ in range(rng.randint(3, 9))) for _ in range(400))
-             for _ in range(120)]  # fmt: skip
+    noise = [
+        " ".join("".join(rng.choice("qxzjkvw") for _ in range(rng.randint(3, 9))) for _ in range(400))
+        for _ in range(120)
+    ]
     write_shard(env["work"] / "incoming-noise" / "noise.jsonl.zst", noise)
     before = _registry(env).read()
-    config = _config(env, sources=str(env["work"] / "incoming-noise" / "*.jsonl.zst"), tolerance=0.0,
-                     train={**TINY_CPT, "max_steps": 12, "lr": 0.006})  # fmt: skip
+    config = _config(
+        env,
+        sources=str(env["work"] / "incoming-noise" / "*.jsonl.zst"),
+        tolerance=0.0,
+        train={**TINY_CPT, "max_steps": 12, "lr": 0.006},
+    )
     state = _refresh(config)
     assert state.is_completed(), state.message
     result = state.result()
@@ -211,8 +228,13 @@ def test_rollback_from_the_cli_switches_the_server_without_downtime(cpt_env):
     previous = before.promotions[-2]
     poller = Poller(env["url"], env["model_name"])
     poller.start()
-    proc = subprocess.run([str(Path(sys.executable).parent / "nemoflow"), "models", "rollback", "--serve"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "nemoflow"), "models", "rollback", "--serve"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     poller.stop()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     after = _registry(env).read()
@@ -248,7 +270,13 @@ def test_a_switch_that_fails_before_taking_traffic_leaves_the_old_server(cpt_env
     broken.mkdir()
     (broken / "config.json").write_text("{}")
     with pytest.raises(services.ServiceError, match="exited with code"):
-        switch_serving.fn(CheckpointRef(uri=str(broken), step=0), "m-broken", state.serving, env["port"],
-                          env["model_name"], ready_timeout_s=60)  # fmt: skip
+        switch_serving.fn(
+            CheckpointRef(uri=str(broken), step=0),
+            "m-broken",
+            state.serving,
+            env["port"],
+            env["model_name"],
+            ready_timeout_s=60,
+        )
     assert [s.name for s in services.list_services()] == [state.serving.service]
     assert completion_ok(env["url"], env["model_name"])

@@ -44,7 +44,10 @@ def test_promote_rollback_lineage_and_history(registry):
     state = registry.promote("m-b")
     assert state.promoted == "m-b"
     assert [(h["generation"], h["action"]) for h in registry.history()] == [
-        (1, "promote"), (2, "promote"), (3, "rollback"), (4, "promote")
+        (1, "promote"),
+        (2, "promote"),
+        (3, "rollback"),
+        (4, "promote"),
     ]
     with pytest.raises(reg.UnknownModel, match="no model 'm-zzz'.*known: m-a, m-b"):
         registry.promote("m-zzz")
@@ -66,8 +69,9 @@ def test_failed_write_leaves_the_old_document(registry, monkeypatch):
     assert registry.read().promoted == "m-b"
     assert len(registry.history()) == 2  # the failed change is not in the history either
     # what the failed write produced lies only under a temporary name, which readers ignore
-    assert all(n.startswith(storage.TMP_MARK) or n in ("registry.json", "history", ".lock")
-               for n in os.listdir(registry.uri)), os.listdir(registry.uri)
+    assert all(
+        n.startswith(storage.TMP_MARK) or n in ("registry.json", "history", ".lock") for n in os.listdir(registry.uri)
+    ), os.listdir(registry.uri)
 
 
 def test_stale_generation_is_refused(registry):
@@ -86,7 +90,7 @@ def test_concurrent_writers_never_lose_an_update(tmp_path):
     def add(i: int) -> None:
         try:
             r.register(_record(f"m-{i}", "m-0"))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - collected, then asserted on
             errors.append(exc)
 
     threads = [threading.Thread(target=add, args=(i,)) for i in range(1, 9)]
@@ -110,8 +114,11 @@ def test_registry_on_gcs(gcs_bucket):
 def _cli(*args: str, registry: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(VENV_BIN / "nemoflow"), "models", "--registry", registry, *args],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli(registry):

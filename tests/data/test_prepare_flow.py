@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -135,7 +134,9 @@ def test_https_source_with_faults_to_gcs_output(prefect_server, work_dir, tmp_pa
     root = tmp_path / "site"
     write_slimpajama_layout(root, chunks=1, shards_per_chunk=2)
     with FaultServer(root) as server:
-        server.add_faults("/train/chunk1/example_train_0.jsonl.zst", Fault(status=429, retry_after="0"), Fault(status=503))
+        server.add_faults(
+            "/train/chunk1/example_train_0.jsonl.zst", Fault(status=429, retry_after="0"), Fault(status=503)
+        )
         server.add_faults("/train/chunk1/example_train_1.jsonl.zst", Fault(truncate_at=500))
         config = PrepareConfig(
             name="remote",
@@ -149,7 +150,10 @@ def test_https_source_with_faults_to_gcs_output(prefect_server, work_dir, tmp_pa
     for prefix in dataset.prefixes:
         assert storage.exists(prefix + ".bin") and storage.exists(prefix + ".idx")
     manifest = storage.read_json(dataset.manifest_uri)
-    assert [s["name"] for s in manifest["shards"]] == ["chunk1/example_train_0.jsonl.zst", "chunk1/example_train_1.jsonl.zst"]
+    assert [s["name"] for s in manifest["shards"]] == [
+        "chunk1/example_train_0.jsonl.zst",
+        "chunk1/example_train_1.jsonl.zst",
+    ]
     expected_docs = sum(1 for _ in open_jsonl_zst_lines(root))
     assert dataset.documents == expected_docs
 

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from tests.conftest import REPO, VENV_BIN, free_port
 from tests.support.tiny import TINY_TRAIN
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
-
 
 
 def _prefect(args: list[str], env: dict, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -55,7 +53,9 @@ def _task_states(flow_run_id: str, timeout: float = 30) -> dict[str, str]:
             ids = [flow_run_id] + [str(r.id) for r in children]
             # A subflow appears in its parent as a task run of its own; its stages are its task runs.
             subflow_slots = {r.parent_task_run_id for r in children}
-            for task_run in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)), limit=200):
+            for task_run in client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)), limit=200
+            ):
                 if task_run.id not in subflow_slots:
                     states[task_run.name] = task_run.state.name
         if not any(s in ("Pending", "Running", "Scheduled") for s in states.values()) or time.monotonic() > deadline:
@@ -168,13 +168,24 @@ def _ui_shows_artifacts(api: str, flow_run_id: str) -> None:
         text = page.inner_text("body")
         page.screenshot(path=str(Path(os.environ.get("NEMOFLOW_SCREENSHOT_DIR", "/tmp")) / "nemoflow-run.png"))
         browser.close()
-    for key in ("end-to-end-summary", "staged-image", "loss-curve-", "checkpoint-validation-", "endpoint-", "smoke-test-"):
+    for key in (
+        "end-to-end-summary",
+        "staged-image",
+        "loss-curve-",
+        "checkpoint-validation-",
+        "endpoint-",
+        "smoke-test-",
+    ):
         assert key in text, f"artifact {key!r} not on the run page:\n{text[-3000:]}"
 
 
 def test_failed_validation_stops_before_deployment(local_pool, work_dir):
     port = free_port()
-    config = {"train": TINY_TRAIN, "serve": {"port": port, "model_name": "nemoflow-never"}, "validation_threshold": 0.01}
+    config = {
+        "train": TINY_TRAIN,
+        "serve": {"port": port, "model_name": "nemoflow-never"},
+        "validation_threshold": 0.01,
+    }
     code, output, run_id = _run_deployment(local_pool, config)
     assert code != 0
     from prefect import get_client

@@ -41,11 +41,18 @@ def slurm_pool(prefect_server, work_dir, tmp_path):
     ensure_pools(prefect_server)
     subprocess.run(
         [str(VENV_BIN / "prefect"), "--no-prompt", "deploy", "--name", "end-to-end/slurm"],
-        cwd=REPO, env=env, check=True, capture_output=True, text=True,
+        cwd=REPO,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     worker = subprocess.Popen(
         [str(VENV_BIN / "prefect"), "worker", "start", "--pool", "gpu-cluster", "--type", "slurm"],
-        cwd=REPO, env=env, stdout=(tmp_path / "worker.log").open("w"), stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=env,
+        stdout=(tmp_path / "worker.log").open("w"),
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     yield env
@@ -72,9 +79,22 @@ def test_end_to_end_on_slurm_every_stage_a_job(slurm_pool, work_dir, tmp_path):
         "validation_threshold": 9.5,
     }
     proc = subprocess.run(
-        [str(VENV_BIN / "prefect"), "deployment", "run", "end-to-end/slurm", "--params",
-         json.dumps({"config": config}), "--watch", "--watch-timeout", "900"],
-        cwd=REPO, env=slurm_pool, capture_output=True, text=True, timeout=1000,
+        [
+            str(VENV_BIN / "prefect"),
+            "deployment",
+            "run",
+            "end-to-end/slurm",
+            "--params",
+            json.dumps({"config": config}),
+            "--watch",
+            "--watch-timeout",
+            "900",
+        ],
+        cwd=REPO,
+        env=slurm_pool,
+        capture_output=True,
+        text=True,
+        timeout=1000,
     )
     worker_log = (tmp_path / "worker.log").read_text()[-3000:]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:] + worker_log

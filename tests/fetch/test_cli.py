@@ -19,7 +19,10 @@ def test_list_shows_names_and_urls(server, capsys):
     template = server.url("/train/chunk{chunk}/example_train_{shard}.jsonl.zst")
     assert run_cli(["--list", "--probe", template, "--chunks", "1-2", "--shards", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[1] for line in lines] == ["chunk1/example_train_1.jsonl.zst", "chunk2/example_train_1.jsonl.zst"]
+    assert [line.split()[1] for line in lines] == [
+        "chunk1/example_train_1.jsonl.zst",
+        "chunk2/example_train_1.jsonl.zst",
+    ]
     assert all(int(line.split()[0]) > 100_000 for line in lines)
     assert server.count() == 0  # --list never downloads
 

@@ -56,15 +56,23 @@ def test_faults_are_consumed_in_order_per_path(server, corpus):
     assert get(server, SHARD)[1]["ETag"] == '"v2"'
     assert get(server, SHARD)[2] == data
     assert [(r.path, r.attempt, r.status) for r in server.requests] == [
-        (SHARD, 1, 429), (other, 1, 200), (SHARD, 2, 200), (SHARD, 3, 200), (SHARD, 4, 200)
+        (SHARD, 1, 429),
+        (other, 1, 200),
+        (SHARD, 2, 200),
+        (SHARD, 3, 200),
+        (SHARD, 4, 200),
     ]
     assert server.count(SHARD) == 4 and server.count() == 5
 
 
 def test_reset_redirect_always_and_checksums(corpus):
     data = (corpus / SHARD.lstrip("/")).read_bytes()
-    with FaultServer(corpus, ranges=False, checksums=("x-linked-etag", "content-md5"), always={"/gone": Fault(status=410)}) as srv:
-        srv.add_faults(SHARD, Fault(reset_at=5000), Fault(redirect="http://elsewhere.example/x"), Fault(bad_checksum=True))
+    with FaultServer(
+        corpus, ranges=False, checksums=("x-linked-etag", "content-md5"), always={"/gone": Fault(status=410)}
+    ) as srv:
+        srv.add_faults(
+            SHARD, Fault(reset_at=5000), Fault(redirect="http://elsewhere.example/x"), Fault(bad_checksum=True)
+        )
         with pytest.raises((ConnectionResetError, http.client.HTTPException)):
             conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
             conn.request("GET", SHARD)

@@ -256,8 +256,13 @@ def test_secrets_never_in_errors_or_logs(server, tmp_path, map_hosts, hf_token):
     assert server.requests_for(missing)[0].headers["Authorization"] == f"Bearer {hf_token}"
     server.add_faults(SHARD, Fault(status=503), Fault(reset_at=10))
     with pytest.raises(FetchError) as err2:
-        download(server.url(SHARD, host="huggingface.co") + "?token=qsSECRET44", str(tmp_path / "y.zst"),
-                 retries=1, log=logs.append, **FAST)
+        download(
+            server.url(SHARD, host="huggingface.co") + "?token=qsSECRET44",
+            str(tmp_path / "y.zst"),
+            retries=1,
+            log=logs.append,
+            **FAST,
+        )
     text = " ".join([str(err.value), repr(err.value), str(err2.value), *logs])
     for secret in (hf_token, "sigSECRET42", "qsSECRET43", "qsSECRET44"):
         assert secret not in text

@@ -30,7 +30,11 @@ def test_template_expands_chunk_then_shard():
 
 def test_template_with_one_placeholder():
     sources = expand_sources("gs://b/raw/part-{shard}.jsonl", shards="8-10")
-    assert [s.url for s in sources] == ["gs://b/raw/part-8.jsonl", "gs://b/raw/part-9.jsonl", "gs://b/raw/part-10.jsonl"]
+    assert [s.url for s in sources] == [
+        "gs://b/raw/part-8.jsonl",
+        "gs://b/raw/part-9.jsonl",
+        "gs://b/raw/part-10.jsonl",
+    ]
     assert [s.name for s in sources] == ["part-8.jsonl", "part-9.jsonl", "part-10.jsonl"]
 
 

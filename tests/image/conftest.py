@@ -69,8 +69,11 @@ def plain_served(tmp_path, sqsh_image):
 def tmpfs(path: Path, options: str):
     """A real tmpfs mounted at ``path`` (root only); skips the test where mounting is not permitted."""
     path.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, f"nemoflow-test-{uuid.uuid4().hex[:6]}", str(path)],
-                            capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, f"nemoflow-test-{uuid.uuid4().hex[:6]}", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip() or result.returncode})")
     try:

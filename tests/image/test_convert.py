@@ -205,8 +205,20 @@ def test_missing_enroot_on_slurm_node_fails_clearly(registry_env, tmp_path, caps
         from nemoflow.cli import main
 
         started = time.monotonic()
-        code = main(["stage-image", "docker://nvcr.io/nvidia/nemo:25.02", "--convert", "--dest", str(dest),
-                     "--no-prefect", "--cpus-per-task", "1", "--time", "00:05:00"])  # fmt: skip
+        code = main(
+            [
+                "stage-image",
+                "docker://nvcr.io/nvidia/nemo:25.02",
+                "--convert",
+                "--dest",
+                str(dest),
+                "--no-prefect",
+                "--cpus-per-task",
+                "1",
+                "--time",
+                "00:05:00",
+            ]
+        )
         err = capsys.readouterr().err
         assert code == 2
         assert "enroot not found on the node (install enroot + pyxis, or stage a prebuilt .sqsh)" in err
@@ -223,8 +235,11 @@ def test_missing_enroot_on_slurm_node_fails_clearly(registry_env, tmp_path, caps
     env = dict(os.environ, NEMOFLOW_REGISTRY_PASSWORD=SECRET)
     done = subprocess.run(
         ["sbatch", "--wait", "--parsable", "-J", plan.spec.name, "-o", str(log), "-t", "00:02:00", plan.script_uri],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode != 0, done.stdout + done.stderr
     assert images.ENROOT_MISSING in log.read_text()
     assert SECRET not in log.read_text() and SECRET not in Path(plan.script_uri).read_text()

@@ -390,8 +390,12 @@ def test_progress_is_reported_during_long_copies(served, tmp_path, monkeypatch, 
     server, _ = served
     monkeypatch.setattr(images, "PROGRESS_EVERY", 256 << 10)
     reports: list[tuple[int, int | None]] = []
-    copy_image(server.url("nemo-test.sqsh"), str(tmp_path / "images"), chunk=64 << 10,
-               progress=lambda c, t: reports.append((c, t)))  # fmt: skip
+    copy_image(
+        server.url("nemo-test.sqsh"),
+        str(tmp_path / "images"),
+        chunk=64 << 10,
+        progress=lambda c, t: reports.append((c, t)),
+    )
     size = sqsh_image.stat().st_size
     assert len(reports) >= size // (256 << 10)
     assert [c for c, _ in reports] == sorted(c for c, _ in reports)

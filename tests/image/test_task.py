@@ -59,7 +59,7 @@ def test_local_backend_records_the_python_environment():
     assert any("is not staged" in line for line in lines)
     ref, facts = stage(None, backend="local")
     assert ref.kind == "python-env" and ref.uri == sys.executable
-    assert ref.source.startswith("Python %d.%d." % sys.version_info[:2])
+    assert ref.source.startswith("Python {}.{}.".format(*sys.version_info[:2]))
     frozen = subprocess.run([sys.executable, "-m", "pip", "freeze", "--all"], capture_output=True, text=True).stdout
     expected = hashlib.sha256("\n".join(sorted(line for line in frozen.splitlines() if line.strip())).encode())
     assert ref.checksum == "sha256:" + expected.hexdigest()

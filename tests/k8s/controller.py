@@ -17,8 +17,8 @@ import asyncio
 import datetime
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import aiohttp
 
@@ -55,9 +55,19 @@ class FakeCluster:
         self._seen: set[tuple] = set()
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
-        for resource in ("v1/pods", "v1/services", "batch/v1/jobs", "apps/v1/deployments", "v1/namespaces",
-                         "v1/secrets", "v1/serviceaccounts", "v1/persistentvolumeclaims", "v1/nodes", "kubeflow.org/v1/pytorchjobs",
-                         "serving.knative.dev/v1/services"):
+        for resource in (
+            "v1/pods",
+            "v1/services",
+            "batch/v1/jobs",
+            "apps/v1/deployments",
+            "v1/namespaces",
+            "v1/secrets",
+            "v1/serviceaccounts",
+            "v1/persistentvolumeclaims",
+            "v1/nodes",
+            "kubeflow.org/v1/pytorchjobs",
+            "serving.knative.dev/v1/services",
+        ):
             kmock.resources[resource] = {}
         kmock["get", re.compile(r"/api/v1/namespaces/[^/]+/pods/[^/]+/log")] << self._serve_log
         # kmock parses /api/v1/namespaces/NAME as "namespace NAME" without a resource, so
@@ -79,31 +89,44 @@ class FakeCluster:
 
     def add_pvc(self, name: str) -> None:
         self.kmock.objects["v1/persistentvolumeclaims", self.namespace, name] = {
-            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": self.namespace},
-            "spec": {"accessModes": ["ReadWriteMany"]}, "status": {"phase": "Bound"},
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": name, "namespace": self.namespace},
+            "spec": {"accessModes": ["ReadWriteMany"]},
+            "status": {"phase": "Bound"},
         }
 
     def add_service_account(self, name: str) -> None:
         self.kmock.objects["v1/serviceaccounts", self.namespace, name] = {
-            "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": self.namespace}}
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": name, "namespace": self.namespace},
+        }
 
     def add_secret(self, name: str, data: dict[str, str]) -> None:
         import base64
 
         self.kmock.objects["v1/secrets", self.namespace, name] = {
-            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": self.namespace},
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name, "namespace": self.namespace},
             "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
         }
 
     def add_node(self, name: str, gpus: int) -> None:
         self.kmock.objects["v1/nodes", None, name] = {
-            "apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name},
             "status": {"allocatable": {"cpu": "64", "memory": "512Gi", "nvidia.com/gpu": str(gpus)}},
         }
 
     def live(self, resource: str) -> list[dict]:
-        return [obj.raw for (res, _, _), obj in self.kmock.objects.items()
-                if f"{res.group}/{res.version}/{res.plural}".lstrip("/") == resource and not obj.deleted]
+        return [
+            obj.raw
+            for (res, _, _), obj in self.kmock.objects.items()
+            if f"{res.group}/{res.version}/{res.plural}".lstrip("/") == resource and not obj.deleted
+        ]
 
     # --- the control loop ---
     async def start(self) -> None:
@@ -154,14 +177,21 @@ class FakeCluster:
                 return True
         return False
 
-    async def _make_pod(self, owner: str, template: dict, index: int | None, suffix: str = "x7k2p",
-                        extra_labels: dict | None = None) -> str:
+    async def _make_pod(
+        self, owner: str, template: dict, index: int | None, suffix: str = "x7k2p", extra_labels: dict | None = None
+    ) -> str:
         name = f"{owner}-{index if index is not None else 0}-{suffix}"
-        labels = dict((template.get("metadata") or {}).get("labels") or {}, **{"job-name": owner}, **(extra_labels or {}))
+        labels = dict(
+            (template.get("metadata") or {}).get("labels") or {}, **{"job-name": owner}, **(extra_labels or {})
+        )
         annotations = {INDEX_ANNOTATION: str(index)} if index is not None and not extra_labels else {}
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": name, "namespace": self.namespace, "labels": labels, "annotations": annotations},
-               "spec": template["spec"], "status": {"phase": "Pending"}}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": self.namespace, "labels": labels, "annotations": annotations},
+            "spec": template["spec"],
+            "status": {"phase": "Pending"},
+        }
         async with self._session.post(f"/api/v1/namespaces/{self.namespace}/pods", json=pod) as r:
             assert r.status < 300, await r.text()
         return name
@@ -170,22 +200,64 @@ class FakeCluster:
         path = f"/api/v1/namespaces/{self.namespace}/pods/{name}"
         await asyncio.sleep(0.05)
         if script.unschedulable:
-            await self._patch(path, {"status": {"conditions": [{"type": "PodScheduled", "status": "False",
-                                                               "reason": "Unschedulable", "message": script.unschedulable}]}})
+            await self._patch(
+                path,
+                {
+                    "status": {
+                        "conditions": [
+                            {
+                                "type": "PodScheduled",
+                                "status": "False",
+                                "reason": "Unschedulable",
+                                "message": script.unschedulable,
+                            }
+                        ]
+                    }
+                },
+            )
             return await self._forever()
         if script.waiting:
             reason, message = script.waiting
-            await self._patch(path, {"status": {"containerStatuses": [{"name": container, "ready": False, "restartCount": 0,
-                                                                        "image": "x", "imageID": "",
-                                                                        "state": {"waiting": {"reason": reason, "message": message}}}]}})
+            await self._patch(
+                path,
+                {
+                    "status": {
+                        "containerStatuses": [
+                            {
+                                "name": container,
+                                "ready": False,
+                                "restartCount": 0,
+                                "image": "x",
+                                "imageID": "",
+                                "state": {"waiting": {"reason": reason, "message": message}},
+                            }
+                        ]
+                    }
+                },
+            )
             return await self._forever()
         self.logs[name] = []
         self.running.add(name)
         if script.cut_log_after:
             self.cut[name] = script.cut_log_after
-        await self._patch(path, {"status": {"phase": "Running", "containerStatuses": [
-            {"name": container, "ready": True, "restartCount": 0, "image": "x", "imageID": "",
-             "state": {"running": {"startedAt": "2026-11-29T20:00:00Z"}}}]}})
+        await self._patch(
+            path,
+            {
+                "status": {
+                    "phase": "Running",
+                    "containerStatuses": [
+                        {
+                            "name": container,
+                            "ready": True,
+                            "restartCount": 0,
+                            "image": "x",
+                            "imageID": "",
+                            "state": {"running": {"startedAt": "2026-11-29T20:00:00Z"}},
+                        }
+                    ],
+                }
+            },
+        )
         for line in script.logs:  # the workload writing its output
             self.logs[name].append((time.time(), line))
             await asyncio.sleep(script.line_delay_s)
@@ -193,9 +265,28 @@ class FakeCluster:
             return await self._forever()
         await asyncio.sleep(0.05)
         self.running.discard(name)
-        terminated = {"exitCode": script.exit_code, "reason": script.terminated_reason or ("Completed" if script.exit_code == 0 else "Error")}
-        await self._patch(path, {"status": {"phase": "Succeeded" if script.exit_code == 0 else "Failed", "containerStatuses": [
-            {"name": container, "ready": False, "restartCount": 0, "image": "x", "imageID": "", "state": {"terminated": terminated}}]}})
+        terminated = {
+            "exitCode": script.exit_code,
+            "reason": script.terminated_reason or ("Completed" if script.exit_code == 0 else "Error"),
+        }
+        await self._patch(
+            path,
+            {
+                "status": {
+                    "phase": "Succeeded" if script.exit_code == 0 else "Failed",
+                    "containerStatuses": [
+                        {
+                            "name": container,
+                            "ready": False,
+                            "restartCount": 0,
+                            "image": "x",
+                            "imageID": "",
+                            "state": {"terminated": terminated},
+                        }
+                    ],
+                }
+            },
+        )
         return script.exit_code == 0
 
     async def _forever(self) -> bool:
@@ -230,19 +321,48 @@ class FakeCluster:
                     self.running.discard(pod)
                     async with self._session.delete(f"/api/v1/namespaces/{self.namespace}/pods/{pod}"):
                         pass
-                await self._patch(path, {"status": {"active": 0, "conditions": [
-                    {"type": "Failed", "status": "True", "reason": "DeadlineExceeded",
-                     "message": "Job was active longer than specified deadline"}]}})
+                await self._patch(
+                    path,
+                    {
+                        "status": {
+                            "active": 0,
+                            "conditions": [
+                                {
+                                    "type": "Failed",
+                                    "status": "True",
+                                    "reason": "DeadlineExceeded",
+                                    "message": "Job was active longer than specified deadline",
+                                }
+                            ],
+                        }
+                    },
+                )
                 return
             if any(not t.result() for t in done):
                 for t in pending:
                     t.cancel()
-                await self._patch(path, {"status": {"active": 0, "failed": 1, "conditions": [
-                    {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
-                     "message": "Job has reached the specified backoff limit"}]}})
+                await self._patch(
+                    path,
+                    {
+                        "status": {
+                            "active": 0,
+                            "failed": 1,
+                            "conditions": [
+                                {
+                                    "type": "Failed",
+                                    "status": "True",
+                                    "reason": "BackoffLimitExceeded",
+                                    "message": "Job has reached the specified backoff limit",
+                                }
+                            ],
+                        }
+                    },
+                )
                 return
-        await self._patch(path, {"status": {"active": 0, "succeeded": completions, "conditions": [
-            {"type": "Complete", "status": "True"}]}})
+        await self._patch(
+            path,
+            {"status": {"active": 0, "succeeded": completions, "conditions": [{"type": "Complete", "status": "True"}]}},
+        )
 
     async def _drive_deployment(self, dep: dict) -> None:
         name = dep["metadata"]["name"]
@@ -257,8 +377,10 @@ class FakeCluster:
         pod_script.hang = True
         self._tasks.append(asyncio.create_task(self._run_pod(pod, container, pod_script)))
         await asyncio.sleep(0.1)
-        await self._patch(f"/apis/apps/v1/namespaces/{self.namespace}/deployments/{name}",
-                          {"status": {"replicas": 1, "updatedReplicas": 1, "readyReplicas": 1, "availableReplicas": 1}})
+        await self._patch(
+            f"/apis/apps/v1/namespaces/{self.namespace}/deployments/{name}",
+            {"status": {"replicas": 1, "updatedReplicas": 1, "readyReplicas": 1, "availableReplicas": 1}},
+        )
 
     async def _drive_pytorchjob(self, job: dict) -> None:
         """The training operator: one pod per replica (pytorch-master-0, pytorch-worker-N), then Succeeded/Failed."""
@@ -267,25 +389,49 @@ class FakeCluster:
         pods = []
         for rtype, replica in job["spec"]["pytorchReplicaSpecs"].items():
             for i in range(replica.get("replicas", 1)):
-                pods.append(await self._make_pod(name, replica["template"], i, suffix=rtype.lower(), extra_labels={
-                    "training.kubeflow.org/replica-type": rtype.lower(), "training.kubeflow.org/replica-index": str(i)}))
+                pods.append(
+                    await self._make_pod(
+                        name,
+                        replica["template"],
+                        i,
+                        suffix=rtype.lower(),
+                        extra_labels={
+                            "training.kubeflow.org/replica-type": rtype.lower(),
+                            "training.kubeflow.org/replica-index": str(i),
+                        },
+                    )
+                )
         container = "pytorch"
         results = await asyncio.gather(*(self._run_pod(p, container, script.pod(i)) for i, p in enumerate(pods)))
         path = f"/apis/kubeflow.org/v1/namespaces/{self.namespace}/pytorchjobs/{name}"
         if all(results):
-            condition = {"type": "Succeeded", "status": "True", "reason": "PyTorchJobSucceeded",
-                         "message": f"PyTorchJob {self.namespace}/{name} successfully completed."}
+            condition = {
+                "type": "Succeeded",
+                "status": "True",
+                "reason": "PyTorchJobSucceeded",
+                "message": f"PyTorchJob {self.namespace}/{name} successfully completed.",
+            }
         else:
-            condition = {"type": "Failed", "status": "True", "reason": "PyTorchJobFailed",
-                         "message": f"PyTorchJob {self.namespace}/{name} has failed because 1 Worker replica(s) failed."}
+            condition = {
+                "type": "Failed",
+                "status": "True",
+                "reason": "PyTorchJobFailed",
+                "message": f"PyTorchJob {self.namespace}/{name} has failed because 1 Worker replica(s) failed.",
+            }
         await self._patch(path, {"status": {"conditions": [condition]}})
 
     async def _drive_ksvc(self, ksvc: dict) -> None:
         name = ksvc["metadata"]["name"]
         await asyncio.sleep(0.1)
-        await self._patch(f"/apis/serving.knative.dev/v1/namespaces/{self.namespace}/services/{name}", {"status": {
-            "url": f"http://{name}.{self.namespace}.example.com",
-            "conditions": [{"type": "Ready", "status": "True"}]}})
+        await self._patch(
+            f"/apis/serving.knative.dev/v1/namespaces/{self.namespace}/services/{name}",
+            {
+                "status": {
+                    "url": f"http://{name}.{self.namespace}.example.com",
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                }
+            },
+        )
 
     # --- pod logs, like the kubelet: text/plain, ?follow, ?timestamps, ?sinceSeconds ---
     async def _serve_log(self, request):
@@ -294,8 +440,11 @@ class FakeCluster:
         name = request.name
         if name not in self.logs:
             # raised, not returned: a returned Response's status would stick to this reaction
-            raise kmock.KubernetesError(status=400, reason="BadRequest",
-                                        message=f'container in pod "{name}" is waiting to start: ContainerCreating')
+            raise kmock.KubernetesError(
+                status=400,
+                reason="BadRequest",
+                message=f'container in pod "{name}" is waiting to start: ContainerCreating',
+            )
         follow = request.params.get("follow") == "true"
         stamps = request.params.get("timestamps") == "true"
         since = request.params.get("sinceSeconds")
@@ -312,7 +461,7 @@ class FakeCluster:
                     i += 1
                     if written < cutoff:
                         continue
-                    stamp = datetime.datetime.fromtimestamp(written, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+                    stamp = datetime.datetime.fromtimestamp(written, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
                     yield ((stamp + " " if stamps else "") + text + "\n").encode()
                     sent += 1
                     if cut is not None and sent >= cut:

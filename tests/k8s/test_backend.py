@@ -67,13 +67,22 @@ async def test_multinode_job_gets_rendezvous_service_removed_after(ready, make_b
 @pytest.mark.parametrize(
     "pod, state, expected",
     [
-        (PodScript(logs=["allocating"], exit_code=137, terminated_reason="OOMKilled"), JobState.OUT_OF_MEMORY,
-         ["OOMKilled", "exit code 137", "BackoffLimitExceeded"]),
+        (
+            PodScript(logs=["allocating"], exit_code=137, terminated_reason="OOMKilled"),
+            JobState.OUT_OF_MEMORY,
+            ["OOMKilled", "exit code 137", "BackoffLimitExceeded"],
+        ),
         (PodScript(logs=["bad input"], exit_code=3), JobState.FAILED, ["BackoffLimitExceeded", "exit code 3"]),
-        (PodScript(waiting=("ImagePullBackOff", 'Back-off pulling image "nvcr.io/nvidia/nemo:99"')), JobState.FAILED,
-         ["ImagePullBackOff", 'Back-off pulling image "nvcr.io/nvidia/nemo:99"']),
-        (PodScript(unschedulable="0/4 nodes are available: 4 Insufficient nvidia.com/gpu."), JobState.FAILED,
-         ["Unschedulable", "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."]),
+        (
+            PodScript(waiting=("ImagePullBackOff", 'Back-off pulling image "nvcr.io/nvidia/nemo:99"')),
+            JobState.FAILED,
+            ["ImagePullBackOff", 'Back-off pulling image "nvcr.io/nvidia/nemo:99"'],
+        ),
+        (
+            PodScript(unschedulable="0/4 nodes are available: 4 Insufficient nvidia.com/gpu."),
+            JobState.FAILED,
+            ["Unschedulable", "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."],
+        ),
     ],
     ids=["oom", "exit-code", "image-pull", "unschedulable"],
 )
@@ -132,8 +141,17 @@ async def test_expired_watch_410_is_relisted(ready, make_backend):
     def gone(request):
         watches.append(1)
         if len(watches) == 1:
-            return ({"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired",
-                                                  "message": "too old resource version"}},)
+            return (
+                {
+                    "type": "ERROR",
+                    "object": {
+                        "kind": "Status",
+                        "code": 410,
+                        "reason": "Expired",
+                        "message": "too old resource version",
+                    },
+                },
+            )
         return None
 
     ready.kmock[km.action.WATCH, km.resource("batch/v1/jobs")] << gone
@@ -144,15 +162,22 @@ async def test_expired_watch_410_is_relisted(ready, make_backend):
 
 async def test_foreign_object_with_same_name_is_an_error(ready, make_backend):
     backend = make_backend(ready)
-    obj = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x-1", "namespace": "team",
-                                                                  "labels": {"nemoflow.dev/run": "other"}}}
+    obj = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "x-1", "namespace": "team", "labels": {"nemoflow.dev/run": "other"}},
+    }
     ready.kmock.objects["batch/v1/jobs", "team", "x-1"] = obj
     with pytest.raises(RuntimeError, match="belongs to another run"):
-        await asyncio.to_thread(backend._create, dict(obj, metadata=dict(obj["metadata"], labels={"nemoflow.dev/run": "mine"})), "mine")
+        await asyncio.to_thread(
+            backend._create, dict(obj, metadata=dict(obj["metadata"], labels={"nemoflow.dev/run": "mine"})), "mine"
+        )
 
 
 def test_unreachable_api_server_is_a_clear_error(k8s_options):
-    backend = KubernetesBackend(k8s_options, api_client=api_client_for_url("http://127.0.0.1:9"), retries=1, backoff_s=0.01)
+    backend = KubernetesBackend(
+        k8s_options, api_client=api_client_for_url("http://127.0.0.1:9"), retries=1, backoff_s=0.01
+    )
     with pytest.raises(KubernetesUnavailable, match=r"http://127.0.0.1:9 unreachable after 2 attempts"):
         backend.run(spec())
 
@@ -180,8 +205,11 @@ async def test_preflight_names_what_is_missing(cluster, make_backend, missing, m
     elif missing != "secret":
         cluster.add_secret("nemoflow-secrets", {"HF_TOKEN": "x", "WANDB_API_KEY": "y"})
     cluster.add_node("gpu-a", 8)
-    job = spec("train", secret_env=["HF_TOKEN", "WANDB_API_KEY"],
-               resources=Resources(gpus_per_node=16 if missing == "gpus" else 8))
+    job = spec(
+        "train",
+        secret_env=["HF_TOKEN", "WANDB_API_KEY"],
+        resources=Resources(gpus_per_node=16 if missing == "gpus" else 8),
+    )
     with pytest.raises(PreflightError) as info:
         await asyncio.to_thread(make_backend(cluster).run, job)
     assert message in str(info.value)
@@ -190,8 +218,13 @@ async def test_preflight_names_what_is_missing(cluster, make_backend, missing, m
 
 async def test_inference_service_start_and_stop(ready, make_backend):
     backend = make_backend(ready)
-    serve = ServiceSpec(name="llm-serve", command=["python", "-m", "workloads.serve"], port=8000,
-                        container_image=IMAGE, resources=Resources(gpus_per_node=2))
+    serve = ServiceSpec(
+        name="llm-serve",
+        command=["python", "-m", "workloads.serve"],
+        port=8000,
+        container_image=IMAGE,
+        resources=Resources(gpus_per_node=2),
+    )
     url = await asyncio.to_thread(backend.start_service, serve)
     assert url == "http://llm-serve.team.svc.cluster.local:8000"
     dep = ready.live("apps/v1/deployments")[0]
@@ -205,7 +238,9 @@ async def test_inference_service_start_and_stop(ready, make_backend):
 
 
 async def test_unschedulable_service_fails_with_scheduler_message(ready, make_backend):
-    ready.scripts["llm-serve"] = JobScript(pod=lambda i: PodScript(unschedulable="0/2 nodes are available: 2 Insufficient nvidia.com/gpu."))
+    ready.scripts["llm-serve"] = JobScript(
+        pod=lambda i: PodScript(unschedulable="0/2 nodes are available: 2 Insufficient nvidia.com/gpu.")
+    )
     backend = make_backend(ready, pending_timeout_s=0.3)
     serve = ServiceSpec(name="llm-serve", command=["x"], port=8000, container_image=IMAGE)
     with pytest.raises(RuntimeError, match="0/2 nodes are available"):
@@ -234,8 +269,13 @@ async def test_interrupted_run_deletes_job_and_pods(ready):
     """Ctrl-C (or a Prefect cancellation) in the process running the job leaves no Job and no pod behind."""
     ready.scripts["train"] = JobScript(pod=lambda i: PodScript(logs=[f"step 1 of rank {i}"], hang=True))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CANCEL_SCRIPT, ready.url, cwd=os.getcwd(),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        sys.executable,
+        "-c",
+        CANCEL_SCRIPT,
+        ready.url,
+        cwd=os.getcwd(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
     seen = b""
     async with asyncio.timeout(30):
@@ -282,11 +322,15 @@ def test_cleanup_failure_is_reported_not_raised(k8s_options):
     what could not be deleted is named in the log."""
     backend = KubernetesBackend(k8s_options, api_client=api_client_for_url("http://127.0.0.1:9"), retries=0)
     lines: list[str] = []
-    created = [{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "train-ab12cd"}},
-               {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "train-ab12cd"}}]
+    created = [
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "train-ab12cd"}},
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "train-ab12cd"}},
+    ]
     backend._clean_up(created, "ab12cd", everything=True, emit=lines.append)
     assert len(lines) == 1 and "remove by hand in namespace team" in lines[0]
-    assert "Job/train-ab12cd" in lines[0] and "Service/train-ab12cd" in lines[0] and "nemoflow.dev/run=ab12cd" in lines[0]
+    assert (
+        "Job/train-ab12cd" in lines[0] and "Service/train-ab12cd" in lines[0] and "nemoflow.dev/run=ab12cd" in lines[0]
+    )
 
 
 async def test_log_stream_cut_midway_resumes_without_loss_or_repeats(ready, make_backend):
@@ -307,7 +351,10 @@ def test_get_backend_takes_option_fields_and_rejects_unknown_ones(monkeypatch):
     monkeypatch.setenv("NEMOFLOW_K8S_SCHEDULER_NAME", "runai-scheduler")
     backend = get_backend("k8s", namespace="llm", pvc_name="shared")
     assert (backend.options.namespace, backend.options.pvc_name, backend.options.scheduler_name) == (
-        "llm", "shared", "runai-scheduler")
+        "llm",
+        "shared",
+        "runai-scheduler",
+    )
     with pytest.raises(ValueError, match="namespaec"):
         get_backend("k8s", namespaec="llm")
 
@@ -379,8 +426,13 @@ async def test_api_outage_while_waiting_is_tolerated(ready, make_backend):
 
 
 def test_api_outage_longer_than_tolerated_raises(k8s_options):
-    backend = KubernetesBackend(k8s_options, api_client=api_client_for_url("http://127.0.0.1:9"), retries=0,
-                                backoff_s=0.01, api_outage_tolerance_s=0.2)
+    backend = KubernetesBackend(
+        k8s_options,
+        api_client=api_client_for_url("http://127.0.0.1:9"),
+        retries=0,
+        backoff_s=0.01,
+        api_outage_tolerance_s=0.2,
+    )
     cancel = __import__("threading").Event()
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "train-ab12cd"}}
     lines: list[str] = []
@@ -396,13 +448,20 @@ async def test_stage_helper_run_job_drives_the_k8s_backend(ready, caplog):
     from infra.jobs import JobFailed
     from tasks.common import run_job
 
-    opts = dict(api_client=api_client_for_url(ready.url), namespace="team", pvc_name="workspace",
-                watch_timeout_s=0.5, backoff_s=0.05)
+    opts = dict(
+        api_client=api_client_for_url(ready.url),
+        namespace="team",
+        pvc_name="workspace",
+        watch_timeout_s=0.5,
+        backoff_s=0.05,
+    )
     ready.scripts["tok"] = JobScript(pod=lambda i: PodScript(logs=[f"shard {i} done"]))
     with caplog.at_level(logging.INFO, logger="nemoflow"):
         result = await asyncio.to_thread(run_job, spec(array_size=2), "k8s", **opts)
     assert result.state is JobState.COMPLETED and "[1] shard 1 done" in caplog.text
-    ready.scripts["tok"] = JobScript(pod=lambda i: PodScript(logs=["killed"], exit_code=137, terminated_reason="OOMKilled"))
+    ready.scripts["tok"] = JobScript(
+        pod=lambda i: PodScript(logs=["killed"], exit_code=137, terminated_reason="OOMKilled")
+    )
     with pytest.raises(JobFailed, match="ended out_of_memory with exit code 137: OOMKilled"):
         await asyncio.to_thread(run_job, spec(), "k8s", **opts)
 

@@ -14,7 +14,9 @@ from infra.k8s.config import KubeConfigError, api_client
 
 def kubeconfig(url: str) -> dict:
     return {
-        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "kmock",
         "clusters": [{"name": "kmock", "cluster": {"server": url}}],
         "users": [{"name": "ci", "user": {"token": "not-a-real-token"}}],
         "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "ci"}}],
@@ -46,8 +48,12 @@ async def test_prefect_credentials_block_drives_a_run(ready, k8s_options):
 
     from infra.k8s.config import client_from_credentials
 
-    block = KubernetesCredentials(cluster_config=KubernetesClusterConfig(config=kubeconfig(ready.url), context_name="kmock"))
-    backend = KubernetesBackend(k8s_options, api_client=client_from_credentials(block), watch_timeout_s=0.5, backoff_s=0.05)
+    block = KubernetesCredentials(
+        cluster_config=KubernetesClusterConfig(config=kubeconfig(ready.url), context_name="kmock")
+    )
+    backend = KubernetesBackend(
+        k8s_options, api_client=client_from_credentials(block), watch_timeout_s=0.5, backoff_s=0.05
+    )
     spec = JobSpec(name="blk", command=["true"], container_image="nvcr.io/nvidia/nemo:25.02")
     result = await asyncio.to_thread(backend.run, spec)
     assert result.state is JobState.COMPLETED

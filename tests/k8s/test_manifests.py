@@ -30,16 +30,26 @@ PYTORCHJOB_SCHEMA = json.loads((HERE / "schemas" / "pytorchjob-kubeflow-v1.schem
 CONFIGS = {
     "default": {},
     "gpu-multinode": {
-        "nodes": 4, "gpus_per_node": 8, "tensor_parallel": 2, "file_groups": 16, "mem": "480G",
+        "nodes": 4,
+        "gpus_per_node": 8,
+        "tensor_parallel": 2,
+        "file_groups": 16,
+        "mem": "480G",
         "k8s": {
-            "namespace": "llm", "scheduler_name": "runai-scheduler", "service_account": "nemoflow",
-            "image_pull_secrets": ["ngc"], "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+            "namespace": "llm",
+            "scheduler_name": "runai-scheduler",
+            "service_account": "nemoflow",
+            "image_pull_secrets": ["ngc"],
+            "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-            "shm_size": "64Gi", "pvc_storage_class": "standard-rwx",
+            "shm_size": "64Gi",
+            "pvc_storage_class": "standard-rwx",
         },
     },
     "pytorchjob-knative": {
-        "nodes": 2, "gpus_per_node": 8, "tensor_parallel": 8,
+        "nodes": 2,
+        "gpus_per_node": 8,
+        "tensor_parallel": 8,
         "k8s": {"training_kind": "pytorchjob", "inference_kind": "knative", "shm": False, "pvc_name": "shared"},
     },
 }
@@ -60,7 +70,9 @@ def validate(obj: dict) -> None:
     if obj["kind"] == "PyTorchJob":
         jsonschema.validate(obj, PYTORCHJOB_SCHEMA)
         for replica in obj["spec"]["pytorchReplicaSpecs"].values():
-            validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": replica["template"]})
+            validate(
+                {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": replica["template"]}
+            )
         return
     if obj["apiVersion"] == "serving.knative.dev/v1":
         template = obj["spec"]["template"]
@@ -90,8 +102,15 @@ def test_strict_validation_rejects_an_unknown_field():
     broken["spec"]["template"]["spec"]["completions"] = 1
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, VERSIONS[-1], strict=True)
-    bad_pytorch = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "p"},
-                   "spec": {"nprocPerNode": 8, "pytorchReplicaSpecs": {"Master": {"template": {"spec": {"containers": [{"name": "pytorch"}]}}}}}}
+    bad_pytorch = {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": "p"},
+        "spec": {
+            "nprocPerNode": 8,
+            "pytorchReplicaSpecs": {"Master": {"template": {"spec": {"containers": [{"name": "pytorch"}]}}}},
+        },
+    }
     with pytest.raises(jsonschema.ValidationError, match="is not of type 'string'"):
         jsonschema.validate(bad_pytorch, PYTORCHJOB_SCHEMA)
 
@@ -181,8 +200,13 @@ def test_render_rejects_bad_input_naming_it(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "image",
-    ["nvcr.io/nvidia/nemo:25.02", "nemo", "localhost:5000/team/nemo:dev-1",
-     "nvcr.io/nvidia/nemo@sha256:" + "a" * 64, "ghcr.io/org/img:1.0@sha256:" + "0123456789abcdef" * 4],
+    [
+        "nvcr.io/nvidia/nemo:25.02",
+        "nemo",
+        "localhost:5000/team/nemo:dev-1",
+        "nvcr.io/nvidia/nemo@sha256:" + "a" * 64,
+        "ghcr.io/org/img:1.0@sha256:" + "0123456789abcdef" * 4,
+    ],
 )
 def test_valid_image_references(image):
     assert validate_image_reference(image) == image
@@ -190,9 +214,14 @@ def test_valid_image_references(image):
 
 @pytest.mark.parametrize(
     "image, hint",
-    [("nvcr.io/nvidia/NeMo:25.02", "not [registry/]"), ("nemo@sha256:abc", "64 lowercase hex"),
-     ("/images/nemo.sqsh", "enroot"), ("docker://nvcr.io/nvidia/nemo:25.02", "scheme"), ("nemo:", "not [registry/]"),
-     (" nemo", "surrounding spaces")],
+    [
+        ("nvcr.io/nvidia/NeMo:25.02", "not [registry/]"),
+        ("nemo@sha256:abc", "64 lowercase hex"),
+        ("/images/nemo.sqsh", "enroot"),
+        ("docker://nvcr.io/nvidia/nemo:25.02", "scheme"),
+        ("nemo:", "not [registry/]"),
+        (" nemo", "surrounding spaces"),
+    ],
 )
 def test_invalid_image_references_say_why(image, hint):
     with pytest.raises(InvalidImageReference) as info:
@@ -204,9 +233,13 @@ def test_memory_quantities_and_mounts():
     assert k8s_quantity("16G") == "16Gi" and k8s_quantity("512M") == "512Mi" and k8s_quantity("1024") == "1024"
     with pytest.raises(ValueError, match="16 gigs"):
         k8s_quantity("16 gigs")
-    inside = JobSpec(name="m", command=["x"], mounts=[Mount(source="/nemo-workspace/data", target="/data", read_only=True)])
+    inside = JobSpec(
+        name="m", command=["x"], mounts=[Mount(source="/nemo-workspace/data", target="/data", read_only=True)]
+    )
     pod = to_dict(job_objects(inside, K8sOptions())[0])["spec"]["template"]["spec"]
-    assert {"name": "workspace", "mountPath": "/data", "subPath": "data", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+    assert {"name": "workspace", "mountPath": "/data", "subPath": "data", "readOnly": True} in pod["containers"][0][
+        "volumeMounts"
+    ]
     outside = JobSpec(name="m", command=["x"], mounts=[Mount(source="/scratch/data", target="/data")])
     with pytest.raises(ValueError, match="/scratch/data"):
         job_objects(outside, K8sOptions())

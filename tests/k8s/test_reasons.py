@@ -7,18 +7,31 @@ from infra.k8s import reasons
 
 
 def pod(name="train-0-abcde", *, state=None, last_state=None, conditions=None, phase="Running", **status):
-    cs = {"name": "main", "ready": False, "restartCount": 0, "image": "nvcr.io/nvidia/nemo:25.02", "imageID": "",
-          "state": state or {}, "lastState": last_state or {}}
-    return {"metadata": {"name": name}, "status": {"phase": phase, "conditions": conditions or [],
-                                                   "containerStatuses": [cs], **status}}
+    cs = {
+        "name": "main",
+        "ready": False,
+        "restartCount": 0,
+        "image": "nvcr.io/nvidia/nemo:25.02",
+        "imageID": "",
+        "state": state or {},
+        "lastState": last_state or {},
+    }
+    return {
+        "metadata": {"name": name},
+        "status": {"phase": phase, "conditions": conditions or [], "containerStatuses": [cs], **status},
+    }
 
 
 def job(*conditions):
     return {"metadata": {"name": "train"}, "status": {"conditions": list(conditions)}}
 
 
-FAILED_BACKOFF = {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
-                  "message": "Job has reached the specified backoff limit"}
+FAILED_BACKOFF = {
+    "type": "Failed",
+    "status": "True",
+    "reason": "BackoffLimitExceeded",
+    "message": "Job has reached the specified backoff limit",
+}
 OOM = {"terminated": {"exitCode": 137, "reason": "OOMKilled", "containerID": "containerd://1f"}}
 
 
@@ -53,8 +66,12 @@ def test_sigkill_without_oom_reason_is_a_plain_failure():
 
 
 def test_deadline_is_timeout():
-    deadline = {"type": "Failed", "status": "True", "reason": "DeadlineExceeded",
-                "message": "Job was active longer than specified deadline"}
+    deadline = {
+        "type": "Failed",
+        "status": "True",
+        "reason": "DeadlineExceeded",
+        "message": "Job was active longer than specified deadline",
+    }
     verdict = reasons.job_verdict(job(deadline), [])
     assert verdict.state is JobState.TIMEOUT
     assert verdict.reason == "DeadlineExceeded: Job was active longer than specified deadline"
@@ -73,21 +90,39 @@ def test_evicted_pod_reason():
 
 
 def test_image_pull_and_config_errors_are_fatal_while_waiting():
-    pulling = pod(state={"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "nvcr.io/x:1"'}},
-                  phase="Pending")
-    assert reasons.fatal_waiting(pulling) == 'ImagePullBackOff in pod train-0-abcde: Back-off pulling image "nvcr.io/x:1"'
-    secret = pod(state={"waiting": {"reason": "CreateContainerConfigError",
-                                    "message": 'secret "nemoflow-secrets" not found'}}, phase="Pending")
+    pulling = pod(
+        state={"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "nvcr.io/x:1"'}},
+        phase="Pending",
+    )
+    assert (
+        reasons.fatal_waiting(pulling) == 'ImagePullBackOff in pod train-0-abcde: Back-off pulling image "nvcr.io/x:1"'
+    )
+    secret = pod(
+        state={"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "nemoflow-secrets" not found'}},
+        phase="Pending",
+    )
     assert 'secret "nemoflow-secrets" not found' in reasons.fatal_waiting(secret)
     creating = pod(state={"waiting": {"reason": "ContainerCreating"}}, phase="Pending")
     assert reasons.fatal_waiting(creating) is None
 
 
 def test_unschedulable_carries_the_scheduler_message():
-    message = ("0/3 nodes are available: 3 Insufficient nvidia.com/gpu. preemption: 0/3 nodes are available: "
-               "3 No preemption victims found for incoming pod.")
-    pending = pod(phase="Pending", conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                                "message": message, "lastProbeTime": None}])
+    message = (
+        "0/3 nodes are available: 3 Insufficient nvidia.com/gpu. preemption: 0/3 nodes are available: "
+        "3 No preemption victims found for incoming pod."
+    )
+    pending = pod(
+        phase="Pending",
+        conditions=[
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": message,
+                "lastProbeTime": None,
+            }
+        ],
+    )
     assert reasons.unschedulable(pending) == f"Unschedulable: pod train-0-abcde: {message}"
     scheduled = pod(conditions=[{"type": "PodScheduled", "status": "True"}])
     assert reasons.unschedulable(scheduled) is None
@@ -108,23 +143,36 @@ def test_log_cursor_skips_exactly_what_was_emitted():
     assert [cursor.accept(line) for line in first] == ["a", "b", "c"]
     cursor.resume()
     # the re-requested log overlaps: same lines again (one written in another offset), then new ones
-    again = ["2026-11-29T20:00:00.1Z a", "2026-11-29T21:00:00.12+01:00 b", "2026-11-29T20:00:00.12Z c",
-             "2026-11-29T20:00:00.12Z d", "2026-11-29T20:00:01Z e"]
+    again = [
+        "2026-11-29T20:00:00.1Z a",
+        "2026-11-29T21:00:00.12+01:00 b",
+        "2026-11-29T20:00:00.12Z c",
+        "2026-11-29T20:00:00.12Z d",
+        "2026-11-29T20:00:01Z e",
+    ]
     assert [cursor.accept(line) for line in again] == [None, None, None, "d", "e"]
     assert cursor.accept("no timestamp here") == "no timestamp here"
 
 
 def test_crash_loop_names_the_last_exit():
-    looping = pod(state={"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s restarting failed container"}},
-                  last_state={"terminated": {"exitCode": 1, "reason": "Error"}})
+    looping = pod(
+        state={"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s restarting failed container"}},
+        last_state={"terminated": {"exitCode": 1, "reason": "Error"}},
+    )
     assert reasons.crash_looping(looping) == "CrashLoopBackOff in pod train-0-abcde: last exit Error (exit code 1)"
     assert reasons.crash_looping(pod(state={"running": {}})) is None
 
 
 def test_the_first_rank_to_fail_is_the_reason():
-    victim = pod("train-0-aaaaa", phase="Failed", state={"terminated": {
-        "exitCode": 143, "reason": "Error", "finishedAt": "2026-11-29T20:00:09Z"}})
-    culprit = pod("train-1-bbbbb", phase="Failed", state={"terminated": {
-        "exitCode": 1, "reason": "Error", "finishedAt": "2026-11-29T20:00:02Z"}})
+    victim = pod(
+        "train-0-aaaaa",
+        phase="Failed",
+        state={"terminated": {"exitCode": 143, "reason": "Error", "finishedAt": "2026-11-29T20:00:09Z"}},
+    )
+    culprit = pod(
+        "train-1-bbbbb",
+        phase="Failed",
+        state={"terminated": {"exitCode": 1, "reason": "Error", "finishedAt": "2026-11-29T20:00:02Z"}},
+    )
     verdict = reasons.job_verdict(job(FAILED_BACKOFF), [victim, culprit])
     assert verdict.exit_code == 1 and "pod train-1-bbbbb" in verdict.reason

@@ -92,10 +92,15 @@ def test_rendered_job_carries_workspace_gpus_scheduler_and_secret_refs(job):
     assert {"name": "workspace", "mountPath": "/nemo-workspace"} in main["volumeMounts"]
     assert main["resources"]["limits"]["nvidia.com/gpu"] == 1
     env = {e["name"]: e for e in main["env"]}
-    assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-and-wandb", "key": "HF_TOKEN", "optional": True}}}
+    assert env["HF_TOKEN"] == {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "hf-and-wandb", "key": "HF_TOKEN", "optional": True}},
+    }
     assert env["WANDB_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "hf-and-wandb"
     # the flow run's own backend settings point at the same namespace, PVC and Secret
-    assert env["NEMOFLOW_K8S_NAMESPACE"]["value"] == "llm" and env["NEMOFLOW_K8S_SECRET_NAME"]["value"] == "hf-and-wandb"
+    assert (
+        env["NEMOFLOW_K8S_NAMESPACE"]["value"] == "llm" and env["NEMOFLOW_K8S_SECRET_NAME"]["value"] == "hf-and-wandb"
+    )
     assert env["NEMOFLOW_WORK_DIR"]["value"] == "/nemo-workspace/work", "deployment env still reaches the pod"
     assert env["PREFECT__FLOW_RUN_ID"]["value"]
 

@@ -44,9 +44,21 @@ def tiny_checkpoint(tmp_path_factory, mixtral_tokenizer_model) -> Path:
 
 def serve_command(checkpoint: Path, port: int, model_name: str = MODEL_NAME, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "workloads.serve", "--checkpoint", str(checkpoint), "--port", str(port),
-        "--host", "127.0.0.1", "--model-name", model_name, "--threads", "1", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "workloads.serve",
+        "--checkpoint",
+        str(checkpoint),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--model-name",
+        model_name,
+        "--threads",
+        "1",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="session")

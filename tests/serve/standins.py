@@ -45,11 +45,24 @@ def main() -> None:
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
             if args.mode == "slow":
                 time.sleep(30)
-            choice = {"index": 0, "text": "" if args.mode == "empty" else " and the earth", "finish_reason": "stop",
-                      "logprobs": None}  # fmt: skip
+            choice = {
+                "index": 0,
+                "text": "" if args.mode == "empty" else " and the earth",
+                "finish_reason": "stop",
+                "logprobs": None,
+            }
             usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
-            self._json(200, {"id": "cmpl-x", "object": "text_completion", "created": 0, "model": "standin",
-                             "choices": [choice], "usage": usage})  # fmt: skip
+            self._json(
+                200,
+                {
+                    "id": "cmpl-x",
+                    "object": "text_completion",
+                    "created": 0,
+                    "model": "standin",
+                    "choices": [choice],
+                    "usage": usage,
+                },
+            )
 
     print(f"standin {args.mode} on {args.port}", flush=True)
     ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()

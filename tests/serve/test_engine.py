@@ -17,9 +17,16 @@ def tiny_mixtral(tmp_path_factory, mixtral_tokenizer_model):
     torch.manual_seed(99)
     dest = tmp_path_factory.mktemp("ckpt") / "tiny-mixtral"
     config = MixtralConfig(
-        vocab_size=32000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
-    )  # fmt: skip
+        vocab_size=32000,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+    )
     MixtralForCausalLM(config).save_pretrained(dest)
     shutil.copyfile(mixtral_tokenizer_model, dest / "tokenizer.model")
     return dest

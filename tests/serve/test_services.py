@@ -85,8 +85,11 @@ def test_stop_from_another_process_kills_the_whole_group(work_dir, cleanup, tmp_
     # `nemoflow serve stop` runs in a separate process: it finds the server through the registry
     result = subprocess.run(
         [sys.executable, "-m", "nemoflow.cli", "serve", "stop", "grouped"],
-        capture_output=True, text=True, env=dict(os.environ), timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert "grouped: stopped" in result.stdout
     time.sleep(0.2)

@@ -155,8 +155,12 @@ def test_flow_run_terminated_before_ready_leaves_no_server(prefect_server, work_
     repo = str(Path(__file__).resolve().parents[2])
     runner = subprocess.Popen(
         [sys.executable, "-c", CANCELLED_DEPLOY, str(free_port()), str(tmp_path / "logs")],
-        cwd=repo, env=dict(os.environ, PYTHONPATH=repo), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=repo,
+        env=dict(os.environ, PYTHONPATH=repo),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 90
     entry = None
     while entry is None and time.monotonic() < deadline and runner.poll() is None:

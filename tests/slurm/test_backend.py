@@ -32,10 +32,17 @@ def py(code: str) -> list[str]:
 def test_same_jobspec_runs_unchanged_on_local_and_slurm(backend, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    code = ("import os, pathlib; print('cwd', os.getcwd()); print('stage', os.environ['STAGE']);"
-            "pathlib.Path('out.txt').write_text('written by ' + os.environ['STAGE'])")
-    spec = JobSpec(name="same-spec", command=py(code), env={"STAGE": "train-1"}, workdir=str(work),
-                   resources=Resources(cpus_per_task=1, mem="256M", time="00:05:00"))
+    code = (
+        "import os, pathlib; print('cwd', os.getcwd()); print('stage', os.environ['STAGE']);"
+        "pathlib.Path('out.txt').write_text('written by ' + os.environ['STAGE'])"
+    )
+    spec = JobSpec(
+        name="same-spec",
+        command=py(code),
+        env={"STAGE": "train-1"},
+        workdir=str(work),
+        resources=Resources(cpus_per_task=1, mem="256M", time="00:05:00"),
+    )
     local = LocalBackend().run(spec)
     slurm = backend.run(spec)
     assert local.state is slurm.state is JobState.COMPLETED
@@ -77,8 +84,11 @@ def test_workload_out_of_memory_exit_code_maps_like_the_local_backend(backend):
 
 
 def test_gpu_request_gets_fake_gpus(backend):
-    spec = JobSpec(name="gpu-job", command=py("import os; print('gpus', os.environ.get('CUDA_VISIBLE_DEVICES'))"),
-                   resources=Resources(gpus_per_node=2))
+    spec = JobSpec(
+        name="gpu-job",
+        command=py("import os; print('gpus', os.environ.get('CUDA_VISIBLE_DEVICES'))"),
+        resources=Resources(gpus_per_node=2),
+    )
     result = backend.run(spec)
     assert result.state is JobState.COMPLETED
     assert "gpus 0,1" in result.log_tail
@@ -118,7 +128,10 @@ def test_unknown_partition_fails_before_submission_listing_real_ones(slurm, tmp_
         (Resources(gpus_per_node=16), r"16 GPUs per node requested but partition 'gpu' has 4 GPUs"),
         (Resources(mem="100000G"), r"mem=100000G .* largest node in partition 'cpu' has \d+ MB"),
         (Resources(nodes=3), r"3 nodes requested but partition 'cpu' has 1"),
-        (Resources(time="10:00:00", gpus_per_node=1), r"time=10:00:00 exceeds the MaxTime of partition 'gpu' \(02:00:00\)"),
+        (
+            Resources(time="10:00:00", gpus_per_node=1),
+            r"time=10:00:00 exceeds the MaxTime of partition 'gpu' \(02:00:00\)",
+        ),
     ],
 )
 def test_impossible_requests_fail_with_the_limit(backend, resources, message):
@@ -136,8 +149,12 @@ def test_impossible_request_without_preflight_is_refused_by_slurm(backend):
 
 
 def test_missing_container_image_fails_before_submission(backend, tmp_path):
-    spec = JobSpec(name="nemo", command=["python", "train.py"], container_image=str(tmp_path / "nemo.sqsh"),
-                   mounts=[Mount(source=str(tmp_path), target="/data")])
+    spec = JobSpec(
+        name="nemo",
+        command=["python", "train.py"],
+        container_image=str(tmp_path / "nemo.sqsh"),
+        mounts=[Mount(source=str(tmp_path), target="/data")],
+    )
     with pytest.raises(SlurmPreflightError, match=r"container image '.*nemo.sqsh' does not exist"):
         backend.run(spec)
 
@@ -258,8 +275,7 @@ def _checkpointed(tmp_path: Path, target: int) -> tuple[Path, Path]:
 def test_timeout_is_resubmitted_and_resumes_from_checkpoint(backend, tmp_path):
     script, ckpt = _checkpointed(tmp_path, 200)
     lines: list[str] = []
-    spec = JobSpec(name="time-limited", command=[PY, str(script), str(ckpt), "200"],
-                   resources=Resources(time="1"))
+    spec = JobSpec(name="time-limited", command=[PY, str(script), str(ckpt), "200"], resources=Resources(time="1"))
     backend.options.max_resubmits = 3
     result = _run_with_fast_resume(backend, spec, lines)
     assert result.state is JobState.COMPLETED and result.attempts == 2
@@ -300,8 +316,9 @@ def test_requeued_job_restarts_and_resumes(backend, tmp_path):
     result_box = {}
 
     def run():
-        result_box["r"] = backend.run(JobSpec(name="requeued", command=[PY, str(script), str(ckpt), "60"]),
-                                      lines.append)
+        result_box["r"] = backend.run(
+            JobSpec(name="requeued", command=[PY, str(script), str(ckpt), "60"]), lines.append
+        )
         done.set()
 
     thread = threading.Thread(target=run)
@@ -330,8 +347,13 @@ def test_service_runs_as_a_job_until_stopped(backend, tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     (tmp_path / "health").write_text("ok")
-    spec = ServiceSpec(name="svc-http", command=[PY, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-                       port=port, health_path="/health", workdir=str(tmp_path))
+    spec = ServiceSpec(
+        name="svc-http",
+        command=[PY, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        port=port,
+        health_path="/health",
+        workdir=str(tmp_path),
+    )
     url = backend.start_service(spec, ready_timeout_s=120)
     try:
         assert url == f"http://127.0.0.1:{port}"  # the node's NodeAddr
@@ -356,5 +378,7 @@ def test_unreachable_controller_is_a_clear_error(slurm, tmp_path, monkeypatch):
         fh.write("SlurmctldPort=1\n")  # nothing listens there
     monkeypatch.setenv("SLURM_CONF", str(conf / "slurm.conf"))
     b = SlurmBackend(log_dir=str(tmp_path / "logs"), cli=SlurmCLI(retries=0))
-    with pytest.raises(SlurmUnavailable, match="the Slurm controller is unreachable: .*Unable to contact slurm controller"):
+    with pytest.raises(
+        SlurmUnavailable, match="the Slurm controller is unreachable: .*Unable to contact slurm controller"
+    ):
         b.run(JobSpec(name="no-controller", command=["true"]))

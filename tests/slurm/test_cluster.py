@@ -16,9 +16,16 @@ pytestmark = pytest.mark.slurm
 def test_configs_carry_the_settings_tests_rely_on(tmp_path):
     configs = render_configs(Layout(tmp_path), "node1", 2, 24000, "pw")
     conf = configs["slurm.conf"]
-    for setting in ("EnforcePartLimits=ALL", "DependencyParameters=kill_invalid_depend", "MinJobAge=3600",
-                    "AuthInfo=cred_expire=10", "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-                    "AccountingStorageType=accounting_storage/slurmdbd", "GresTypes=gpu"):
+    for setting in (
+        "EnforcePartLimits=ALL",
+        "DependencyParameters=kill_invalid_depend",
+        "MinJobAge=3600",
+        "AuthInfo=cred_expire=10",
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "AccountingStorageType=accounting_storage/slurmdbd",
+        "GresTypes=gpu",
+    ):
         assert setting in conf.splitlines(), setting
     assert "PartitionName=cpu Nodes=node1 Default=YES" in conf
     assert "PartitionName=gpu Nodes=node1" in conf
@@ -45,8 +52,9 @@ def test_sacct_works_through_slurmdbd(slurm_cluster):
 
 
 def test_cli_status_lists_daemons_and_partitions(slurm_cluster):
-    proc = subprocess.run([sys.executable, "-m", "nemoflow.cli", "local-slurm", "status"], capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemoflow.cli", "local-slurm", "status"], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     for daemon in ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd"):
         assert any(line.startswith(daemon) and "running, pid" in line for line in proc.stdout.splitlines())
@@ -54,6 +62,7 @@ def test_cli_status_lists_daemons_and_partitions(slurm_cluster):
 
 
 def test_cli_help_explains():
-    proc = subprocess.run([sys.executable, "-m", "nemoflow.cli", "local-slurm", "--help"], capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemoflow.cli", "local-slurm", "--help"], capture_output=True, text=True
+    )
     assert proc.returncode == 0 and "fake GPUs" in proc.stdout and "pid files" in proc.stdout

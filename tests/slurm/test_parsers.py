@@ -30,15 +30,16 @@ def test_job_id_from_parsable_output():
 
 
 def test_sacct_captured_mixed_states():
-    rows = {str(r.job_id.base) + (f"_{r.job_id.task}" if r.job_id.task is not None else ""): r
-            for r in parsers.parse_sacct((DATA / "sacct-running.txt").read_text())}
+    rows = {
+        str(r.job_id.base) + (f"_{r.job_id.task}" if r.job_id.task is not None else ""): r
+        for r in parsers.parse_sacct((DATA / "sacct-running.txt").read_text())
+    }
     assert rows["12"].state is SlurmState.COMPLETED and rows["12"].exit_code == 0
     assert rows["13"].state.job_state is JobState.FAILED and rows["13"].exit_code == 3
     assert rows["14"].state is SlurmState.CANCELLED and rows["14"].raw_state == "CANCELLED by 0"
     assert rows["17"].nodes is None  # "None assigned"
     assert rows["16_0"].state.job_state is JobState.RUNNING
-    pending = [r for r in parsers.parse_sacct((DATA / "sacct-running.txt").read_text())
-               if r.job_id.pending_tasks]
+    pending = [r for r in parsers.parse_sacct((DATA / "sacct-running.txt").read_text()) if r.job_id.pending_tasks]
     assert pending and pending[0].job_id == JobId("16", None, "1-3%1")
 
 
@@ -80,8 +81,9 @@ def test_sinfo_partitions():
     assert parts["gpu"].gpus_per_node == 4 and parts["cpu"].cpus_per_node == 2
     assert parts["gpu"].max_time_s == 2 * 3600
     # two node groups in one partition merge into the largest node
-    merged = parsers.parse_sinfo("big|up|infinite|2|64|512000|gpu:h100:8(S:0-1)|idle\n"
-                                 "big|up|infinite|3|32|256000|(null)|mixed\n")
+    merged = parsers.parse_sinfo(
+        "big|up|infinite|2|64|512000|gpu:h100:8(S:0-1)|idle\nbig|up|infinite|3|32|256000|(null)|mixed\n"
+    )
     assert merged["big"].nodes == 5 and merged["big"].gpus_per_node == 8 and merged["big"].max_time_s is None
 
 
@@ -97,8 +99,7 @@ def test_merge_array_lagging_rows_are_not_completed():
     rows = parsers.parse_sacct("5_0|6|COMPLETED|0:0|None|vm\n5_2|5|COMPLETED|0:0|None|vm\n")
     # task 1 has no row yet: the array is not done
     assert merge_rows("5", rows, {0, 1, 2}).state is JobState.UNKNOWN
-    failed = parsers.parse_sacct("5_0|6|COMPLETED|0:0|None|vm\n5_1|7|TIMEOUT|0:15|None|vm\n"
-                                 "5_2|5|FAILED|2:0|None|vm\n")
+    failed = parsers.parse_sacct("5_0|6|COMPLETED|0:0|None|vm\n5_1|7|TIMEOUT|0:15|None|vm\n5_2|5|FAILED|2:0|None|vm\n")
     status = merge_rows("5", failed, {0, 1, 2})
     # a real failure outranks a resumable one: resubmitting would not fix task 2
     assert status.state is JobState.FAILED and status.exit_code == 2 and "array task 2" in status.reason

@@ -29,17 +29,28 @@ def directives(script: str) -> dict[str, str]:
     out = {}
     for line in script.splitlines():
         if line.startswith("#SBATCH "):
-            flag = line[len("#SBATCH "):]
+            flag = line[len("#SBATCH ") :]
             key, _, value = flag.partition("=")
             out[key] = value
     return out
 
 
 def test_stage_resources_win_over_backend_defaults_and_options_fill_the_rest():
-    spec = JobSpec(name="train", command=["python", "-m", "workloads.train"],
-                   resources=Resources(gpus_per_node=2, time="00:30:00"))
-    req, script = render(spec, partition="cpu", gpu_partition="gpu", time="04:00:00", mem="8G", account="proj",
-                         qos="high", constraint="h100", exclusive=True, dependency="afterok:12")
+    spec = JobSpec(
+        name="train", command=["python", "-m", "workloads.train"], resources=Resources(gpus_per_node=2, time="00:30:00")
+    )
+    req, script = render(
+        spec,
+        partition="cpu",
+        gpu_partition="gpu",
+        time="04:00:00",
+        mem="8G",
+        account="proj",
+        qos="high",
+        constraint="h100",
+        exclusive=True,
+        dependency="afterok:12",
+    )
     d = directives(script)
     assert d["--partition"] == "gpu"  # GPU job goes to the GPU partition
     assert d["--time"] == "00:30:00"  # the stage asked for it explicitly
@@ -73,10 +84,13 @@ def test_secret_values_never_in_script_but_env_is_quoted(monkeypatch):
 
 
 def test_container_job_runs_srun_with_pyxis_flags():
-    spec = JobSpec(name="nemo", command=["python", "/opt/NeMo/train.py", "--cfg", "a b"],
-                   container_image="/shared/images/nemo-25.02.sqsh",
-                   mounts=[Mount(source="/shared/data", target="/data", read_only=True)],
-                   workdir="/workspace")
+    spec = JobSpec(
+        name="nemo",
+        command=["python", "/opt/NeMo/train.py", "--cfg", "a b"],
+        container_image="/shared/images/nemo-25.02.sqsh",
+        mounts=[Mount(source="/shared/data", target="/data", read_only=True)],
+        workdir="/workspace",
+    )
     _, script = render(spec, container_mounts=["/shared/ckpt:/ckpt"])
     launch = script.strip().splitlines()[-1].removeprefix("exec ")
     assert launch.startswith("srun --kill-on-bad-exit=1 --container-image=/shared/images/nemo-25.02.sqsh ")
@@ -88,8 +102,11 @@ def test_container_job_runs_srun_with_pyxis_flags():
 
 
 def test_multi_node_uses_torchrun_rendezvous_on_first_node():
-    spec = JobSpec(name="pretrain", command=["python", "-m", "workloads.train", "--steps", "10"],
-                   resources=Resources(nodes=4, gpus_per_node=8))
+    spec = JobSpec(
+        name="pretrain",
+        command=["python", "-m", "workloads.train", "--steps", "10"],
+        resources=Resources(nodes=4, gpus_per_node=8),
+    )
     req, script = render(spec, preset="hcc-a3m", master_port=29555)
     assert req.launcher == "torchrun"
     assert 'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"' in script

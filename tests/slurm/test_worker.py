@@ -31,16 +31,29 @@ def test_base_job_template_file_matches_the_worker():
     shipped = json.loads((REPO / "deployments/slurm/base-job-template.json").read_text())
     assert shipped == default_base_job_template()
     variables = shipped["variables"]["properties"]
-    for name in ("partition", "time", "nodes", "cpus_per_task", "mem", "account", "qos", "gpus_per_node",
-                 "extra_sbatch_flags", "setup_lines", "working_dir"):
+    for name in (
+        "partition",
+        "time",
+        "nodes",
+        "cpus_per_task",
+        "mem",
+        "account",
+        "qos",
+        "gpus_per_node",
+        "extra_sbatch_flags",
+        "setup_lines",
+        "working_dir",
+    ):
         assert name in variables, name
     assert shipped["job_configuration"]["env"] == "{{ env }}"
 
 
 def test_worker_type_is_discoverable_through_the_entry_point():
-    code = ("from prefect.plugins import load_prefect_collections; load_prefect_collections();"
-            "from prefect.workers.base import BaseWorker; from prefect.utilities.dispatch import lookup_type;"
-            "print(lookup_type(BaseWorker, 'slurm').__module__)")
+    code = (
+        "from prefect.plugins import load_prefect_collections; load_prefect_collections();"
+        "from prefect.workers.base import BaseWorker; from prefect.utilities.dispatch import lookup_type;"
+        "print(lookup_type(BaseWorker, 'slurm').__module__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "infra.slurm_worker"
 
@@ -50,12 +63,30 @@ def slurm_worker(prefect_server, slurm_cluster, tmp_path_factory):
     log = tmp_path_factory.mktemp("slurm-worker") / "worker.log"
     env = dict(os.environ, PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="5")
     subprocess.run(
-        [PREFECT, "--no-prompt", "work-pool", "create", POOL, "--type", "slurm", "--overwrite",
-         "--base-job-template", str(REPO / "deployments/slurm/base-job-template.json")],
-        check=True, env=env, capture_output=True, text=True,
+        [
+            PREFECT,
+            "--no-prompt",
+            "work-pool",
+            "create",
+            POOL,
+            "--type",
+            "slurm",
+            "--overwrite",
+            "--base-job-template",
+            str(REPO / "deployments/slurm/base-job-template.json"),
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+        text=True,
     )
-    proc = subprocess.Popen([PREFECT, "worker", "start", "--pool", POOL, "--type", "slurm"],
-                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [PREFECT, "worker", "start", "--pool", POOL, "--type", "slurm"],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     yield log
     os.killpg(proc.pid, signal.SIGTERM)
     try:
@@ -68,8 +99,12 @@ def deploy(entry: str, tmp_path: Path) -> str:
     from prefect import flow
 
     loaded = flow.from_source(source=str(REPO), entrypoint=f"tests/slurm/worker_flows.py:{entry}")
-    loaded.deploy(name="t", work_pool_name=POOL, job_variables={"log_dir": str(tmp_path / "logs"),
-                                                                "poll_interval_s": 1.0}, print_next_steps=False)
+    loaded.deploy(
+        name="t",
+        work_pool_name=POOL,
+        job_variables={"log_dir": str(tmp_path / "logs"), "poll_interval_s": 1.0},
+        print_next_steps=False,
+    )
     return f"{loaded.name}/t"
 
 
@@ -159,7 +194,8 @@ def test_kill_infrastructure_scancels_a_pending_or_running_job(slurm, tmp_path):
     from infra.slurm_worker import SlurmJobConfiguration, SlurmWorker
 
     job_id, _ = SlurmBackend(log_dir=str(tmp_path / "logs")).submit(
-        JobSpec(name="pending-flow-run", command=["sleep", "300"]))
+        JobSpec(name="pending-flow-run", command=["sleep", "300"])
+    )
     assert jobs_under(tmp_path) == [job_id]
     worker = SlurmWorker(work_pool_name="unused")
     config = SlurmJobConfiguration(log_dir=str(tmp_path / "logs"))

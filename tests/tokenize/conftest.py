@@ -47,7 +47,10 @@ def build_gpt2_files(tiktoken_file: Path, out: Path) -> tuple[Path, Path]:
             token, rank = line.split()
             ranks[base64.b64decode(token)] = int(rank)
     b2u = _bytes_to_unicode()
-    enc = lambda b: "".join(b2u[x] for x in b)  # noqa: E731
+
+    def enc(token: bytes) -> str:
+        return "".join(b2u[x] for x in token)
+
     vocab = {enc(tok): rank for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])}
     vocab["<|endoftext|>"] = len(vocab)
     merges = ["#version: 0.2"]
@@ -71,8 +74,21 @@ def gpt2_files() -> tuple[Path, Path]:
     sdists = sorted((CACHE / "whisper-sdist").glob("openai_whisper-*.tar.gz"))
     if not sdists:
         proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", WHISPER, "--no-deps", "--no-binary", ":all:", "-d", str(CACHE / "whisper-sdist")],
-            capture_output=True, text=True, timeout=300,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                WHISPER,
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(CACHE / "whisper-sdist"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         sdists = sorted((CACHE / "whisper-sdist").glob("openai_whisper-*.tar.gz"))
         if proc.returncode != 0 or not sdists:

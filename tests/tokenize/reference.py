@@ -17,11 +17,14 @@ from pathlib import Path
 import numpy as np
 
 
-def megatron_reference(prefix: Path, records: list[dict], keys, encode, eod: int, vocab_size: int, append_eod: bool) -> None:
+def megatron_reference(
+    prefix: Path, records: list[dict], keys, encode, eod: int, vocab_size: int, append_eod: bool
+) -> None:
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     builders = {
-        key: IndexedDatasetBuilder(f"{prefix}_{key}_document.bin", dtype=DType.optimal_dtype(vocab_size)) for key in keys
+        key: IndexedDatasetBuilder(f"{prefix}_{key}_document.bin", dtype=DType.optimal_dtype(vocab_size))
+        for key in keys
     }
     for record in records:
         for key in keys:
@@ -51,7 +54,9 @@ def assert_same_files(ours: str, ref: str) -> None:
 
 
 def _bytes_to_unicode() -> dict[int, str]:
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     mapping, extra = {}, 0
     for b in range(256):
         if b in printable:

@@ -17,7 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=180, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        args, cwd=REPO, capture_output=True, text=True, timeout=180, env={**os.environ, **(env or {})}
+    )
 
 
 @pytest.mark.slow  # the nemoflow CLI imports every subcommand: ~10-25 s on the shared 2 cores
@@ -26,14 +28,30 @@ def test_preprocess_command_matches_megatron_reference(tmp_path, kjv_chapters, m
 
     records = [{"text": t, "meta": {"n": i}} for i, t in enumerate(kjv_chapters[:150])] + [{"text": ""}]
     src = write_jsonl(tmp_path / "in.jsonl.zst", records, compress=True)
-    proc = _run([
-        str(Path(sys.executable).parent / "nemoflow"), "preprocess", "--input", str(src),
-        "--output-prefix", str(tmp_path / "out" / "kjv"), "--tokenizer-type", "GPTSentencePieceTokenizer",
-        "--tokenizer-model", str(mixtral_tokenizer_model), "--append-eod", "--workers", "2", "--log-interval", "100",
-    ])
+    proc = _run(
+        [
+            str(Path(sys.executable).parent / "nemoflow"),
+            "preprocess",
+            "--input",
+            str(src),
+            "--output-prefix",
+            str(tmp_path / "out" / "kjv"),
+            "--tokenizer-type",
+            "GPTSentencePieceTokenizer",
+            "--tokenizer-model",
+            str(mixtral_tokenizer_model),
+            "--append-eod",
+            "--workers",
+            "2",
+            "--log-interval",
+            "100",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     stats = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert stats["documents"] == len(records) and stats["outputs"]["text"] == str(tmp_path / "out" / "kjv_text_document")
+    assert stats["documents"] == len(records) and stats["outputs"]["text"] == str(
+        tmp_path / "out" / "kjv_text_document"
+    )
     assert "documents" in proc.stderr and "tokens" in proc.stderr  # the summary goes to stderr
     sp = spm.SentencePieceProcessor(model_file=str(mixtral_tokenizer_model))
     megatron_reference(tmp_path / "ref", records, ["text"], sp.encode_as_ids, 2, 32000, True)
@@ -43,16 +61,36 @@ def test_preprocess_command_matches_megatron_reference(tmp_path, kjv_chapters, m
 def test_preprocess_command_errors(tmp_path, mixtral_tokenizer_model):
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "x"}])
     nemoflow = str(Path(sys.executable).parent / "nemoflow")
-    base = [nemoflow, "preprocess", "--input", str(src), "--output-prefix", str(tmp_path / "o"),
-            "--tokenizer-model", str(mixtral_tokenizer_model)]
+    base = [
+        nemoflow,
+        "preprocess",
+        "--input",
+        str(src),
+        "--output-prefix",
+        str(tmp_path / "o"),
+        "--tokenizer-model",
+        str(mixtral_tokenizer_model),
+    ]
     proc = _run(base + ["--tokenizer-type", "GPTSentencePieceTokenizer", "--split-sentences"])
     assert proc.returncode == 2 and "--split-sentences is not supported" in proc.stderr
     proc = _run(base + ["--tokenizer-type", "GPTSentencePieceTokenizer", "--partitions", "2"])
     assert proc.returncode == 2 and "--keep-sequential-samples" in proc.stderr
     proc = _run(base + ["--tokenizer-type", "BertWordPieceCase"])
     assert proc.returncode == 2 and "BertWordPieceCase" in proc.stderr
-    proc = _run([nemoflow, "preprocess", "--input", str(tmp_path / "missing.jsonl"), "--output-prefix", str(tmp_path / "o"),
-                 "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", str(mixtral_tokenizer_model)])
+    proc = _run(
+        [
+            nemoflow,
+            "preprocess",
+            "--input",
+            str(tmp_path / "missing.jsonl"),
+            "--output-prefix",
+            str(tmp_path / "o"),
+            "--tokenizer-type",
+            "GPTSentencePieceTokenizer",
+            "--tokenizer-model",
+            str(mixtral_tokenizer_model),
+        ]
+    )
     assert proc.returncode == 2 and f"{tmp_path}/missing.jsonl" in proc.stderr
     assert not list(tmp_path.glob("o_*"))
 
@@ -60,20 +98,50 @@ def test_preprocess_command_errors(tmp_path, mixtral_tokenizer_model):
 def test_job_entry_point_takes_its_array_index(tmp_path, kjv_chapters, mixtral_tokenizer_model):
     inputs = []
     for i in range(3):
-        inputs.append(write_jsonl(tmp_path / f"shard_{i}.jsonl", [{"text": t} for t in kjv_chapters[i * 10 : i * 10 + 10]]))
+        inputs.append(
+            write_jsonl(tmp_path / f"shard_{i}.jsonl", [{"text": t} for t in kjv_chapters[i * 10 : i * 10 + 10]])
+        )
     listing = tmp_path / "inputs.txt"
     listing.write_text("".join(f"{p}\n" for p in inputs))
     proc = _run(
-        [sys.executable, "-m", "workloads.tokenize", "--input-list", str(listing), "--output-prefix", str(tmp_path / "tok" / "{stem}"),
-         "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", str(mixtral_tokenizer_model), "--append-eod"],
+        [
+            sys.executable,
+            "-m",
+            "workloads.tokenize",
+            "--input-list",
+            str(listing),
+            "--output-prefix",
+            str(tmp_path / "tok" / "{stem}"),
+            "--tokenizer-type",
+            "GPTSentencePieceTokenizer",
+            "--tokenizer-model",
+            str(mixtral_tokenizer_model),
+            "--append-eod",
+        ],
         env={"NEMOFLOW_ARRAY_INDEX": "1"},
     )
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == ["shard_1_text_document.bin", "shard_1_text_document.idx"]
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == [
+        "shard_1_text_document.bin",
+        "shard_1_text_document.idx",
+    ]
     assert json.loads(proc.stdout)["documents"] == 10
     proc = _run(
-        [sys.executable, "-m", "workloads.tokenize", "--input-list", str(listing), "--array-index", "3", "--output-prefix",
-         str(tmp_path / "tok" / "{stem}"), "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", str(mixtral_tokenizer_model)],
+        [
+            sys.executable,
+            "-m",
+            "workloads.tokenize",
+            "--input-list",
+            str(listing),
+            "--array-index",
+            "3",
+            "--output-prefix",
+            str(tmp_path / "tok" / "{stem}"),
+            "--tokenizer-type",
+            "GPTSentencePieceTokenizer",
+            "--tokenizer-model",
+            str(mixtral_tokenizer_model),
+        ],
     )
     assert proc.returncode == 2 and "array index 3 is out of range" in proc.stderr
 

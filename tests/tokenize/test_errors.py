@@ -91,15 +91,21 @@ def test_unknown_type_and_missing_tokenizer_file(tmp_path, kjv_chapters):
         tokenize_file(str(src), str(tmp_path / "x"), TokenizerConfig(type="WordPieceFoo", model="m"))
     missing = tmp_path / "nope" / "tokenizer.model"
     with pytest.raises(TokenizerError, match=f"--tokenizer-model {missing} does not exist"):
-        tokenize_file(str(src), str(tmp_path / "x"), TokenizerConfig(type="GPTSentencePieceTokenizer", model=str(missing)))
+        tokenize_file(
+            str(src), str(tmp_path / "x"), TokenizerConfig(type="GPTSentencePieceTokenizer", model=str(missing))
+        )
     with pytest.raises(TokenizerError, match="GPT2BPETokenizer needs --merge-file"):
         tokenize_file(str(src), str(tmp_path / "x"), TokenizerConfig(type="GPT2BPETokenizer", vocab_file=str(src)))
     with pytest.raises(TokenizerError, match=f"--tokenizer-model {tmp_path}/absent.json does not exist"):
-        tokenize_file(str(src), str(tmp_path / "x"), TokenizerConfig(type="HuggingFaceTokenizer", model=f"{tmp_path}/absent.json"))
+        tokenize_file(
+            str(src), str(tmp_path / "x"), TokenizerConfig(type="HuggingFaceTokenizer", model=f"{tmp_path}/absent.json")
+        )
     not_a_model = tmp_path / "garbage.model"
     not_a_model.write_bytes(b"not a sentencepiece model")
     with pytest.raises(TokenizerError, match=f"cannot load sentencepiece model {not_a_model}"):
-        tokenize_file(str(src), str(tmp_path / "x"), TokenizerConfig(type="SentencePieceTokenizer", model=str(not_a_model)))
+        tokenize_file(
+            str(src), str(tmp_path / "x"), TokenizerConfig(type="SentencePieceTokenizer", model=str(not_a_model))
+        )
     assert_no_outputs(tmp_path)
 
 
@@ -137,7 +143,10 @@ def test_disk_full_leaves_no_final_files(tmp_path, kjv_chapters, mixtral_tokeniz
     out.mkdir()
     proc = subprocess.run(
         [sys.executable, "-c", DISK_FULL, str(src), str(out / "corpus"), str(mixtral_tokenizer_model)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert f"cannot write {out}/corpus_text_document" in proc.stdout

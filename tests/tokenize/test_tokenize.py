@@ -19,8 +19,7 @@ from workloads.tokenize import TokenizerConfig, load_tokenizer, tokenize_file
 from workloads.tokenizers import GigatokenTwin, SentencePieceReference
 
 
-
-def _sp(model) -> "object":
+def _sp(model) -> object:
     import sentencepiece as spm
 
     return spm.SentencePieceProcessor(model_file=str(model))
@@ -61,7 +60,9 @@ def test_zst_input_multiple_keys_sentence_lists_no_eod(tmp_path, corpus, mixtral
     src = write_jsonl(tmp_path / "in.jsonl.zst", records, compress=True)
     config = TokenizerConfig(type="SentencePieceTokenizer", model=str(mixtral_tokenizer_model))
     for eod in (False, True):
-        stats = tokenize_file(str(src), str(tmp_path / f"ours{eod}"), config, json_keys=keys, append_eod=eod, batch_bytes=64 << 10)
+        stats = tokenize_file(
+            str(src), str(tmp_path / f"ours{eod}"), config, json_keys=keys, append_eod=eod, batch_bytes=64 << 10
+        )
         sp = _sp(mixtral_tokenizer_model)
         megatron_reference(tmp_path / f"ref{eod}", records, keys, sp.encode_as_ids, sp.eos_id(), 32000, eod)
         for key in keys:
@@ -100,9 +101,13 @@ def test_huggingface_tokenizer_matches_reference(tmp_path, corpus, hf_tokenizer_
         model.write_bytes((hf_tokenizer_dir / "tokenizer.json").read_bytes())
     records = [{"text": t} for t in corpus[:80]]
     src = write_jsonl(tmp_path / "in.jsonl", records)
-    stats = tokenize_file(str(src), str(tmp_path / "ours"), TokenizerConfig(type="HuggingFaceTokenizer", model=str(model)))
+    stats = tokenize_file(
+        str(src), str(tmp_path / "ours"), TokenizerConfig(type="HuggingFaceTokenizer", model=str(model))
+    )
     ref = transformers.AutoTokenizer.from_pretrained(str(hf_tokenizer_dir))
-    megatron_reference(tmp_path / "ref", records, ["text"], lambda t: ref(t).input_ids, ref.eos_token_id, len(ref), True)
+    megatron_reference(
+        tmp_path / "ref", records, ["text"], lambda t: ref(t).input_ids, ref.eos_token_id, len(ref), True
+    )
     assert_same_files(stats.outputs["text"], str(tmp_path / "ref_text_document"))
 
 
@@ -116,10 +121,14 @@ def test_int32_dtype_for_large_vocab(tmp_path, hf_tokenizer_dir, kjv_chapters):
     tok.save_pretrained(str(big))
     records = [{"text": t} for t in kjv_chapters[:20]] + [{"text": "a <extra_65000> b"}]
     src = write_jsonl(tmp_path / "in.jsonl", records)
-    stats = tokenize_file(str(src), str(tmp_path / "ours"), TokenizerConfig(type="HuggingFaceTokenizer", model=str(big)))
+    stats = tokenize_file(
+        str(src), str(tmp_path / "ours"), TokenizerConfig(type="HuggingFaceTokenizer", model=str(big))
+    )
     assert stats.dtype == "int32" and stats.vocab_size == 65500
     ref = transformers.AutoTokenizer.from_pretrained(str(big))
-    megatron_reference(tmp_path / "ref", records, ["text"], lambda t: ref(t).input_ids, ref.eos_token_id, len(ref), True)
+    megatron_reference(
+        tmp_path / "ref", records, ["text"], lambda t: ref(t).input_ids, ref.eos_token_id, len(ref), True
+    )
     assert_same_files(stats.outputs["text"], str(tmp_path / "ref_text_document"))
 
 

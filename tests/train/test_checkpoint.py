@@ -111,7 +111,6 @@ def test_missing_file_fails_completeness(trained, tmp_path):
 
 
 def test_nan_poisoned_weight_fails(trained, tmp_path):
-    import torch
     from safetensors.torch import load_file, save_file
 
     from workloads.validate_checkpoint import validate

@@ -10,8 +10,16 @@ BLEND = [0.7, "/d/ot_text_document", 0.3, "/d/nt_text_document"]
 
 
 def config(**overrides) -> TrainConfig:
-    base = dict(data_prefix=BLEND, tokenizer_model="/t/tokenizer.model", max_steps=100, hidden_size=256,
-                num_attention_heads=8, num_layers=4, global_batch_size=32, micro_batch_size=4)
+    base = dict(
+        data_prefix=BLEND,
+        tokenizer_model="/t/tokenizer.model",
+        max_steps=100,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_layers=4,
+        global_batch_size=32,
+        micro_batch_size=4,
+    )
     base.update(overrides)
     return TrainConfig(**base)
 
@@ -25,13 +33,22 @@ def test_batch_not_divisible_names_the_numbers():
 
 def test_every_broken_rule_is_reported_at_once():
     bad = config(
-        num_nodes=1, gpus_per_node=6, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
-        num_attention_heads=6, hidden_size=384, num_key_value_heads=4, num_layers=3,
+        num_nodes=1,
+        gpus_per_node=6,
+        tensor_model_parallel_size=4,
+        pipeline_model_parallel_size=1,
+        num_attention_heads=6,
+        hidden_size=384,
+        num_key_value_heads=4,
+        num_layers=3,
     )
     with pytest.raises(ParallelismError) as err:
         check_parallelism(bad)
     message = str(err.value)
-    assert "world size 6 (num_nodes=1 x gpus_per_node=6) is not divisible by tensor(4) x pipeline(1) x context(1)" in message
+    assert (
+        "world size 6 (num_nodes=1 x gpus_per_node=6) is not divisible by tensor(4) x pipeline(1) x context(1)"
+        in message
+    )
     assert "num_attention_heads=6 is not divisible by tensor_model_parallel_size=4" in message
     assert "num_attention_heads=6 is not divisible by num_key_value_heads=4" in message
 
@@ -49,8 +66,14 @@ def test_pipeline_and_expert_rules():
 
 def test_valid_plan_gives_data_parallel_and_accumulation():
     plan = check_parallelism(
-        config(num_nodes=2, gpus_per_node=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-               global_batch_size=64, micro_batch_size=2)
+        config(
+            num_nodes=2,
+            gpus_per_node=8,
+            tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            global_batch_size=64,
+            micro_batch_size=2,
+        )
     )
     # 16 GPUs / (2 x 2) = 4 data-parallel ranks; 64 / (2 x 4) = 8 micro batches each.
     assert (plan.world_size, plan.data_parallel_size, plan.gradient_accumulation_steps) == (16, 4, 8)
@@ -60,8 +83,9 @@ def test_valid_plan_gives_data_parallel_and_accumulation():
 
 def test_token_budget_sets_steps():
     # The seed's arithmetic: 300,000 steps from a token budget at gbs 8 x seq 2048.
-    cfg = config(max_steps=None, max_tokens=300_000 * 8 * 2048 + 5, global_batch_size=8, micro_batch_size=1,
-                 seq_length=2048)
+    cfg = config(
+        max_steps=None, max_tokens=300_000 * 8 * 2048 + 5, global_batch_size=8, micro_batch_size=1, seq_length=2048
+    )
     assert cfg.total_steps == 300_000
     with pytest.raises(ValueError, match="exactly one of max_steps and max_tokens"):
         config(max_steps=10, max_tokens=1000)

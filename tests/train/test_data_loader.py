@@ -12,8 +12,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*Transformer Engine and Apex")
 
 def test_sample_order_is_a_function_of_the_seed(train_dataset, tmp_path):
     def first_batch(cache: str, seed: int) -> torch.Tensor:
-        data = build_datasets(train_dataset["blend"], train_dataset["tokenizer_model"], 64, seed,
-                              train_samples=16, valid_samples=4, cache_dir=str(tmp_path / cache))
+        data = build_datasets(
+            train_dataset["blend"],
+            train_dataset["tokenizer_model"],
+            64,
+            seed,
+            train_samples=16,
+            valid_samples=4,
+            cache_dir=str(tmp_path / cache),
+        )
         return get_batch(data.train, 8, 4)[0]
 
     a, b = first_batch("a", 1234), first_batch("b", 1234)
@@ -25,8 +32,16 @@ def test_separate_validation_blend_reads_only_that_data(train_dataset, tmp_path,
     import sentencepiece
 
     ot, nt = train_dataset["prefixes"]
-    data = build_datasets([ot], train_dataset["tokenizer_model"], 64, 7, train_samples=8, valid_samples=8,
-                          cache_dir=str(tmp_path), valid_data_prefix=[1.0, nt])
+    data = build_datasets(
+        [ot],
+        train_dataset["tokenizer_model"],
+        64,
+        7,
+        train_samples=8,
+        valid_samples=8,
+        cache_dir=str(tmp_path),
+        valid_data_prefix=[1.0, nt],
+    )
     sp = sentencepiece.SentencePieceProcessor(model_file=train_dataset["tokenizer_model"])
     nt_text = "\n".join(kjv_chapters[929:])
     tokens, labels, mask = get_batch(data.valid, 0, 8)

@@ -64,7 +64,9 @@ def test_pretrain_then_validate_flow(prefect_server, work_dir, train_dataset, tm
     validation_key = "checkpoint-validation-" + hashlib.sha256(report.checkpoint.encode()).hexdigest()[:10]
     with get_client(sync_client=True) as client:
         newest_first = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[curve_key, curve_key + "-table", validation_key])),
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[curve_key, curve_key + "-table", validation_key])
+            ),
             sort=ArtifactSort.CREATED_DESC,
         )
     artifacts: dict = {}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -21,7 +20,6 @@ from tests.train.helpers import (
     trainer_env,
     write_config,
 )
-
 from workloads import checkpoint as ckpt
 from workloads.train_config import EXIT_OUT_OF_MEMORY, EXIT_PREEMPTED
 
@@ -38,7 +36,7 @@ def test_loss_decreases_on_real_text(reference_run):
     assert losses[0] > 10.0
     assert losses[-1] < losses[0] - 1.0
     assert vals[-1] < vals[0]
-    line = next(l for l in reference_run["stdout"].splitlines() if l.startswith("step=10 "))
+    line = next(x for x in reference_run["stdout"].splitlines() if x.startswith("step=10 "))
     for field in ("loss=", "lr=", "tokens_per_s=", "grad_norm="):
         assert field in line
 
@@ -50,7 +48,14 @@ def test_checkpoint_layout_and_manifest(reference_run):
     # save_top_k=2 with falling val_loss keeps steps 8 and 12; no temporary directories remain.
     assert names == ["best", "latest", "step-000008", "step-000012"]
     step = root / "step-000012"
-    for name in ("config.json", "model.safetensors", "tokenizer.model", "trainer_state.pt", "meta.json", "MANIFEST.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.model",
+        "trainer_state.pt",
+        "meta.json",
+        "MANIFEST.json",
+    ):
         assert (step / name).is_file(), name
     manifest = json.loads((step / "MANIFEST.json").read_text())["files"]
     assert set(manifest) >= {"config.json", "model.safetensors", "tokenizer.model", "trainer_state.pt", "meta.json"}
@@ -169,12 +174,15 @@ def test_out_of_memory_exits_75_and_backend_reports_it(tmp_path, train_dataset):
     result = LocalBackend().run(spec, on_log=lines.append)
     assert result.exit_code == 75 and result.state is JobState.OUT_OF_MEMORY
     assert any(
-        "out of memory at step 1 with micro_batch_size=2, seq_length=64: lower micro_batch_size" in l for l in lines
+        "out of memory at step 1 with micro_batch_size=2, seq_length=64: lower micro_batch_size" in line
+        for line in lines
     ), lines
 
 
 def test_bad_inputs_fail_before_training_with_clear_errors(tmp_path, train_dataset):
-    missing = tiny_config(train_dataset, tmp_path / "run", data_prefix=[0.5, train_dataset["prefixes"][0], 0.5, str(tmp_path / "nope")])
+    missing = tiny_config(
+        train_dataset, tmp_path / "run", data_prefix=[0.5, train_dataset["prefixes"][0], 0.5, str(tmp_path / "nope")]
+    )
     proc = run_trainer(write_config(missing, tmp_path / "missing.json"))
     assert proc.returncode == 2
     assert f"{tmp_path / 'nope'}.bin" in proc.stderr and f"{tmp_path / 'nope'}.idx" in proc.stderr
@@ -188,7 +196,6 @@ def test_bad_inputs_fail_before_training_with_clear_errors(tmp_path, train_datas
     assert f"checkpoint directory {blocker / 'run' / 'checkpoints'} is not writable" in proc.stderr
 
 
-
 def test_mixtral_run_reports_to_wandb_only_with_key(tmp_path, train_dataset, reference_run, fake_wandb):
     """One short Mixtral (MoE) run with WANDB_API_KEY set; the reference run had none."""
     # The reference run had the stand-in importable and no key: not one call reached it.
@@ -196,10 +203,19 @@ def test_mixtral_run_reports_to_wandb_only_with_key(tmp_path, train_dataset, ref
     assert not calls.exists() or not calls.read_text().strip()
 
     secret = "wandb-test-secret-0123456789"
-    config = tiny_config(train_dataset, tmp_path / "on", arch="mixtral", num_moe_experts=4, moe_router_topk=2,
-                         max_steps=2, limit_val_batches=0, ckpt_every_n_steps=2)
-    on = run_trainer(write_config(config, tmp_path / "on.json"), WANDB_API_KEY=secret,
-                     PYTHONPATH=fake_wandb["pythonpath"])
+    config = tiny_config(
+        train_dataset,
+        tmp_path / "on",
+        arch="mixtral",
+        num_moe_experts=4,
+        moe_router_topk=2,
+        max_steps=2,
+        limit_val_batches=0,
+        ckpt_every_n_steps=2,
+    )
+    on = run_trainer(
+        write_config(config, tmp_path / "on.json"), WANDB_API_KEY=secret, PYTHONPATH=fake_wandb["pythonpath"]
+    )
     assert on.returncode == 0, on.stderr
     assert "model mixtral" in on.stdout
     saved = json.loads((tmp_path / "on" / "checkpoints" / "step-000002" / "config.json").read_text())
@@ -216,8 +232,15 @@ def test_mixtral_run_reports_to_wandb_only_with_key(tmp_path, train_dataset, ref
 
 def test_continued_pretraining_starts_from_checkpoint_weights(tmp_path, train_dataset, reference_run):
     source = ckpt.latest_checkpoint(reference_run["run_dir"])
-    config = tiny_config(train_dataset, tmp_path / "cpt", max_steps=2, limit_val_batches=1, ckpt_every_n_steps=2,
-                         init_from=str(source), reset_optimizer=True)
+    config = tiny_config(
+        train_dataset,
+        tmp_path / "cpt",
+        max_steps=2,
+        limit_val_batches=1,
+        ckpt_every_n_steps=2,
+        init_from=str(source),
+        reset_optimizer=True,
+    )
     proc = run_trainer(write_config(config, tmp_path / "cpt.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"initialised weights from {source} (reset_optimizer=True)" in proc.stdout
