@@ -33,16 +33,19 @@ from typing import Literal
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flows.prepare_dataset import PrepareConfig, prepare_dataset
 from infra import registry as reg
 from infra import storage
+from infra.executors import Executor, default_executor
+from infra.jobs import Resources
 from infra.settings import get_settings
 from tasks.checkpoint import validate_checkpoint
 from tasks.common import logger, result_storage
+from tasks.image import ImageConfig, stage_image
 from tasks.promote import compare_on_held_out, discover_new_sources, record_model, switch_serving
-from tasks.refs import CheckpointRef, ImageRef, TokenizerRef
+from tasks.refs import CheckpointRef, TokenizerRef
 from tasks.train import pretrain
 from workloads.train_config import TrainConfig
 
@@ -51,6 +54,8 @@ CONCURRENCY_LIMIT = "cpt-refresh"
 
 class CptTrainConfig(BaseModel):
     """The continued-pretraining run: token budget and a fresh warmup + decay schedule over it."""
+
+    model_config = ConfigDict(extra="forbid")
 
     max_tokens: int | None = Field(None, ge=1, description="token budget; None = one pass over the new tokens")
     max_steps: int | None = Field(None, ge=1, description="instead of max_tokens")
@@ -69,15 +74,19 @@ class CptTrainConfig(BaseModel):
 
 
 class CptServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     port: int = Field(8000, ge=1, le=65535, description="the port users call; it never changes")
     model_name: str = "nemoflow-demo"
     ready_timeout_s: float = Field(180, gt=0)
     smoke_prompt: str = "In the beginning"
-    enabled: bool = Field(True, description="switch the server to a promoted candidate (local backend)")
+    enabled: bool = Field(True, description="switch the server to a promoted candidate without downtime")
+    resources: Resources = Field(default_factory=lambda: Resources(cpus_per_task=1), description="of the server job")
 
 
 class CptRefreshConfig(BaseModel):
     """The refresh's single parameter."""
+
+    model_config = ConfigDict(extra="forbid")
 
     sources: str | list[str] | None = Field(
         None,
@@ -92,8 +101,10 @@ class CptRefreshConfig(BaseModel):
     train: CptTrainConfig = Field(default_factory=CptTrainConfig)
     tokenizer: TokenizerRef | None = Field(None, description="default: the held-out set's (the promoted model's)")
     serve: CptServeConfig = Field(default_factory=CptServeConfig)
-    backend: Literal["local", "slurm", "k8s"] = "local"
-    image: ImageRef | None = Field(None, description="image for cluster jobs (default: this Python environment)")
+    executor: Executor = Field(
+        default_factory=default_executor, description="where the refresh's jobs run (as in end-to-end)"
+    )
+    image: ImageConfig = Field(default_factory=ImageConfig, description="what its jobs run in")
     lock_timeout_s: float = Field(5, ge=0, description="how long to wait for a running refresh before giving up")
 
     @model_validator(mode="after")
@@ -255,14 +266,12 @@ def _train_and_decide(config, registry, state, base_generation, promoted, new, r
     identity = json.dumps(sorted((s.url, s.sha256) for s in new))
     name = "cpt-" + hashlib.sha256(identity.encode()).hexdigest()[:12]
     tokenizer = config.tokenizer or TokenizerRef(model=held_out.tokenizer_model)
+    results = result_storage()  # where every stage persists its result (NEMOFLOW_RESULT_STORAGE)
+    image = stage_image.with_options(result_storage=results)(
+        config.image.source, config.image.dest, config.executor, config.image.convert
+    )
     dataset = prepare_dataset(
-        PrepareConfig(
-            name=name,
-            sources=[s.url for s in new],
-            tokenizer=tokenizer,
-            backend=config.backend,
-            image=config.image.uri if config.image else None,
-        )
+        PrepareConfig(name=name, sources=[s.url for s in new], tokenizer=tokenizer), config.executor, image
     )
     manifest = storage.read_json(dataset.manifest_uri)
     sizes = {shard["url"]: shard.get("size") for shard in manifest.get("shards", [])}
@@ -279,18 +288,15 @@ def _train_and_decide(config, registry, state, base_generation, promoted, new, r
         train.warmup_steps,
         train.reset_optimizer,
     )
-    results = result_storage()  # where every stage persists its result (NEMOFLOW_RESULT_STORAGE)
-    candidate: CheckpointRef = pretrain.with_options(result_storage=results)(
-        train, dataset, config.image, config.backend
-    )
+    candidate: CheckpointRef = pretrain.with_options(result_storage=results)(train, dataset, image, config.executor)
 
     # 5. the candidate's own checks (files, weights, loss threshold, better than untrained)
     report = validate_checkpoint.with_options(result_storage=results)(
-        candidate, dataset, config.validation_threshold, config.backend, config.image
+        candidate, dataset, config.validation_threshold, config.executor, image
     )
 
     # 6. candidate vs promoted on the same fixed held-out set
-    losses = compare_on_held_out(candidate, promoted.checkpoint, held_out, config.backend, config.image)
+    losses = compare_on_held_out(candidate, promoted.checkpoint, held_out, config.executor, image)
     limit = losses.promoted_loss * (1 + config.tolerance)
     accept = losses.candidate_loss <= limit
     why = (
@@ -312,14 +318,14 @@ def _train_and_decide(config, registry, state, base_generation, promoted, new, r
             "tokens": dataset.tokens,
             "steps": train.total_steps,
         },
-        image=config.image.model_dump(mode="json") if config.image else None,
+        image=image.model_dump(mode="json"),
         code_version=reg.code_version(),
         flow_run_id=run_id,
         note=("promoted: " if accept else "rejected: ") + why,
     )
 
     serving = state.serving
-    if accept and config.serve.enabled and config.backend == "local":
+    if accept and config.serve.enabled:
         if registry.read().generation != base_generation:
             raise reg.ConcurrentUpdate(f"registry {registry.uri} changed during this refresh; not switching")
         # 7. zero-downtime switch; only then the registry says the candidate is promoted
@@ -329,6 +335,9 @@ def _train_and_decide(config, registry, state, base_generation, promoted, new, r
             state.serving,
             config.serve.port,
             config.serve.model_name,
+            config.executor,
+            image,
+            config.serve.resources,
             config.serve.smoke_prompt,
             config.serve.ready_timeout_s,
         )
@@ -385,12 +394,12 @@ def _report_artifacts(
     create_markdown_artifact(key="cpt-refresh-report", markdown="\n".join(lines), description="CPT refresh decision")
     create_markdown_artifact(
         key="model-lineage",
-        markdown=lineage_markdown(state, state.promoted),
+        markdown=model_lineage_markdown(state, state.promoted),
         description="the promoted model and its parents",
     )
 
 
-def lineage_markdown(state: reg.RegistryState, model_id: str | None) -> str:
+def model_lineage_markdown(state: reg.RegistryState, model_id: str | None) -> str:
     lines = [
         f"# Lineage of `{model_id}`",
         "",

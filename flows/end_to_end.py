@@ -11,19 +11,19 @@ few minutes: the King James Bible, Mixtral's tokenizer, a 20M-parameter Llama.
 
 from __future__ import annotations
 
-from typing import Literal
-
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flows.prepare_dataset import PrepareConfig, prepare_dataset
 from infra import storage
+from infra.executors import Executor, default_executor
+from infra.jobs import Resources
 from infra.settings import get_settings
 from tasks.checkpoint import validate_checkpoint
 from tasks.common import result_storage
-from tasks.image import container_image, stage_image
+from tasks.image import ImageConfig, stage_image
 from tasks.serve import deploy_inference
 from tasks.smoke import DEFAULT_PROMPT, smoke_test
 from tasks.train import pretrain
@@ -53,23 +53,18 @@ def demo_train_config() -> TrainConfig:
     )
 
 
-class ImageConfig(BaseModel):
-    source: str | None = Field(
-        None,
-        description="a .sqsh (gs://, https://, file://, path; '<region>' resolved from settings) or docker://REF; "
-        "unset on the local backend = this Python environment",
-    )
-    dest: str | None = Field(None, description="directory on shared storage for the staged .sqsh")
-    convert: bool = Field(False, description="convert a docker:// reference with enroot (a Slurm job)")
-
-
 class ServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     port: int = Field(8000, ge=1, le=65535)
     model_name: str = "nemoflow-demo"
     ready_timeout_s: float = Field(180, gt=0)
+    resources: Resources = Field(
+        default_factory=lambda: Resources(cpus_per_task=1), description="of the server job (GPUs: tensor parallel)"
+    )
 
 
 class SmokeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     prompt: str = DEFAULT_PROMPT
     max_tokens: int = Field(20, ge=1)
     timeout_s: float = Field(60, gt=0)
@@ -78,7 +73,13 @@ class SmokeConfig(BaseModel):
 class EndToEndConfig(BaseModel):
     """One typed configuration for the whole pipeline (the flow's single parameter)."""
 
-    backend: Literal["local", "slurm", "k8s"] = "local"
+    model_config = ConfigDict(extra="forbid")
+
+    executor: Executor = Field(
+        default_factory=default_executor,
+        description="where every stage's jobs run and with what options: local, slurm (sbatch options) or k8s "
+        "(cluster options); a name alone takes the options from NEMOFLOW_SLURM_* / NEMOFLOW_K8S_*",
+    )
     image: ImageConfig = Field(default_factory=ImageConfig)
     data: PrepareConfig = Field(default_factory=PrepareConfig)
     train: TrainConfig = Field(default_factory=demo_train_config)
@@ -103,15 +104,13 @@ class EndToEndConfig(BaseModel):
     def _check(self) -> EndToEndConfig:
         # Fail on impossible parallelism before any stage runs (the error names the numbers).
         check_parallelism(self.train)
-        if self.data.backend != self.backend:
-            self.data = self.data.model_copy(update={"backend": self.backend})
         return self
 
 
 @flow(name="end-to-end", log_prints=True)
 def end_to_end(config: EndToEndConfig | None = None) -> dict:
     config = config or EndToEndConfig()
-    backend = config.backend
+    executor = config.executor
     results = result_storage()  # every stage persists its (small) result where NEMOFLOW_RESULT_STORAGE says
     stage_image_, pretrain_, validate_, deploy_, smoke_ = (
         t.with_options(result_storage=results)
@@ -119,23 +118,28 @@ def end_to_end(config: EndToEndConfig | None = None) -> dict:
     )
 
     # 1. the image every later stage runs in (locally: this Python environment, recorded)
-    image = stage_image_(config.image.source, config.image.dest, backend, config.image.convert)
+    image = stage_image_(config.image.source, config.image.dest, executor, config.image.convert)
 
     # 2. the dataset: raw shards -> Megatron .bin/.idx + NeMo blend
-    data = config.data.model_copy(update={"image": container_image(image)})
-    dataset = prepare_dataset(data)
+    dataset = prepare_dataset(config.data, executor, image)
 
     # 3. pretraining on the blend
-    checkpoint = pretrain_(config.train, dataset, image, backend)
+    checkpoint = pretrain_(config.train, dataset, image, executor)
 
     # 4. validation: a failing check stops the flow here, before anything is deployed
     report = validate_(
-        checkpoint, dataset, config.validation_threshold, backend, image, cpus_per_task=config.train.cpus_per_task
+        checkpoint, dataset, config.validation_threshold, executor, image, resources=validation_resources(config.train)
     )
 
     # 5. inference, then 6. the seed's smoke request against it
     endpoint = deploy_(
-        checkpoint, config.serve.port, config.serve.model_name, backend, config.serve.ready_timeout_s, image=image
+        checkpoint,
+        executor,
+        config.serve.port,
+        config.serve.model_name,
+        config.serve.ready_timeout_s,
+        image=image,
+        resources=config.serve.resources,
     )
     answer = smoke_(endpoint, config.smoke.prompt, config.smoke.max_tokens, config.smoke.timeout_s)
 
@@ -159,6 +163,11 @@ def end_to_end(config: EndToEndConfig | None = None) -> dict:
     # 7. the model registry: a CPT refresh (flows/cpt_refresh.py) continues from the promoted model
     summary["registered_model"] = register_checkpoint(config, checkpoint, dataset, report, endpoint, image)
     return summary
+
+
+def validation_resources(train: TrainConfig) -> Resources:
+    """Validation loads the model once: one GPU where training had GPUs, the training job's CPUs."""
+    return Resources(gpus_per_node=min(1, train.gpus_per_node), cpus_per_task=train.cpus_per_task, time="01:00:00")
 
 
 def register_checkpoint(config, checkpoint, dataset, report, endpoint, image) -> str:

@@ -1,7 +1,7 @@
 """Flow ``prepare-dataset``: raw shards in, Megatron indexed datasets and blend weights out.
 
     sources -> download (per shard) -> extract (per shard) -> concatenate (N shards per part)
-            -> tokenize (per part; one job array on a cluster) -> blend (NeMo data_prefix + manifest)
+            -> tokenize (one job array, a task per part, where the executor says) -> blend (NeMo data_prefix + manifest)
 
 Run it with ``nemoflow prepare`` (``--help`` lists the options) or as a Prefect
 deployment. The default configuration prepares the embedded demo corpus.
@@ -16,10 +16,12 @@ from pathlib import Path
 from prefect import flow, unmapped
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.futures import as_completed
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from infra import storage
+from infra.executors import Executor, default_executor
 from infra.fetch import probe
+from infra.jobs import ImageRef
 from infra.settings import get_settings
 from infra.sources import expand_sources
 from tasks.common import logger, result_storage
@@ -28,8 +30,7 @@ from tasks.data import (
     download_shard,
     extract_shard,
     publish_table,
-    tokenize_part,
-    tokenize_parts_as_array,
+    tokenize_parts,
     write_blend,
 )
 from tasks.refs import DatasetRef, TokenizerRef
@@ -65,6 +66,8 @@ def _check_tokenizer(config) -> None:
 class PrepareConfig(BaseModel):
     """Everything the data stage needs; the defaults prepare the embedded demo corpus."""
 
+    model_config = ConfigDict(extra="forbid")
+
     name: str = Field(
         "demo", pattern=r"^[A-Za-z0-9._-]+$", description="dataset name (directory under work_dir/datasets)"
     )
@@ -84,13 +87,9 @@ class PrepareConfig(BaseModel):
     skip_malformed: bool = Field(False, description="count and skip malformed JSON lines instead of failing")
     delete_compressed: bool = Field(False, description="delete .zst downloads after successful extraction")
     blend_alpha: float = Field(1.0, gt=0, description="weight = size**alpha / sum (NeMo auto_blend's blending_alpha)")
-    backend: str = Field("local", description="where tokenization runs: local (in process), slurm, k8s (one job array)")
-    image: str | None = Field(None, description="container image for cluster jobs (a staged .sqsh or a registry ref)")
 
     @model_validator(mode="after")
     def _check(self) -> PrepareConfig:
-        if self.backend not in ("local", "slurm", "k8s"):
-            raise ValueError(f"backend {self.backend!r} is not one of local, slurm, k8s")
         if self.sources is None and (self.chunks or self.shards):
             raise ValueError("chunks/shards given without sources: they fill a URL template's {chunk}/{shard}")
         return self
@@ -102,8 +101,11 @@ class PrepareConfig(BaseModel):
             else storage.join(get_settings().work_dir, "datasets", self.name)
         )
 
-    def resolved(self) -> PrepareConfig:
-        """Fill the demo corpus and the default tokenizer; fingerprint the tokenizer (cache key)."""
+    def resolved(self, materialize: bool = True) -> PrepareConfig:
+        """Fill the demo corpus and the default tokenizer; fingerprint the tokenizer (cache key).
+
+        ``materialize=False`` (``nemoflow render``): name the demo corpus without writing it.
+        """
         from workloads.tokenize import TokenizerConfig
 
         update: dict = {}
@@ -111,7 +113,8 @@ class PrepareConfig(BaseModel):
             from workloads.demo_data import write_slimpajama_layout
 
             root = storage.join(get_settings().work_dir, "demo-source")
-            write_slimpajama_layout(storage.local_path(root), chunks=2, shards_per_chunk=4)
+            if materialize:
+                write_slimpajama_layout(storage.local_path(root), chunks=2, shards_per_chunk=4)
             update.update(sources=storage.join(root, DEMO_TEMPLATE), chunks="1-2", shards="0-3")
             if self.shards_per_file == 1200:
                 update["shards_per_file"] = 2  # four parts, so the demo's blend has something to weigh
@@ -127,16 +130,21 @@ class PrepareConfig(BaseModel):
 
 
 @flow(name="prepare-dataset", log_prints=True)
-def prepare_dataset(config: PrepareConfig | None = None) -> DatasetRef:
+def prepare_dataset(
+    config: PrepareConfig | None = None, executor: Executor | None = None, image: ImageRef | None = None
+) -> DatasetRef:
+    """``executor``: where the tokenize job array runs (default ``NEMOFLOW_EXECUTOR``, local);
+    ``image``: what its tasks run in (default: this Python environment)."""
     config = (config or PrepareConfig()).resolved()
+    executor = executor or default_executor()
     log = logger()
     started = time.monotonic()
     dataset_uri = config.dataset_uri()
     storage.ensure_writable(dataset_uri)
     results = result_storage()
-    download, extract, concat, tokenize, tokenize_array, blend = (
+    download, extract, concat, tokenize, blend = (
         t.with_options(result_storage=results)
-        for t in (download_shard, extract_shard, concatenate_part, tokenize_part, tokenize_parts_as_array, write_blend)
+        for t in (download_shard, extract_shard, concatenate_part, tokenize_parts, write_blend)
     )
 
     # 1. sources, and their cheap identities (etag/size/checksum) for the cache keys
@@ -170,23 +178,21 @@ def prepare_dataset(config: PrepareConfig | None = None) -> DatasetRef:
     concats = [f.result() for f in concat_futures]
     checksums = [[f.sha256 for _, f in g] for g in groups]
 
-    # 5. tokenize: in this process (local) or as ONE job array (slurm, k8s)
-    same = dict(
-        tokenizer=config.tokenizer,
-        dataset_uri=dataset_uri,
-        json_keys=config.json_keys,
-        append_eod=config.append_eod,
-        workers=config.workers,
-        skip_malformed=config.skip_malformed,
+    # 5. tokenize: ONE job array (a task per unfinished part) where the executor says
+    parts = tokenize(
+        concats,
+        checksums,
+        config.tokenizer,
+        dataset_uri,
+        config.json_keys,
+        config.append_eod,
+        config.workers,
+        config.skip_malformed,
+        n=len(concats),
+        executor=executor,
+        image=image,
     )
-    parts = []
-    if config.backend == "local":
-        for concat_result, sums, g in zip(concats, checksums, groups):
-            parts.extend(tokenize(concat_result, sums, **same))
-            advance(len(g))
-    else:
-        parts = tokenize_array(concats, checksums, **same, backend=config.backend, n=len(concats), image=config.image)
-        advance(len(sources))
+    advance(len(sources))
 
     # 6. blend weights (NeMo data_prefix) and the manifest
     dataset = blend(

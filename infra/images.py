@@ -57,7 +57,7 @@ from typing import Any
 from pydantic import SecretStr
 
 from infra import storage
-from infra.jobs import JobResult, JobSpec, JobState, Resources
+from infra.jobs import Backend, JobResult, JobSpec, JobState, Resources
 from infra.settings import get_settings
 
 LogSink = Callable[[str], None]
@@ -550,7 +550,7 @@ def sidecar_uri(image_uri: str) -> str:
     return image_uri + SIDECAR_SUFFIX
 
 
-def _read_sidecar(image_uri: str) -> dict[str, Any] | None:
+def read_sidecar(image_uri: str) -> dict[str, Any] | None:
     try:
         return storage.read_json(sidecar_uri(image_uri))
     except (OSError, ValueError):  # absent, unreadable or half-understood: not a cache hit
@@ -563,7 +563,7 @@ def cached_image(image_uri: str, source: str, source_identity: str, log: LogSink
     Re-checks the size and the superblock (cheap), not the full checksum: the
     file was hashed when it was written and nothing here rewrites it in place.
     """
-    meta = _read_sidecar(image_uri)
+    meta = read_sidecar(image_uri)
     if not meta or not storage.exists(image_uri):
         return None
     if meta.get("source") != source or meta.get("source_checksum") != source_identity:
@@ -598,7 +598,7 @@ def _revalidate_local(final: str, info: SourceInfo, log: LogSink) -> StagedImage
     """
     if not info.identity.startswith("stat:"):
         return None
-    meta = _read_sidecar(final)
+    meta = read_sidecar(final)
     if not meta or meta.get("source") != info.uri or meta.get("size") != info.size:
         return None
     if not str(meta.get("checksum", "")).startswith("sha256:") or not storage.exists(final):
@@ -1129,14 +1129,12 @@ def convert_image(
     reference: str,
     dest_dir: str,
     *,
-    backend: str = "slurm",
+    backend: Backend,
     force: bool = False,
     log: LogSink | None = None,
     resources: Resources | None = None,
-    backend_options: dict[str, Any] | None = None,
 ) -> StagedImage:
-    """Import a registry image into ``dest_dir`` with ``enroot import`` in a job; verify and cache it."""
-    from infra.backends import get_backend
+    """Import a registry image into ``dest_dir`` with ``enroot import`` in a job of ``backend``; verify, cache."""
     from infra.settings import redact
 
     log = log or (lambda line: None)
@@ -1152,11 +1150,9 @@ def convert_image(
     # again here so no backend's log path can leak the password.
     hidden = get_settings().secret_values()
     started = time.monotonic()
-    log(f"importing {plan.ref.canonical} with enroot in a {backend} job")
+    log(f"importing {plan.ref.canonical} with enroot in a {backend.name} job")
     try:
-        result: JobResult = get_backend(backend, **(backend_options or {})).run(
-            plan.spec, on_log=lambda line: log(redact(line, hidden))
-        )
+        result: JobResult = backend.run(plan.spec, on_log=lambda line: log(redact(line, hidden)))
         if result.state is not JobState.COMPLETED:
             tail = "\n".join(redact(line, hidden) for line in result.log_tail[-20:])
             if ENROOT_MISSING in tail or "enroot: command not found" in tail:
@@ -1196,30 +1192,3 @@ def convert_image(
 
 
 # ---------------------------------------------------------------- the local "image": the Python environment
-
-
-def python_environment() -> dict[str, Any]:
-    """The interpreter and a hash of ``pip freeze``: what a local run's "image" is."""
-    import subprocess
-    import sys
-
-    try:
-        frozen = subprocess.run(
-            [sys.executable, "-m", "pip", "freeze", "--all"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=120,
-        ).stdout
-    except (subprocess.SubprocessError, OSError):
-        # venvs made without pip (uv): the installed distributions say the same.
-        from importlib import metadata
-
-        frozen = "\n".join(sorted(f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()))
-    lines = sorted(line for line in frozen.splitlines() if line.strip())
-    return {
-        "executable": sys.executable,
-        "python": ".".join(map(str, sys.version_info[:3])),
-        "packages": len(lines),
-        "freeze_sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest(),
-    }

@@ -99,13 +99,14 @@ class ModelRecord(BaseModel):
 
 
 class Serving(BaseModel):
-    """What answers on the user-facing endpoint (local backend): the service and its shared port."""
+    """What answers on the user-facing endpoint: the service, its port and where it runs."""
 
     model: str
     service: str
     port: int
     model_name: str
     url: str
+    executor: dict | None = Field(None, description="the executor it runs on (infra.executors), None = local")
 
 
 class RegistryState(BaseModel):

@@ -43,6 +43,11 @@ class Settings(BaseSettings):
         description="GCS endpoint override (the emulator in tests); unset for real GCS.",
     )
     gcs_project: str | None = Field(default=None, description="GCP project for gcsfs.")
+    executor: Literal["local", "slurm", "k8s"] = Field(
+        default="local",
+        description="Where a flow's jobs run when its config names no executor; the executor's options come "
+        "from NEMOFLOW_SLURM_* / NEMOFLOW_K8S_* (nemoflow settings shows them).",
+    )
     region: Literal["us", "europe", "asia"] = Field(
         default="us", description="Resolves the <region> placeholder in image and data URIs."
     )

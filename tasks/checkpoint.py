@@ -1,7 +1,7 @@
 """Checkpoint validation stage: files, checksums, weights, held-out loss; stop the flow on failure.
 
     from tasks.checkpoint import validate_checkpoint
-    report = validate_checkpoint(ckpt, dataset, threshold=7.5, backend="slurm")
+    report = validate_checkpoint(ckpt, dataset, threshold=7.5, executor="slurm", image=image)
 
 The validator (``python -m workloads.validate_checkpoint``) runs as a job,
 since on a cluster it needs a GPU node; it writes a JSON report next to the
@@ -15,17 +15,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
+from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
 from infra import storage
-from infra.jobs import JobSpec, Mount, Resources
+from infra.executors import Executor
+from infra.jobs import ImageRef, JobSpec, Resources, workload_job
 from tasks.common import cache_policy, logger, run_job
-from tasks.refs import CheckpointRef, DatasetRef, ImageRef
-from tasks.train import REPO_ROOT
+from tasks.refs import CheckpointRef, DatasetRef
+from workloads.train_config import parse_blend
+
+DEFAULT_RESOURCES = Resources(cpus_per_task=2, time="01:00:00")
 
 
 class ValidationCheck(BaseModel):
@@ -72,15 +75,11 @@ def build_validate_job(
     output: str,
     image: ImageRef | None = None,
     num_batches: int = 8,
-    cpus_per_task: int = 2,
+    resources: Resources | None = None,
 ) -> JobSpec:
-    in_container = image is not None and image.kind in ("sqsh", "registry")
-    python = "python" if in_container else (image.uri if image and image.kind == "python-env" else sys.executable)
-    command = [
-        python,
-        "-m",
-        "workloads.validate_checkpoint",
-        storage.local_path(ckpt.uri),
+    ckpt_dir = storage.local_path(ckpt.uri)
+    args = [
+        ckpt_dir,
         "--threshold",
         repr(float(threshold)),
         "--data-prefix",
@@ -91,23 +90,18 @@ def build_validate_job(
         output,
         "--exit-zero",
     ]
+    data = [os.path.dirname(storage.local_path(p)) for p in parse_blend(dataset.blend)[0]]
     if dataset.tokenizer.model:
-        command += ["--tokenizer-model", dataset.tokenizer.model]
-    ckpt_dir = storage.local_path(ckpt.uri)
-    return JobSpec(
-        name="validate-" + hashlib.sha256(output.encode()).hexdigest()[:10],
-        command=command,
-        env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO_ROOT},
-        resources=Resources(gpus_per_node=1 if in_container else 0, cpus_per_task=cpus_per_task, time="01:00:00"),
-        container_image=image.uri if in_container else None,
-        mounts=[
-            Mount(source=REPO_ROOT, target=REPO_ROOT, read_only=True),
-            Mount(source=os.path.dirname(output), target=os.path.dirname(output)),
-            Mount(source=ckpt_dir, target=ckpt_dir, read_only=True),
-        ]
-        if in_container
-        else [],
-        workdir=REPO_ROOT,
+        args += ["--tokenizer-model", dataset.tokenizer.model]
+        data.append(os.path.dirname(storage.local_path(dataset.tokenizer.model)))
+    return workload_job(
+        "validate-" + hashlib.sha256(output.encode()).hexdigest()[:10],
+        "workloads.validate_checkpoint",
+        args,
+        image=image,
+        resources=resources or DEFAULT_RESOURCES,
+        paths=[os.path.dirname(output)],
+        read_only=sorted({ckpt_dir, *data}),
     )
 
 
@@ -153,16 +147,16 @@ def validate_checkpoint(
     ckpt: CheckpointRef,
     dataset: DatasetRef,
     threshold: float,
-    backend: str = "local",
+    executor: Executor | Any = None,
     image: ImageRef | None = None,
     num_batches: int = 8,
-    cpus_per_task: int = 2,
+    resources: Resources | None = None,
 ) -> ValidationReport:
     """Validate a checkpoint; raises :class:`CheckpointValidationFailed` naming the failed checks."""
     log = logger()
     output = report_path(ckpt, threshold)
     storage.makedirs(os.path.dirname(output))
-    run_job(build_validate_job(ckpt, dataset, threshold, output, image, num_batches, cpus_per_task), backend)
+    run_job(build_validate_job(ckpt, dataset, threshold, output, image, num_batches, resources), executor)
     report = ValidationReport.model_validate({**storage.read_json(output), "report_uri": output})
     key = "checkpoint-validation-" + hashlib.sha256(report.checkpoint.encode()).hexdigest()[:10]
     create_markdown_artifact(key=key, markdown=report_markdown(report), description="checkpoint validation checks")

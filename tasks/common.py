@@ -18,8 +18,8 @@ from typing import Any
 from prefect.cache_policies import INPUTS, CachePolicy
 
 from infra import storage
-from infra.backends import get_backend
-from infra.jobs import JobFailed, JobResult, JobSpec
+from infra.executors import get_backend
+from infra.jobs import JobFailed, JobResult, JobSpec, JobState
 from infra.settings import get_settings
 
 
@@ -88,11 +88,25 @@ def logger():
         return logging.getLogger("nemoflow")
 
 
-def run_job(spec: JobSpec, backend: str = "local", **backend_options) -> JobResult:
-    """Run a job on a backend, streaming its output into the Prefect log; raise on failure."""
+def run_job(spec: JobSpec, executor: Any = None) -> JobResult:
+    """Run a job where ``executor`` says, streaming its output into the Prefect log; raise on failure.
+
+    The job is labelled with the flow run that submitted it, so it can be found (and cancelled)
+    from the run.
+    """
     log = logger()
-    log.info("submitting job %s to the %s backend", spec.name, backend)
-    result = get_backend(backend, **backend_options).run(spec, on_log=lambda line: log.info("%s", line))
-    if result.state.value != "completed":
+    backend = get_backend(executor)
+    run_id = _flow_run_id()
+    if run_id and "flow-run" not in spec.labels:
+        spec = spec.model_copy(update={"labels": {**spec.labels, "flow-run": run_id}})
+    log.info("submitting job %s to the %s backend", spec.name, backend.name)
+    result = backend.run(spec, on_log=lambda line: log.info("%s", line))
+    if result.state is not JobState.COMPLETED:
         raise JobFailed(spec.name, result)
     return result
+
+
+def _flow_run_id() -> str | None:
+    from prefect.runtime import flow_run
+
+    return str(flow_run.id) if flow_run.id else None

@@ -21,38 +21,34 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
-import time
 from datetime import timedelta
+from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_table_artifact
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from infra import storage
+from infra.executors import Executor
 from infra.fetch import FetchResult, RemoteInfo, download
-from infra.jobs import JobSpec, Resources
+from infra.jobs import ImageRef, JobSpec, Resources, workload_job
+from infra.settings import get_settings
 from infra.sources import Source
 from tasks.common import cache_policy, logger, run_job
 from tasks.refs import DatasetRef, TokenizerRef
 from workloads.shards import ConcatResult, CorruptArchive, ExtractResult, concatenate, extract_zst
+from workloads.tokenize_array import (
+    PlanItem,
+    TokenizedPart,
+    TokenizePlan,
+    TokenizerSpec,
+    finished_part,
+)
 
 RETRIES = 3
 
 
 # ----------------------------------------------------------------------------- results
-
-
-class TokenizedPart(BaseModel):
-    input: str
-    prefix: str = Field(..., description="'{prefix}' of '{prefix}.bin/.idx'")
-    documents: int
-    tokens: int
-    bytes_in: int
-    bin_bytes: int
-    seconds: float
-    skipped_malformed: int = 0
-    reused: bool = False
 
 
 class DatasetManifest(BaseModel):
@@ -158,10 +154,6 @@ def concatenate_part(
 # ----------------------------------------------------------------------------- tokenize
 
 
-def _stats_uri(prefix: str) -> str:
-    return prefix + ".stats.json"
-
-
 def _part_identity(
     concat: ConcatResult, checksums: list[str], tokenizer: TokenizerRef, json_keys: list[str], append_eod: bool
 ) -> dict:
@@ -180,144 +172,37 @@ def _part_identity(
     }
 
 
-def _finished_part(prefix: str, identity: dict) -> TokenizedPart | None:
-    """A part tokenized earlier with the same identity, if its files are all there."""
-    stats_uri = _stats_uri(prefix)
-    if not storage.exists(stats_uri):
-        return None
-    stats = storage.read_json(stats_uri)
-    if stats.get("identity") != identity:
-        return None
-    if not (storage.exists(prefix + ".bin") and storage.exists(prefix + ".idx")):
-        return None
-    if storage.size(prefix + ".bin") != stats["part"]["bin_bytes"]:
-        return None
-    return TokenizedPart(**{**stats["part"], "reused": True})
+def _output_base(dataset_uri: str, concat: ConcatResult) -> str:
+    return storage.join(dataset_uri, "tokenized", storage.basename(concat.uri).removesuffix(".jsonl"))
 
 
-def _tokenizer_config(tokenizer: TokenizerRef):
-    from workloads.tokenize import TokenizerConfig
-
-    return TokenizerConfig(
-        type=tokenizer.type, model=tokenizer.model, vocab_file=tokenizer.vocab_file, merge_file=tokenizer.merge_file
+def build_tokenize_job(
+    plan_uri: str, items: int, workers: int, image: ImageRef | None = None, paths: list[str] | None = None
+) -> JobSpec:
+    """ONE array job: a task per unfinished part (local processes, a Slurm array, an Indexed Job)."""
+    return workload_job(
+        "nemoflow-tokenize",
+        "workloads.tokenize_array",
+        ["--plan", plan_uri],
+        image=image,
+        resources=Resources(cpus_per_task=workers),
+        array_size=items,
+        paths=paths or [],
+        # a Hugging Face tokenizer named by its hub id is downloaded by the job
+        secret_env=[name for name in ("HF_TOKEN",) if name in get_settings().secret_env()],
     )
-
-
-def read_index_counts(prefix: str) -> tuple[int, int]:
-    """(documents, tokens) from a Megatron ``.idx`` header and lengths, without loading ``.bin``."""
-    import numpy as np
-
-    with storage.open_read(prefix + ".idx") as fh:
-        header = fh.read(9 + 8 + 1 + 8 + 8)
-        if header[:9] != b"MMIDIDX\x00\x00":
-            raise ValueError(f"{prefix}.idx is not a Megatron index (bad magic)")
-        sequences = int.from_bytes(header[18:26], "little")
-        documents = int.from_bytes(header[26:34], "little") - 1
-        lengths = np.frombuffer(fh.read(4 * sequences), dtype=np.int32)
-    return documents, int(lengths.sum())
-
-
-def _tokenize_naming_shard_lines(concat: ConcatResult, base: str, **options):
-    """tokenize_file, with input errors pointing at the shard and line they came from.
-
-    A part concatenates several shards, so "part-00001.jsonl:7302" would send a
-    person hunting; we translate it to the extracted shard and its own line.
-    """
-    import re
-
-    from workloads.jsonl import InputError
-    from workloads.tokenize import tokenize_file
-
-    try:
-        return tokenize_file(concat.uri, base, **options)
-    except InputError as exc:
-        match = re.match(r"^(.*?):(\d+): (.*)$", str(exc), re.S)
-        if not match or match.group(1) != concat.uri:
-            raise
-        line = int(match.group(2))
-        for shard in concat.inputs:
-            with storage.open_read(shard) as fh:
-                count = sum(1 for _ in fh)
-            if line <= count:
-                raise InputError(f"{shard}:{line}: {match.group(3)} (in {storage.basename(concat.uri)})") from None
-            line -= count
-        raise
 
 
 @task(
     name="tokenize",
-    task_run_name="tokenize {concat.uri}",
+    task_run_name="tokenize {n} part(s)",
     retries=2,
     retry_delay_seconds=10,
-    cache_policy=cache_policy("workloads.tokenize", "tasks.data"),
+    cache_policy=cache_policy("workloads.tokenize", "workloads.tokenize_array", "tasks.data"),
     cache_expiration=timedelta(days=30),
     persist_result=True,
 )
-def tokenize_part(
-    concat: ConcatResult,
-    checksums: list[str],
-    tokenizer: TokenizerRef,
-    dataset_uri: str,
-    json_keys: list[str],
-    append_eod: bool = True,
-    workers: int = 2,
-    skip_malformed: bool = False,
-) -> list[TokenizedPart]:
-    """Tokenize one concatenated file in this process (the local backend)."""
-    log = logger()
-    base = storage.join(dataset_uri, "tokenized", storage.basename(concat.uri).removesuffix(".jsonl"))
-    identity = _part_identity(concat, checksums, tokenizer, json_keys, append_eod)
-    prefixes = {key: f"{base}_{key}_document" for key in json_keys}
-    done = {key: _finished_part(p, identity) for key, p in prefixes.items()}
-    if all(done.values()):
-        log.info("%s: already tokenized with the same tokenizer and flags", concat.uri)
-        return list(done.values())  # type: ignore[arg-type]
-    started = time.monotonic()
-    stats = _tokenize_naming_shard_lines(
-        concat,
-        base,
-        tokenizer=_tokenizer_config(tokenizer),
-        json_keys=tuple(json_keys),
-        append_eod=append_eod,
-        workers=workers,
-        skip_malformed=skip_malformed,
-    )
-    seconds = time.monotonic() - started
-    parts = []
-    for prefix in prefixes.values():
-        documents, tokens = read_index_counts(prefix)
-        part = TokenizedPart(
-            input=concat.uri,
-            prefix=prefix,
-            documents=documents,
-            tokens=tokens,
-            bytes_in=concat.bytes,
-            bin_bytes=storage.size(prefix + ".bin"),
-            seconds=seconds,
-            skipped_malformed=getattr(stats, "malformed_skipped", 0),
-        )
-        storage.write_json(_stats_uri(prefix), {"identity": identity, "part": part.model_dump()})
-        parts.append(part)
-        log.info(
-            "%s -> %s: %d documents, %d tokens, %.1f MB/s",
-            storage.basename(concat.uri),
-            storage.basename(prefix),
-            documents,
-            tokens,
-            concat.bytes / 1e6 / max(seconds, 1e-9),
-        )
-    return parts
-
-
-@task(
-    name="tokenize-array",
-    task_run_name="tokenize {n} part(s) as one job array",
-    retries=1,
-    cache_policy=cache_policy("workloads.tokenize", "tasks.data"),
-    cache_expiration=timedelta(days=30),
-    persist_result=True,
-)
-def tokenize_parts_as_array(
+def tokenize_parts(
     concats: list[ConcatResult],
     checksums: list[list[str]],
     tokenizer: TokenizerRef,
@@ -326,51 +211,53 @@ def tokenize_parts_as_array(
     append_eod: bool,
     workers: int,
     skip_malformed: bool,
-    backend: str,
     n: int,
-    image: str | None = None,
+    executor: Executor | Any = None,
+    image: ImageRef | None = None,
 ) -> list[TokenizedPart]:
-    """Tokenize on a cluster: ONE array job (a Slurm array / an Indexed Job), one task per unfinished part."""
+    """Tokenize every part not already tokenized with the same identity, as ONE array job where the
+    executor says; parts finished by an earlier (even failed) run are reused."""
     log = logger()
-    plan = []
+    items: list[PlanItem] = []
+    for concat, sums in zip(concats, checksums):
+        base = _output_base(dataset_uri, concat)
+        identity = _part_identity(concat, sums, tokenizer, json_keys, append_eod)
+        if all(finished_part(f"{base}_{key}_document", identity) for key in json_keys):
+            continue
+        items.append(
+            PlanItem(input=concat.uri, inputs=concat.inputs, output_prefix=base, identity=identity, bytes=concat.bytes)
+        )
+    if items:
+        plan_uri = storage.join(dataset_uri, "tokenized", "array-plan.json")
+        plan = TokenizePlan(
+            items=items,
+            tokenizer=TokenizerSpec(
+                type=tokenizer.type,
+                model=tokenizer.model,
+                vocab_file=tokenizer.vocab_file,
+                merge_file=tokenizer.merge_file,
+            ),
+            json_keys=json_keys,
+            append_eod=append_eod,
+            workers=workers,
+            skip_malformed=skip_malformed,
+        )
+        storage.write_json(plan_uri, plan.model_dump(mode="json"))
+        tokenizer_files = [f for f in (tokenizer.model, tokenizer.vocab_file, tokenizer.merge_file) if f]
+        local = [storage.local_path(dataset_uri)] if storage.is_local(dataset_uri) else []
+        local += [os.path.dirname(os.path.abspath(f)) for f in tokenizer_files if os.path.exists(f)]
+        log.info("tokenizing %d of %d part(s) as one job array", len(items), len(concats))
+        run_job(build_tokenize_job(plan_uri, len(items), workers, image, local), executor)
+    else:
+        log.info("all %d part(s) already tokenized with the same tokenizer and flags", len(concats))
     parts: list[TokenizedPart] = []
     for concat, sums in zip(concats, checksums):
-        base = storage.join(dataset_uri, "tokenized", storage.basename(concat.uri).removesuffix(".jsonl"))
-        identity = _part_identity(concat, sums, tokenizer, json_keys, append_eod)
-        prefixes = {key: f"{base}_{key}_document" for key in json_keys}
-        if all(_finished_part(p, identity) for p in prefixes.values()):
-            continue
-        plan.append({"input": concat.uri, "output_prefix": base, "identity": identity, "bytes": concat.bytes})
-    if plan:
-        plan_uri = storage.join(dataset_uri, "tokenized", "array-plan.json")
-        storage.write_json(
-            plan_uri,
-            {
-                "items": plan,
-                "tokenizer": tokenizer.model_dump(),
-                "json_keys": json_keys,
-                "append_eod": append_eod,
-                "workers": workers,
-                "skip_malformed": skip_malformed,
-            },
-        )
-        spec = JobSpec(
-            name="nemoflow-tokenize",
-            command=[sys.executable, "-m", "workloads.tokenize_array", "--plan", plan_uri],
-            resources=Resources(cpus_per_task=workers),
-            array_size=len(plan),
-            workdir=os.getcwd(),
-            container_image=image,
-        )
-        log.info("tokenizing %d part(s) as one %s job array", len(plan), backend)
-        run_job(spec, backend)
-    for concat, sums in zip(concats, checksums):
-        base = storage.join(dataset_uri, "tokenized", storage.basename(concat.uri).removesuffix(".jsonl"))
+        base = _output_base(dataset_uri, concat)
         identity = _part_identity(concat, sums, tokenizer, json_keys, append_eod)
         for key in json_keys:
-            part = _finished_part(f"{base}_{key}_document", identity)
+            part = finished_part(f"{base}_{key}_document", identity)
             if part is None:
-                raise RuntimeError(f"the array job ended but {base}_{key}_document is missing or incomplete")
+                raise RuntimeError(f"the tokenize job ended but {base}_{key}_document is missing or incomplete")
             parts.append(part)
     return parts
 

@@ -10,20 +10,14 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel, Field
 
+from infra.executors import Executor, LocalExecutor
+from infra.jobs import ImageRef
+
+__all__ = ["CheckpointRef", "DatasetRef", "EndpointRef", "ImageRef", "TokenizerRef", "now"]
+
 
 def now() -> datetime:
     return datetime.now(UTC)
-
-
-class ImageRef(BaseModel):
-    """The environment a stage ran in (lineage): a staged .sqsh, a registry image, or the local Python env."""
-
-    kind: str = Field(..., description="'sqsh', 'registry' or 'python-env'")
-    uri: str = Field(..., description="path/URI of the .sqsh, the image reference, or the python executable")
-    checksum: str | None = None
-    digest: str | None = None
-    size: int | None = None
-    source: str | None = None
 
 
 class TokenizerRef(BaseModel):
@@ -60,6 +54,10 @@ class CheckpointRef(BaseModel):
 class EndpointRef(BaseModel):
     url: str = Field(..., description="base URL, e.g. http://127.0.0.1:8000")
     model: str
-    backend: str = "local"
-    handle: str | None = Field(None, description="backend id to stop it: pid, Slurm job id, k8s name")
+    executor: Executor = Field(default_factory=LocalExecutor, description="where the server runs")
+    handle: str | None = Field(None, description="the service's name on its backend (stop/inspect it by this)")
     checkpoint: str | None = None
+
+    @property
+    def backend(self) -> str:
+        return self.executor.kind

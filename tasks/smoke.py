@@ -29,7 +29,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import INPUTS, CachePolicy
 from pydantic import BaseModel
 
-from infra import services
+from infra.executors import get_backend
 from tasks.common import code_fingerprint, logger
 from tasks.refs import EndpointRef
 
@@ -149,23 +149,27 @@ Reproduce:
 
 @dataclass
 class SameServerProcess(CachePolicy):
-    """Inputs + code + the identity (pid, start time) of the registered server behind the endpoint.
+    """Inputs + code + the identity of the running server behind the endpoint, as its backend reports
+    it (process and start time, Slurm job id, what a Deployment serves).
 
-    No key at all (so no caching) when that server is not registered and healthy: a
+    No key at all (so no caching) when that server is not running and healthy: a
     compound policy would silently drop a None part and cache on the inputs alone.
     """
 
     def compute_key(self, task_ctx, inputs, flow_parameters, **kwargs) -> str | None:
         endpoint = inputs.get("endpoint")
-        if endpoint is None or endpoint.backend != "local" or not endpoint.handle:
+        if endpoint is None or not endpoint.handle:
             return None
-        entry = services.get_service(endpoint.handle)
-        if entry is None or entry.url != endpoint.url or not services.is_healthy(entry):
+        try:
+            info = get_backend(endpoint.executor).service(endpoint.handle)
+        except Exception:  # noqa: BLE001 - a backend that cannot be asked: test again
+            return None
+        if info is None or info.url != endpoint.url or not info.healthy:
             return None
         parts = [
             INPUTS.compute_key(task_ctx, inputs, flow_parameters, **kwargs) or "",
             code_fingerprint("tasks.smoke"),
-            f"{entry.pid}-{entry.proc_start}",
+            f"{info.job_id}-{info.details.get('proc_start')}-{info.fingerprint}",
         ]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 

@@ -1,11 +1,11 @@
 """Training stage: pretrain or continue pretraining on a prepared dataset.
 
     from tasks.train import pretrain
-    ckpt = pretrain(TrainConfig(max_steps=300, ...), dataset, backend="slurm")
+    ckpt = pretrain(TrainConfig(max_steps=300, ...), dataset, image, executor="slurm")
 
 The task checks the configuration (parallelism arithmetic, data files) before
-it spends compute, then runs ``python -m workloads.train`` as a job on the
-chosen backend. The run directory is derived from the inputs, so a retry (or
+it spends compute, then runs ``python -m workloads.train`` as a job where the
+executor says (under torchrun when it spans several processes). The run directory is derived from the inputs, so a retry (or
 a pre-empted job, exit 76) starts the trainer on the same directory and it
 resumes from ``checkpoints/latest``. The result is the best checkpoint by
 validation loss, and a loss-curve artifact is published to the Prefect UI.
@@ -17,20 +17,19 @@ import base64
 import hashlib
 import json
 import os
-import sys
-from pathlib import Path
+from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra import storage
-from infra.jobs import JobFailed, JobSpec, JobState, Mount, Resources
+from infra.executors import Executor
+from infra.jobs import ExitCode, ImageRef, JobFailed, JobSpec, JobState, Resources, workload_job
 from infra.settings import get_settings
 from tasks.common import cache_policy, logger, run_job
-from tasks.refs import CheckpointRef, DatasetRef, ImageRef
-from workloads.train_config import ParallelismError, TrainConfig, check_parallelism
+from tasks.refs import CheckpointRef, DatasetRef
+from workloads.train_config import ParallelismError, TrainConfig, check_parallelism, parse_blend
 
-REPO_ROOT = str(Path(__file__).resolve().parents[1])
 TRAIN_MODULES = (
     "workloads.train",
     "workloads.train_config",
@@ -63,22 +62,49 @@ def with_dataset(config: TrainConfig, dataset: DatasetRef) -> TrainConfig:
     return config.model_copy(update={"run_dir": storage.local_path(run_dir_for(config, dataset))})
 
 
-def build_train_job(config: TrainConfig, image: ImageRef | None = None) -> JobSpec:
-    """The job that runs the trainer; writes the config to ``<run_dir>/train_config.request.json``."""
+def data_dirs(config: TrainConfig) -> list[str]:
+    """The directories a training or evaluation job reads: the blend's prefixes and the tokenizer."""
+    prefixes = []
+    for blend in (config.data_prefix, config.valid_data_prefix):
+        if blend:
+            prefixes += parse_blend(blend)[0]
+    paths = [os.path.dirname(storage.local_path(p)) for p in prefixes]
+    if config.tokenizer_model:
+        paths.append(os.path.dirname(storage.local_path(config.tokenizer_model)))
+    if config.init_from:
+        paths.append(storage.local_path(config.init_from))
+    return sorted(set(paths))
+
+
+def processes_per_node(config: TrainConfig) -> int:
+    """One process per GPU; on CPU, ``nproc_per_node`` of the config when it has one (default 1)."""
+    return config.gpus_per_node or getattr(config, "nproc_per_node", None) or 1
+
+
+def config_path(config: TrainConfig) -> str:
+    """Where the trainer reads its configuration: ``<run_dir>/train_config.request.json``."""
     if not config.run_dir:
         raise ValueError("config.run_dir must be set (with_dataset() fills it)")
-    run_dir = storage.local_path(config.run_dir)
-    storage.makedirs(run_dir)
-    config_path = os.path.join(run_dir, "train_config.request.json")
-    storage.write_text(config_path, config.model_dump_json(indent=1))
-    in_container = image is not None and image.kind in ("sqsh", "registry")
-    python = "python" if in_container else (image.uri if image and image.kind == "python-env" else sys.executable)
-    name = "train-" + hashlib.sha256(run_dir.encode()).hexdigest()[:10]
-    return JobSpec(
-        name=name,
-        command=[python, "-m", "workloads.train", "--config", config_path],
-        env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO_ROOT, "TOKENIZERS_PARALLELISM": "false"},
-        secret_env=["WANDB_API_KEY"] if get_settings().wandb_api_key is not None else [],
+    return os.path.join(storage.local_path(config.run_dir), "train_config.request.json")
+
+
+def write_config(config: TrainConfig) -> str:
+    path = config_path(config)
+    storage.makedirs(os.path.dirname(path))
+    storage.write_text(path, config.model_dump_json(indent=1))
+    return path
+
+
+def build_train_job(config: TrainConfig, image: ImageRef | None = None) -> JobSpec:
+    """The job that runs the trainer on ``config`` (which :func:`write_config` puts where the job reads it)."""
+    run_dir = storage.local_path(config.run_dir or "")
+    path = config_path(config)
+    nproc = processes_per_node(config)
+    return workload_job(
+        "train-" + hashlib.sha256(run_dir.encode()).hexdigest()[:10],
+        "workloads.train",
+        ["--config", path],
+        image=image,
         resources=Resources(
             nodes=config.num_nodes,
             ntasks_per_node=1,
@@ -87,12 +113,11 @@ def build_train_job(config: TrainConfig, image: ImageRef | None = None) -> JobSp
             mem=config.mem,
             time=config.time,
         ),
-        container_image=image.uri if in_container else None,
-        # In a container the code and the run directory must be visible at the same paths.
-        mounts=[Mount(source=REPO_ROOT, target=REPO_ROOT, read_only=True), Mount(source=run_dir, target=run_dir)]
-        if in_container
-        else [],
-        workdir=REPO_ROOT,
+        paths=[run_dir],
+        read_only=data_dirs(config),
+        # W&B only with a key; HF_TOKEN for models and tokenizers named by their hub id
+        secret_env=[name for name in ("WANDB_API_KEY", "HF_TOKEN") if name in get_settings().secret_env()],
+        nproc_per_node=nproc if nproc * config.num_nodes > 1 else None,
         log_dir=os.path.join(run_dir, "logs"),
     )
 
@@ -217,7 +242,7 @@ def _retry_if_resumable(task, task_run, state) -> bool:
     try:
         state.result()
     except JobFailed as exc:
-        return exc.result.state is not JobState.OUT_OF_MEMORY and exc.result.exit_code != 2
+        return exc.result.state is not JobState.OUT_OF_MEMORY and exc.result.exit_code != ExitCode.BAD_CONFIG
     except (ValueError, ParallelismError):
         return False
     except Exception:  # noqa: BLE001 - a crash or lost worker: retry resumes from the checkpoint
@@ -235,7 +260,7 @@ def _retry_if_resumable(task, task_run, state) -> bool:
     persist_result=True,
 )
 def pretrain(
-    config: TrainConfig, dataset: DatasetRef, image: ImageRef | None = None, backend: str = "local"
+    config: TrainConfig, dataset: DatasetRef, image: ImageRef | None = None, executor: Executor | Any = None
 ) -> CheckpointRef:
     """Train on ``dataset``; returns the best checkpoint by validation loss (the latest without one)."""
     from workloads import checkpoint as ckpt
@@ -252,8 +277,8 @@ def pretrain(
         plan.gradient_accumulation_steps,
         config.run_dir,
     )
-    spec = build_train_job(config, image)
-    run_job(spec, backend)
+    write_config(config)
+    run_job(build_train_job(config, image), executor)
 
     best = ckpt.best_checkpoint(config.run_dir)
     latest = ckpt.latest_checkpoint(config.run_dir)

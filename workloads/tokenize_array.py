@@ -1,20 +1,149 @@
-"""One task of the dataset-preparation job array: ``python -m workloads.tokenize_array --plan PLAN.json``.
+"""One task of the dataset stage's tokenize job array: ``python -m workloads.tokenize_array --plan PLAN.json``.
 
-The stage (tasks/data.py) writes a plan listing the parts still to tokenize and
-submits ONE array job; each array task picks its item by ``NEMOFLOW_ARRAY_INDEX``
-(set from ``SLURM_ARRAY_TASK_ID`` or ``JOB_COMPLETION_INDEX`` by the backend),
-tokenizes it and writes the ``.stats.json`` sidecar the stage reads back.
+The data stage (tasks/data.py) writes a :class:`TokenizePlan` listing the parts
+still to tokenize and submits ONE array job (N local processes, a Slurm job
+array, an Indexed Kubernetes Job); each array task picks its item by
+``NEMOFLOW_ARRAY_INDEX``, tokenizes it into Megatron ``.bin/.idx`` and writes
+the ``<prefix>.stats.json`` sidecar (its identity and :class:`TokenizedPart`)
+that tells a later run the part is done.
+
+A malformed input line is reported as the shard and line it came from (a part
+concatenates several shards) on one line, and the task exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
+from pydantic import BaseModel, Field
+
 from infra import storage
-from infra.jobs import ARRAY_INDEX_ENV
+from infra.jobs import ARRAY_INDEX_ENV, ExitCode
+
+
+class TokenizedPart(BaseModel):
+    input: str
+    prefix: str = Field(..., description="'{prefix}' of '{prefix}.bin/.idx'")
+    documents: int
+    tokens: int
+    bytes_in: int
+    bin_bytes: int
+    seconds: float
+    skipped_malformed: int = 0
+    reused: bool = False
+
+
+class TokenizerSpec(BaseModel):
+    type: str
+    model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+
+
+class PlanItem(BaseModel):
+    input: str = Field(..., description="the concatenated part (.jsonl)")
+    inputs: list[str] = Field(default_factory=list, description="the extracted shards it joins, in order")
+    output_prefix: str = Field(..., description="'{output_prefix}_{key}_document.bin/.idx' are written")
+    identity: dict = Field(..., description="what makes the output valid (inputs, tokenizer, flags, code)")
+    bytes: int
+
+
+class TokenizePlan(BaseModel):
+    items: list[PlanItem]
+    tokenizer: TokenizerSpec
+    json_keys: list[str]
+    append_eod: bool = True
+    workers: int = 1
+    skip_malformed: bool = False
+
+
+def stats_uri(prefix: str) -> str:
+    return prefix + ".stats.json"
+
+
+def read_index_counts(prefix: str) -> tuple[int, int]:
+    """(documents, tokens) from a Megatron ``.idx`` header and lengths, without loading ``.bin``."""
+    import numpy as np
+
+    with storage.open_read(prefix + ".idx") as fh:
+        header = fh.read(9 + 8 + 1 + 8 + 8)
+        if header[:9] != b"MMIDIDX\x00\x00":
+            raise ValueError(f"{prefix}.idx is not a Megatron index (bad magic)")
+        sequences = int.from_bytes(header[18:26], "little")
+        documents = int.from_bytes(header[26:34], "little") - 1
+        lengths = np.frombuffer(fh.read(4 * sequences), dtype=np.int32)
+    return documents, int(lengths.sum())
+
+
+def finished_part(prefix: str, identity: dict) -> TokenizedPart | None:
+    """A part tokenized earlier with the same identity, if its files are all there."""
+    uri = stats_uri(prefix)
+    if not storage.exists(uri):
+        return None
+    stats = storage.read_json(uri)
+    if stats.get("identity") != identity:
+        return None
+    if not (storage.exists(prefix + ".bin") and storage.exists(prefix + ".idx")):
+        return None
+    if storage.size(prefix + ".bin") != stats["part"]["bin_bytes"]:
+        return None
+    return TokenizedPart(**{**stats["part"], "reused": True})
+
+
+def _naming_shard_line(error: Exception, item: PlanItem) -> str:
+    """ "part-00001.jsonl:7302: ..." would send a person hunting: name the shard and its own line."""
+    match = re.match(r"^(.*?):(\d+): (.*)$", str(error), re.S)
+    if not match or match.group(1) != item.input:
+        return str(error)
+    line = int(match.group(2))
+    for shard in item.inputs:
+        with storage.open_read(shard) as fh:
+            count = sum(1 for _ in fh)
+        if line <= count:
+            return f"{shard}:{line}: {match.group(3)} (in {storage.basename(item.input)})"
+        line -= count
+    return str(error)
+
+
+def tokenize_item(plan: TokenizePlan, item: PlanItem, log=print) -> list[TokenizedPart]:
+    from workloads.tokenize import TokenizerConfig, tokenize_file
+
+    started = time.monotonic()
+    stats = tokenize_file(
+        item.input,
+        item.output_prefix,
+        tokenizer=TokenizerConfig(**plan.tokenizer.model_dump()),
+        json_keys=tuple(plan.json_keys),
+        append_eod=plan.append_eod,
+        workers=plan.workers,
+        skip_malformed=plan.skip_malformed,
+    )
+    seconds = time.monotonic() - started
+    parts = []
+    for key in plan.json_keys:
+        prefix = f"{item.output_prefix}_{key}_document"
+        documents, tokens = read_index_counts(prefix)
+        part = TokenizedPart(
+            input=item.input,
+            prefix=prefix,
+            documents=documents,
+            tokens=tokens,
+            bytes_in=item.bytes,
+            bin_bytes=storage.size(prefix + ".bin"),
+            seconds=seconds,
+            skipped_malformed=getattr(stats, "malformed_skipped", 0),
+        )
+        storage.write_json(stats_uri(prefix), {"identity": item.identity, "part": part.model_dump()})
+        log(
+            f"{storage.basename(item.input)} -> {storage.basename(prefix)}: {documents} documents, {tokens} tokens, "
+            f"{item.bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s"
+        )
+        parts.append(part)
+    return parts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,46 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--array-index", type=int, default=None, help=f"item to run (default: ${ARRAY_INDEX_ENV})")
     args = parser.parse_args(argv)
     index = args.array_index if args.array_index is not None else int(os.environ.get(ARRAY_INDEX_ENV, "0"))
-    plan = storage.read_json(args.plan)
-    items = plan["items"]
-    if not 0 <= index < len(items):
-        print(f"array index {index} out of range: the plan {args.plan} has {len(items)} item(s)", file=sys.stderr)
-        return 2
+    plan = TokenizePlan.model_validate(storage.read_json(args.plan))
+    if not 0 <= index < len(plan.items):
+        print(f"array index {index} out of range: the plan {args.plan} has {len(plan.items)} item(s)", file=sys.stderr)
+        return ExitCode.BAD_CONFIG
+    item = plan.items[index]
+    print(f"tokenizing {item.input} -> {item.output_prefix}_*", flush=True)
+    from workloads.jsonl import InputError
 
-    from tasks.data import TokenizedPart, _stats_uri, read_index_counts
-    from workloads.tokenize import TokenizerConfig, tokenize_file
-
-    item = items[index]
-    tok = plan["tokenizer"]
-    print(f"[{index}] tokenizing {item['input']} -> {item['output_prefix']}_*", flush=True)
-    started = time.monotonic()
-    stats = tokenize_file(
-        item["input"],
-        item["output_prefix"],
-        tokenizer=TokenizerConfig(
-            type=tok["type"], model=tok.get("model"), vocab_file=tok.get("vocab_file"), merge_file=tok.get("merge_file")
-        ),
-        json_keys=tuple(plan["json_keys"]),
-        append_eod=plan["append_eod"],
-        workers=plan["workers"],
-        skip_malformed=plan["skip_malformed"],
-    )
-    seconds = time.monotonic() - started
-    for key in plan["json_keys"]:
-        prefix = f"{item['output_prefix']}_{key}_document"
-        documents, tokens = read_index_counts(prefix)
-        part = TokenizedPart(
-            input=item["input"],
-            prefix=prefix,
-            documents=documents,
-            tokens=tokens,
-            bytes_in=item["bytes"],
-            bin_bytes=storage.size(prefix + ".bin"),
-            seconds=seconds,
-            skipped_malformed=getattr(stats, "malformed_skipped", 0),
-        )
-        storage.write_json(_stats_uri(prefix), {"identity": item["identity"], "part": part.model_dump()})
-        print(f"[{index}] {prefix}: {documents} documents, {tokens} tokens in {seconds:.1f}s", flush=True)
+    try:
+        tokenize_item(plan, item, log=lambda line: print(line, flush=True))
+    except InputError as exc:
+        print(f"error: {_naming_shard_line(exc, item)}", file=sys.stderr, flush=True)
+        return ExitCode.BAD_CONFIG
     return 0
 
 

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Exit codes of the trainer (the local backend knows 75; 76 means "stopped on a
 # pre-emption signal after saving a checkpoint: resubmit to resume").
@@ -24,6 +24,8 @@ EXIT_PREEMPTED = 76
 
 class TrainConfig(BaseModel):
     """Everything one training run needs; serialised to ``<run_dir>/train_config.json``."""
+
+    model_config = ConfigDict(extra="forbid")
 
     # ---- model (a small Llama or Mixtral built from a transformers config, random init)
     arch: Literal["llama", "mixtral"] = "llama"

@@ -51,7 +51,17 @@ import urllib3
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from infra.jobs import JobResult, JobSpec, JobState, LogSink, ServiceSpec
+from infra.jobs import (
+    Backend,
+    ImageRef,
+    JobResult,
+    JobSpec,
+    JobState,
+    LogSink,
+    Resources,
+    ServiceInfo,
+    ServiceSpec,
+)
 from infra.k8s import reasons
 from infra.k8s.config import api_client as load_api_client
 from infra.k8s.manifests import (
@@ -119,7 +129,7 @@ def _custom_key(obj: dict[str, Any]) -> str | None:
     return None
 
 
-class KubernetesBackend:
+class KubernetesBackend(Backend):
     name = "k8s"
 
     def __init__(
@@ -144,7 +154,7 @@ class KubernetesBackend:
         # K8sOptions fields may be passed directly: get_backend("k8s", namespace="llm")
         if option_fields:
             base = options.model_dump() if options is not None else {}
-            options = K8sOptions(**{**base, **option_fields})
+            options = (type(options) if options is not None else K8sOptions)(**{**base, **option_fields})
         self.options = options or K8sOptions()
         self._api_client = api_client
         self._config_source = dict(credentials_block=credentials_block, kubeconfig=kubeconfig, context=context)
@@ -356,11 +366,56 @@ class KubernetesBackend:
 
     # --- run ------------------------------------------------------------------------------
 
+    def submitted_spec(self, spec: JobSpec) -> JobSpec:
+        """``spec`` as its pods run it: a distributed job's command started by torchrun."""
+        if not spec.nproc_per_node or (spec.resources.nodes == 1 and spec.nproc_per_node == 1):
+            return spec
+        python, rest = spec.command[0], spec.command[1:]
+        if not rest or rest[0] != "-m":
+            raise ValueError(f"a distributed job runs `python -m MODULE ...`, not {spec.command[:3]}")
+        launcher = [python, "-m", "torch.distributed.run", f"--nproc-per-node={spec.nproc_per_node}"]
+        if spec.resources.nodes == 1:
+            launcher.append("--standalone")
+        elif self.options.training_kind != "pytorchjob":
+            # The Indexed Job's rendezvous variables (manifests.rendezvous_env), expanded by the kubelet;
+            # a PyTorchJob's operator sets torchrun's PET_* variables itself.
+            launcher += [
+                "--nnodes=$(NNODES)",
+                "--node-rank=$(NODE_RANK)",
+                "--master-addr=$(MASTER_ADDR)",
+                "--master-port=$(MASTER_PORT)",
+            ]
+        return spec.model_copy(update={"command": [*launcher, *rest]})
+
+    def _job_objects(self, spec: JobSpec, name: str | None = None, run_id: str | None = None) -> list[dict]:
+        objects = [to_dict(o) for o in job_objects(self.submitted_spec(spec), self.options, name=name, run_id=run_id)]
+        for obj in objects:
+            _add_labels(obj, spec.labels)
+        return objects
+
+    def _service_objects(self, spec: ServiceSpec) -> list[dict]:
+        objects = [to_dict(o) for o in service_objects(spec, self.options)]
+        for obj in objects:
+            _add_labels(obj, spec.labels)
+            annotations = obj["metadata"].setdefault("annotations", {})
+            annotations.update({f"nemoflow.io/{k}": v for k, v in spec.annotations.items()})
+            if spec.fingerprint:
+                annotations[FINGERPRINT_ANNOTATION] = spec.fingerprint
+        return objects
+
+    def cancel(self, job_id: str) -> None:
+        """Delete a job this process runs (``run()`` then returns CANCELLED); ``job_id`` is ``ns/name``."""
+        with _IN_FLIGHT_LOCK:
+            runs = [(r, v) for r, v in _IN_FLIGHT.items() if any(job_id.endswith(o["metadata"]["name"]) for o in v[1])]
+        for run_id, (backend, created, cancel) in runs:
+            cancel.set()
+            backend._clean_up(list(created), run_id, everything=True, emit=lambda line: None)
+
     def run(self, spec: JobSpec, on_log: LogSink | None = None) -> JobResult:
         run_id = uuid.uuid4().hex[:6]
         # room for "-<run id>" and the pod hostname suffix "-<index>" within 63 characters
         name = f"{spec.name[:48].rstrip('-')}-{run_id}"
-        objects = [to_dict(o) for o in job_objects(spec, self.options, name=name, run_id=run_id)]
+        objects = self._job_objects(spec, name=name, run_id=run_id)
         job_obj = objects[-1]
         if self.preflight:
             self.check(spec)
@@ -623,28 +678,137 @@ class KubernetesBackend:
 
     # --- services ---------------------------------------------------------------------
 
-    def start_service(self, spec: ServiceSpec) -> str:
-        """Create (or update) the inference Deployment + Service, wait until it is ready; return its URL.
+    def start_service(
+        self, spec: ServiceSpec, *, ready_timeout_s: float | None = None, on_log: LogSink | None = None
+    ) -> ServiceInfo:
+        """Create (or update: a rolling update) the inference Deployment + Service; wait until it is ready.
 
         If it cannot become ready (image pull, crash loop, unschedulable, timeout) or the
         caller is interrupted, its objects are deleted before the error propagates.
         """
-        objects = [to_dict(o) for o in service_objects(spec, self.options)]
+        objects = self._service_objects(spec)
         if self.preflight:
             self.check(spec)
         try:
             for obj in objects:
                 self._create(obj, None)
-            return self._wait_service(spec, knative=_custom_key(objects[0]) is not None)
+            url = self._wait_service(spec, knative=_custom_key(objects[0]) is not None, timeout_s=ready_timeout_s)
         except BaseException:
             try:
                 self.stop_service(spec.name)
             except Exception:  # noqa: BLE001 - the original error matters more
                 pass
             raise
+        return ServiceInfo(
+            name=spec.name,
+            url=url,
+            backend=self.name,
+            job_id=f"{self.ns}/{spec.name}",
+            healthy=True,
+            fingerprint=spec.fingerprint,
+            log=f"kubectl -n {self.ns} logs deployment/{spec.name}",
+        )
 
-    def _wait_service(self, spec: ServiceSpec, *, knative: bool) -> str:
-        deadline = time.monotonic() + self.service_ready_timeout_s
+    def service(self, name: str) -> ServiceInfo | None:
+        """The Deployment (or Knative Service) of that name, if it exists; healthy = all replicas ready."""
+        try:
+            if self.options.inference_kind == "knative":
+                group, version, plural = _CUSTOM["Service.serving.knative.dev"]
+                obj = self._call(self.custom.get_namespaced_custom_object, group, version, self.ns, plural, name)
+                status = obj.get("status") or {}
+                ready = any(
+                    c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+                )
+                url = status.get("url") or ""
+            else:
+                obj = self._dict(self._call(self.apps.read_namespaced_deployment, name, self.ns))
+                ready = _deployment_ready(obj)
+                ports = [
+                    p.get("containerPort")
+                    for c in (((obj.get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers") or []
+                    for p in c.get("ports") or []
+                ]
+                url = f"http://{name}.{self.ns}.svc.cluster.local:{ports[0]}" if ports else ""
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        annotations = (obj.get("metadata") or {}).get("annotations") or {}
+        return ServiceInfo(
+            name=name,
+            url=url,
+            backend=self.name,
+            job_id=f"{self.ns}/{name}",
+            healthy=ready,
+            fingerprint=annotations.get(FINGERPRINT_ANNOTATION),
+        )
+
+    def switch_service(
+        self,
+        current: str | None,
+        spec: ServiceSpec,
+        check: Callable[[ServiceInfo], None],
+        *,
+        ready_timeout_s: float | None = None,
+        on_log: LogSink | None = None,
+    ) -> ServiceInfo:
+        """Under the current name: a rolling update of the Deployment, gated by its readiness probe (old pods
+        serve until new ones are ready), then ``check``. Under a new name: a second Deployment + Service,
+        checked, then the old one deleted (clients move to the new Service name)."""
+        new = self.start_service(spec, ready_timeout_s=ready_timeout_s, on_log=on_log)
+        try:
+            check(new)
+        except BaseException:
+            if current != spec.name:
+                self.stop_service(spec.name)
+            raise
+        if current and current != spec.name:
+            self.stop_service(current)
+        return new
+
+    def stage_image(
+        self,
+        source: str | None,
+        dest: str,
+        *,
+        convert: bool = False,
+        force: bool = False,
+        log: LogSink | None = None,
+        progress: Callable[[int, int | None], None] | None = None,
+        resources: Resources | None = None,
+    ) -> tuple[ImageRef, dict[str, Any]]:
+        """Nodes pull registry images: the reference is validated and recorded, nothing is copied.
+
+        Without a SOURCE the executor's ``image`` is used (the nemoflow image the work pool names).
+        """
+        from infra import images
+
+        log = log or (lambda line: None)
+        if convert:
+            raise ValueError("--convert makes an enroot .sqsh for Slurm; Kubernetes nodes pull registry images")
+        source = images.resolve_region(source or self.options.image)
+        parsed = images.parse_docker_ref(source)
+        log(f"Kubernetes pulls {parsed.canonical}" + ("" if parsed.digest else " (no digest: the tag may move)"))
+        ref = ImageRef(kind="registry", uri=parsed.canonical, digest=parsed.digest, source=source)
+        return ref, {"cached": False, "bytes_copied": 0, "seconds": 0.0}
+
+    def planned_image(self, source: str | None, dest: str, convert: bool = False) -> ImageRef:
+        return self.stage_image(source, dest, convert=convert)[0]  # validation only: nothing is copied
+
+    def image_identity(self, source: str | None, dest: str, convert: bool = False) -> tuple[str, bool] | None:
+        return "registry:" + (source or self.options.image), True
+
+    def render(self, spec: JobSpec | ServiceSpec) -> dict[str, str]:
+        """One YAML document per object, named ``<kind>-<name>.yaml`` (what ``run``/``start_service`` create)."""
+        import yaml
+
+        objects = self._service_objects(spec) if isinstance(spec, ServiceSpec) else self._job_objects(spec)
+        return {
+            f"{o['kind'].lower()}-{o['metadata']['name']}.yaml": yaml.safe_dump(o, sort_keys=False) for o in objects
+        }
+
+    def _wait_service(self, spec: ServiceSpec, *, knative: bool, timeout_s: float | None = None) -> str:
+        deadline = time.monotonic() + (timeout_s or self.service_ready_timeout_s)
         pending_since: float | None = None
         while True:
             if knative:
@@ -678,13 +842,27 @@ class KubernetesBackend:
                 )
             time.sleep(min(2.0, self.watch_timeout_s))
 
-    def stop_service(self, name: str) -> None:
-        """Delete the service's objects (absent ones are fine)."""
+    def stop_service(self, name: str) -> bool:
+        """Delete the service's objects (absent ones are fine); False when there was none."""
+        existed = self.service(name) is not None
         if self.options.inference_kind == "knative":
             self._delete("Service", name, "serving.knative.dev/v1")
-            return
+            return existed
         self._delete("Deployment", name)
         self._delete("Service", name)
+        return existed
+
+
+FINGERPRINT_ANNOTATION = "nemoflow.io/fingerprint"
+_LABEL_VALUE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def _add_labels(obj: dict[str, Any], labels: dict[str, str]) -> None:
+    """``labels`` on an object (values made label-safe: 63 characters of [A-Za-z0-9._-])."""
+    if not labels:
+        return
+    safe = {f"nemoflow.io/{k}": _LABEL_VALUE.sub("-", v)[:63].strip("-._") for k, v in labels.items()}
+    obj["metadata"].setdefault("labels", {}).update(safe)
 
 
 class _LogCursor:

@@ -25,13 +25,27 @@ import os
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from infra.backends.local import EXIT_OUT_OF_MEMORY
-from infra.jobs import JobFailed, JobResult, JobSpec, JobState, LogSink, ServiceSpec
+from infra import environment
+from infra.jobs import (
+    Backend,
+    ExitCode,
+    ImageRef,
+    JobFailed,
+    JobResult,
+    JobSpec,
+    JobState,
+    LogSink,
+    Resources,
+    ServiceInfo,
+    ServiceSpec,
+)
 from infra.settings import DEFAULT_HOME, get_settings, redact
 from infra.slurm.commands import SlurmCLI, SlurmCommandError
-from infra.slurm.options import SbatchRequest, SlurmOptions, merge
+from infra.slurm.options import SbatchRequest, SlurmOptions, merge, parse_labels_comment
 from infra.slurm.parsers import parse_scontrol_record
 from infra.slurm.preflight import preflight
 from infra.slurm.script import render_batch_script
@@ -100,7 +114,7 @@ def _sbatch_env(spec: JobSpec, extra_env: dict[str, str] | None) -> dict[str, st
     return env
 
 
-class SlurmBackend:
+class SlurmBackend(Backend):
     name = "slurm"
 
     def __init__(
@@ -116,7 +130,7 @@ class SlurmBackend:
         # SlurmOptions fields may be passed directly: get_backend("slurm", partition="gpu")
         if option_fields:
             base = options.model_dump(exclude_unset=True) if options is not None else {}
-            options = SlurmOptions(**{**base, **option_fields})
+            options = (type(options) if options is not None else SlurmOptions)(**{**base, **option_fields})
         self.options = options or SlurmOptions()
         self.cli = cli or SlurmCLI()
         self.watcher = watcher or (shared_watcher() if cli is None else SlurmWatcher(self.cli))
@@ -220,7 +234,7 @@ class SlurmBackend:
         exit_code = status.exit_code
         if status.state is JobState.COMPLETED:
             exit_code = 0
-        elif status.state is JobState.FAILED and exit_code == EXIT_OUT_OF_MEMORY:
+        elif status.state is JobState.FAILED and exit_code == ExitCode.OUT_OF_MEMORY:
             # The workloads' own out-of-memory exit code: same verdict as the local backend.
             status.state = JobState.OUT_OF_MEMORY
         reason = None
@@ -288,44 +302,84 @@ class SlurmBackend:
 
     # ------------------------------------------------------------------ services
 
-    def _service_jobs(self, name: str) -> list[tuple[str, JobState, str]]:
-        """Live jobs of this user named ``name``: (job id, state, node list)."""
-        out = self.cli.run(["squeue", "-h", "-u", getpass.getuser(), "-n", name, "-o", "%i|%T|%N"])
+    def _service_jobs(self, name: str) -> list[dict[str, str]]:
+        """Live (pending or running) jobs of this user named ``name``: id, state, nodes, labels."""
+        from infra.slurm.states import SlurmState
+
+        out = self.cli.run(["squeue", "-h", "-u", getpass.getuser(), "-n", name, "-o", "%i|%T|%N|%k"])
         rows = []
         for line in out.splitlines():
-            job_id, state, nodes = (line.split("|") + ["", ""])[:3]
-            from infra.slurm.states import SlurmState
-
+            job_id, state, nodes, comment = (line.split("|", 3) + ["", "", ""])[:4]
             job_state = SlurmState.parse(state).job_state
             if job_state in (JobState.PENDING, JobState.RUNNING):
-                rows.append((job_id, job_state, nodes))
+                rows.append(
+                    {"job_id": job_id, "state": job_state.value, "nodes": nodes, **parse_labels_comment(comment)}
+                )
         return rows
 
-    def start_service(self, spec: ServiceSpec, ready_timeout_s: float = 900) -> str:
-        """Run a server as a Slurm job; returns ``http://NODE:PORT`` once ``health_path`` answers.
+    def _node_url(self, nodes: str, port: int | str) -> str | None:
+        if not nodes:
+            return None
+        host = self.cli.run(["scontrol", "show", "hostnames", nodes]).split()[0]
+        # NodeAddr is what the controller itself reaches the node at; the node's name may not resolve here.
+        node = parse_scontrol_record(self.cli.run(["scontrol", "-o", "show", "node", host]))
+        return f"http://{node.get('NodeAddr') or host}:{port}"
 
-        Idempotent: a running job of the same name (and user) is reused. The job
-        has no time limit beyond the partition's; stop it with :meth:`stop_service`.
+    def service(self, name: str) -> ServiceInfo | None:
+        jobs = self._service_jobs(name)
+        if not jobs:
+            return None
+        job = jobs[0]
+        url = self._node_url(job["nodes"], job.get("port", "")) if job["state"] == "running" else None
+        return ServiceInfo(
+            name=name,
+            url=url or "",
+            backend=self.name,
+            job_id=job["job_id"],
+            healthy=bool(url) and _healthy(url + job.get("health", "/health")),
+            fingerprint=job.get("fingerprint"),
+            details={"state": job["state"], "nodes": job["nodes"]},
+        )
+
+    def start_service(
+        self, spec: ServiceSpec, *, ready_timeout_s: float = 900.0, on_log: LogSink | None = None
+    ) -> ServiceInfo:
+        """Run a server as a Slurm job; return once ``health_path`` answers on its node.
+
+        A running job of the same name that serves the same fingerprint is kept; one that serves
+        something else is cancelled first. The job has no time limit beyond the partition's; stop it
+        with :meth:`stop_service`.
         """
-        existing = self._service_jobs(spec.name)
-        if existing:
-            job_id = existing[0][0]
-        else:
-            job = JobSpec(
-                name=spec.name,
-                command=spec.command,
-                env=spec.env,
-                secret_env=spec.secret_env,
-                resources=spec.resources,
-                container_image=spec.container_image,
-                mounts=spec.mounts,
-                workdir=spec.workdir,
-            )
-            job_id, _ = self.submit(job)
+        current = self.service(spec.name)
+        if current is not None:
+            if spec.fingerprint and current.fingerprint == spec.fingerprint and current.healthy:
+                return current
+            self.stop_service(spec.name)
+        labels = {**spec.labels, "port": str(spec.port), "health": spec.health_path}
+        if spec.fingerprint:
+            labels["fingerprint"] = spec.fingerprint
+        job = JobSpec(
+            name=spec.name,
+            command=spec.command,
+            env=spec.env,
+            secret_env=spec.secret_env,
+            resources=spec.resources,
+            container_image=spec.container_image,
+            mounts=spec.mounts,
+            workdir=spec.workdir,
+            log_dir=spec.log_dir,
+            labels=labels,
+        )
+        job_id, req = self.submit(job)
+        log_path = expand_output(req.output, job_id, None, req.job_name)
+        tail = OutputTail(log_path)
         deadline = time.monotonic() + ready_timeout_s
         url = None
         try:
             while time.monotonic() < deadline:
+                for line in tail.read():
+                    if on_log is not None:
+                        on_log(redact(line))
                 status = self.watcher.status(job_id)
                 if status.state.is_terminal:
                     raise JobFailed(
@@ -336,40 +390,166 @@ class SlurmBackend:
                             state=status.state,
                             exit_code=status.exit_code,
                             reason=f"service job ended before it was ready: {status.reason or status.state.value}",
+                            log_tail=tail.read(final=True)[-20:],
                         ),
                     )
                 if url is None and status.state is JobState.RUNNING:
-                    nodes = [r[2] for r in self._service_jobs(spec.name) if r[0] == job_id]
-                    if nodes and nodes[0]:
-                        host = self.cli.run(["scontrol", "show", "hostnames", nodes[0]]).split()[0]
-                        # NodeAddr is what the controller itself reaches the node at; the
-                        # node's name may not resolve from here.
-                        node = parse_scontrol_record(self.cli.run(["scontrol", "-o", "show", "node", host]))
-                        url = f"http://{node.get('NodeAddr') or host}:{spec.port}"
-                if url is not None:
-                    try:
-                        with urllib.request.urlopen(url + spec.health_path, timeout=5) as resp:
-                            if resp.status < 500:
-                                return url
-                    except OSError:
-                        pass
+                    nodes = [j["nodes"] for j in self._service_jobs(spec.name) if j["job_id"] == job_id]
+                    url = self._node_url(nodes[0], spec.port) if nodes else None
+                if url is not None and _healthy(url + spec.health_path):
+                    self.watcher.forget(job_id)
+                    return ServiceInfo(
+                        name=spec.name,
+                        url=url,
+                        backend=self.name,
+                        job_id=job_id,
+                        healthy=True,
+                        fingerprint=spec.fingerprint,
+                        log=log_path,
+                    )
                 time.sleep(self.poll_interval_s)
         except BaseException:
             self.watcher.forget(job_id)
-            if not existing:
-                self.cancel(job_id)
+            self.cancel(job_id)
             raise
         self.watcher.forget(job_id)
-        if not existing:
-            self.cancel(job_id)
+        self.cancel(job_id)
         raise TimeoutError(
             f"service {spec.name} (Slurm job {job_id}) not healthy at "
-            f"{url or 'an unknown node'}{spec.health_path} after {ready_timeout_s:.0f}s"
+            f"{url or 'an unknown node'}{spec.health_path} after {ready_timeout_s:.0f}s; it was cancelled"
         )
 
     def stop_service(self, name: str) -> bool:
         """scancel the service's job(s); False when none was running."""
         jobs = self._service_jobs(name)
-        for job_id, _, _ in jobs:
-            self.cancel(job_id)
+        for job in jobs:
+            self.cancel(job["job_id"])
         return bool(jobs)
+
+    def switch_service(
+        self,
+        current: str | None,
+        spec: ServiceSpec,
+        check: Callable[[ServiceInfo], None],
+        *,
+        ready_timeout_s: float = 900.0,
+        on_log: LogSink | None = None,
+    ) -> ServiceInfo:
+        """The new server starts as a job of its own (``spec.name`` must differ from ``current``), is
+        checked, and only then is the old job cancelled. Its URL is the new job's node and port: clients
+        that call a node directly must move (a load balancer or DNS name in front keeps them unaware).
+        """
+        if current == spec.name:
+            raise ValueError(f"switch_service: the new service needs a name other than the current {current!r}")
+        new = self.start_service(spec, ready_timeout_s=ready_timeout_s, on_log=on_log)
+        try:
+            check(new)
+        except BaseException:
+            self.stop_service(spec.name)
+            raise
+        if current:
+            self.stop_service(current)
+        return new
+
+    # ------------------------------------------------------------------ images
+
+    def stage_image(
+        self,
+        source: str | None,
+        dest: str,
+        *,
+        convert: bool = False,
+        force: bool = False,
+        log: LogSink | None = None,
+        progress: Callable[[int, int | None], None] | None = None,
+        resources: Resources | None = None,
+    ) -> tuple[ImageRef, dict[str, Any]]:
+        """A .sqsh copied (verified, cached) to ``dest``, a docker:// image imported by enroot in a job, or
+        ``python-env``: no container, the nodes share this Python environment."""
+        from infra import images
+
+        log = log or (lambda line: None)
+        started = time.monotonic()
+        if source == environment.PYTHON_ENV:
+            ref = environment.python_env_ref()
+            log(f"slurm without a container: jobs run with the shared Python environment {ref.uri}")
+            return ref, {"cached": False, "bytes_copied": 0, "seconds": time.monotonic() - started}
+        if source is None:
+            raise ValueError(
+                "the slurm backend runs stages in a container: give an image SOURCE (a .sqsh, or docker://REF "
+                f"with convert), or {environment.PYTHON_ENV!r} when the nodes share this Python environment"
+            )
+        source = images.resolve_region(source)
+        if images.is_docker_source(source):
+            if not convert:
+                raise ValueError(
+                    f"{source} is a registry image: pass --convert to import it into a .sqsh with enroot on the "
+                    "cluster (one pull, then every job starts from the shared file), or give a prebuilt .sqsh"
+                )
+            staged = images.convert_image(source, dest, backend=self, force=force, log=log, resources=resources)
+        else:
+            if convert:
+                raise ValueError(f"--convert needs a docker:// reference, not {source}")
+            staged = images.copy_image(source, dest, force=force, log=log, progress=progress)
+        ref = ImageRef(
+            kind="sqsh",
+            uri=staged.uri,
+            checksum=staged.checksum,
+            digest=staged.digest,
+            size=staged.size,
+            source=staged.source,
+        )
+        return ref, {"cached": staged.cached, "bytes_copied": staged.bytes_copied, "seconds": staged.seconds}
+
+    def planned_image(self, source: str | None, dest: str, convert: bool = False) -> ImageRef:
+        from infra import images, storage
+
+        if source == environment.PYTHON_ENV or source is None:
+            return environment.python_env_ref() if source else self.stage_image(source, dest)[0]
+        source = images.resolve_region(source)
+        if images.is_docker_source(source):
+            parsed = images.parse_docker_ref(source)
+            return ImageRef(kind="sqsh", uri=storage.join(dest, parsed.sqsh_name), digest=parsed.digest, source=source)
+        return ImageRef(kind="sqsh", uri=storage.join(dest, images.destination_name(source)), source=source)
+
+    def image_identity(self, source: str | None, dest: str, convert: bool = False) -> tuple[str, bool] | None:
+        from infra import images, storage
+
+        if source == environment.PYTHON_ENV:
+            return "python-env:" + environment.identity(), True
+        if source is None:
+            return None
+        try:
+            source = images.resolve_region(source)
+            dest = storage.normalize(dest)
+            if images.is_docker_source(source):
+                parsed = images.parse_docker_ref(source)
+                identity = parsed.digest or f"tag:{parsed.canonical}"
+                final = storage.join(dest, parsed.sqsh_name)
+            else:
+                info = images.probe_source(source)
+                source, identity = info.shown, info.identity
+                final = storage.join(dest, images.destination_name(source))
+            sidecar = images.read_sidecar(final)
+            staged = bool(sidecar) and sidecar.get("source_checksum") == identity and storage.exists(final)
+        except Exception:  # noqa: BLE001 - stage_image raises the clear error; a cache key must not
+            return None
+        return "|".join([source, identity, dest, str(bool(convert))]), staged
+
+    # ------------------------------------------------------------------ review
+
+    def render(self, spec: JobSpec | ServiceSpec) -> dict[str, str]:
+        """The sbatch script a submission of ``spec`` writes (no secrets: they travel in sbatch's env)."""
+        if isinstance(spec, ServiceSpec):
+            spec = JobSpec(**{k: v for k, v in spec.model_dump().items() if k in JobSpec.model_fields})
+        indices = list(range(spec.array_size)) if spec.array_size else None
+        req = merge(spec, self.options, spec.log_dir or "<log_dir>", indices)
+        return {f"{spec.name}.sbatch": render_batch_script(spec, req, self.options.container_mounts)}
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status < 500
+    except OSError:
+        return False

@@ -218,6 +218,8 @@ class SbatchRequest(BaseModel):
     env: dict[str, str]
     launcher: Literal["direct", "srun", "torchrun"]
     master_port: int
+    nproc_per_node: int | None = None
+    comment: str | None = None
 
     @property
     def time_seconds(self) -> int | None:
@@ -245,7 +247,9 @@ def merge(spec: JobSpec, options: SlurmOptions, log_dir: str, array_indices: lis
     nodes = pick("nodes")
     ntasks = pick("ntasks_per_node")
     launcher = options.launcher
-    if launcher == "auto":
+    if spec.nproc_per_node and (nodes > 1 or spec.nproc_per_node > 1):
+        launcher = "torchrun"  # a torch.distributed job: one torchrun per node, nproc_per_node each
+    elif launcher == "auto":
         if nodes > 1 and _python_command(spec.command):
             launcher = "torchrun"
         elif nodes > 1 or ntasks > 1 or spec.container_image:
@@ -280,7 +284,33 @@ def merge(spec: JobSpec, options: SlurmOptions, log_dir: str, array_indices: lis
         env=env,
         launcher=launcher,
         master_port=options.master_port,
+        nproc_per_node=spec.nproc_per_node,
+        comment=labels_comment(spec.labels) if spec.labels else None,
     )
+
+
+COMMENT_PREFIX = "nemoflow:"
+
+
+def labels_comment(labels: dict[str, str]) -> str:
+    """``sbatch --comment`` carrying a job's labels (squeue ``%k`` and sacct read them back).
+
+    >>> labels_comment({"flow-run": "abc", "fingerprint": "f00"})
+    'nemoflow:fingerprint=f00,flow-run=abc'
+    """
+    return COMMENT_PREFIX + ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def parse_labels_comment(comment: str) -> dict[str, str]:
+    """The labels of :func:`labels_comment` (empty for other comments).
+
+    >>> parse_labels_comment("nemoflow:fingerprint=f00,flow-run=abc")
+    {'fingerprint': 'f00', 'flow-run': 'abc'}
+    """
+    if not comment.startswith(COMMENT_PREFIX):
+        return {}
+    pairs = [p.split("=", 1) for p in comment[len(COMMENT_PREFIX) :].split(",") if "=" in p]
+    return {k: v for k, v in pairs}
 
 
 def _python_command(command: list[str]) -> bool:

@@ -8,8 +8,8 @@ The launch line depends on :attr:`SbatchRequest.launcher`:
   shared storage or a registry reference pyxis imports);
 - ``torchrun``: ``srun`` starts one ``torch.distributed.run`` per node with a
   c10d rendezvous at ``$MASTER_ADDR:$MASTER_PORT`` (the first node of the
-  allocation), ``--nnodes=$SLURM_NNODES`` and ``--nproc-per-node`` = GPUs per
-  node (or tasks per node on CPU).
+  allocation), ``--nnodes=$SLURM_NNODES`` and ``--nproc-per-node`` = the job's
+  ``nproc_per_node`` (else GPUs per node, or tasks per node on CPU).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def launch_line(spec: JobSpec, req: SbatchRequest, extra_mounts: list[str] | Non
         return shlex.join(command)
     srun = ["srun", "--kill-on-bad-exit=1"] + container_flags(spec, extra_mounts)
     if req.launcher == "torchrun":
-        nproc = req.gpus_per_node or req.ntasks_per_node
+        nproc = req.nproc_per_node or req.gpus_per_node or req.ntasks_per_node
         srun += ["--ntasks-per-node=1", f"--nodes={req.nodes}"]
         rendezvous = [
             "-m",

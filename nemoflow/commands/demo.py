@@ -53,7 +53,7 @@ def _stop_endpoint() -> None:
 
     if shutil.which("scancel"):  # `demo --backend slurm` serves from a Slurm job
         try:
-            from infra.backends import get_backend
+            from infra.executors import get_backend
 
             if get_backend("slurm").stop_service("nemoflow-demo"):
                 print("cancelled the inference server's Slurm job nemoflow-demo")

@@ -151,7 +151,7 @@ def run_show(args) -> int:
 
 
 def _switch(registry, state, model_id: str):
-    """Blue/green to ``model_id`` on the port the registry says is serving."""
+    """Switch the endpoint the registry records to ``model_id`` without downtime, where it runs."""
     from nemoflow.cli import UserError
     from tasks.promote import switch_serving
     from tasks.refs import CheckpointRef
@@ -165,6 +165,7 @@ def _switch(registry, state, model_id: str):
         state.serving,
         state.serving.port,
         state.serving.model_name,
+        state.serving.executor,
     )
 
 

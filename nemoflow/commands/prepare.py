@@ -37,7 +37,15 @@ def register(sub) -> None:
     parser.add_argument("--workers", type=int, default=2, help="tokenizer processes per file (default 2)")
     parser.add_argument("--skip-malformed", action="store_true", help="skip and count malformed JSON lines")
     parser.add_argument("--delete-compressed", action="store_true", help="delete .zst files after extraction")
-    parser.add_argument("--backend", default="local", choices=["local", "slurm", "k8s"], help="where tokenization runs")
+    parser.add_argument(
+        "--executor",
+        "--backend",
+        dest="executor",
+        default=None,
+        choices=["local", "slurm", "k8s"],
+        help="where the tokenize job array runs (default: NEMOFLOW_EXECUTOR, local); options from "
+        "NEMOFLOW_SLURM_* / NEMOFLOW_K8S_*",
+    )
     parser.add_argument("--json", action="store_true", help="print the resulting DatasetRef as JSON")
     parser.set_defaults(func=run)
 
@@ -64,9 +72,8 @@ def run(args) -> int:
         workers=args.workers,
         skip_malformed=args.skip_malformed,
         delete_compressed=args.delete_compressed,
-        backend=args.backend,
     )
-    dataset = prepare_dataset(config)
+    dataset = prepare_dataset(config, args.executor)
     if args.json:
         print(json.dumps(dataset.model_dump(mode="json"), indent=2))
     else:

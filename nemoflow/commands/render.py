@@ -1,4 +1,4 @@
-"""``nemoflow render --backend k8s --out DIR``: write the manifests a run would submit, for review and kubectl."""
+"""``nemoflow render``: write what a run would submit (manifests, sbatch scripts), for review and kubectl."""
 
 from __future__ import annotations
 
@@ -7,55 +7,133 @@ import os
 import sys
 
 DESCRIPTION = """\
-Write every Kubernetes object a pipeline run would create, one YAML file per
-object named <kind>-<name>.yaml, plus the workspace PVC (apply it once):
+Write every object an end-to-end run would submit, built by the stages' own job
+builders and rendered by the executor's backend, without submitting anything:
+
+  kubernetes  one YAML file per object, <kind>-<name>.yaml, plus the workspace PVC
+              (apply it once): kubectl apply -f DIR
+  slurm       one sbatch script per job, <name>.sbatch
+  local       one shell script per job, <name>.sh
 
   nemoflow render --backend k8s --out manifests/
-  kubectl apply -f manifests/persistentvolumeclaim-nemo-workspace.yaml
-  kubectl apply -f manifests/
+  nemoflow render --config run.yaml --out manifests/
 
---config FILE (YAML) sets the plan (image, nodes, gpus_per_node, file_groups,
-tensor_parallel, ...) and, under `k8s:`, the cluster options (namespace,
-pvc_name, scheduler_name, service_account, secret_name, training_kind,
-inference_kind, ...). NEMOFLOW_K8S_* environment variables fill the rest.
-Secrets are referenced by name (secretKeyRef), never written."""
+--config FILE (YAML) is an end-to-end configuration, the same one the flow takes
+(`executor: {kind: k8s, namespace: llm, ...}`, `image: {source: ...}`, `data:`,
+`train:`, `serve:`); NEMOFLOW_K8S_* / NEMOFLOW_SLURM_* fill executor options it
+leaves out. Secrets are referenced by name (secretKeyRef, sbatch's environment),
+never written. The blend weights and the run directory come from the prepared
+dataset when it exists (render after prepare-dataset for exact paths)."""
 
 
 def register(sub) -> None:
     parser = sub.add_parser(
         "render",
-        help="write the manifests a run would submit (kubectl apply -f DIR)",
+        help="write the manifests / sbatch scripts a run would submit (kubectl apply -f DIR)",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--backend", choices=["k8s"], default="k8s", help="target (only k8s renders manifests)")
-    parser.add_argument("--out", required=True, help="directory to write the YAML files into (created)")
-    parser.add_argument("--config", help="YAML file: plan keys and a `k8s:` section")
+    parser.add_argument(
+        "--backend",
+        choices=["k8s", "slurm", "local"],
+        default=None,
+        help="the executor kind to render for (default: the config's executor, else k8s)",
+    )
+    parser.add_argument("--out", required=True, help="directory to write the files into (created)")
+    parser.add_argument("--config", help="YAML file: an end-to-end configuration (see above)")
     parser.set_defaults(func=run)
 
 
 def load_config(path: str | None) -> dict:
+    """The YAML mapping in ``path`` ({} without one); one-line errors for unreadable or invalid files."""
     if not path:
         return {}
     import yaml
 
-    with open(path, encoding="utf-8") as fh:
-        data = yaml.safe_load(fh) or {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+    except OSError as exc:
+        raise ValueError(f"cannot read --config {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"--config {path} is not valid YAML ({problem} at{where})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     return data
 
 
-def run(args) -> int:
-    from deployments.plan import planned_specs
-    from infra.k8s.options import K8sOptions
-    from infra.k8s.render import write_manifests
+def build_config(data: dict, backend: str | None):
+    """The EndToEndConfig of the file, with ``--backend`` choosing the executor kind."""
+    from pydantic import ValidationError
 
-    config = load_config(args.config)
-    options = K8sOptions.from_mapping(config.get("k8s"))
-    written = write_manifests(planned_specs(config), options, args.out)
+    from flows.end_to_end import EndToEndConfig
+
+    data = dict(data)
+    executor = data.get("executor")
+    if isinstance(executor, str):
+        executor = {"kind": executor}
+    executor = dict(executor or {})
+    if backend:
+        if executor.get("kind") not in (None, backend):
+            raise ValueError(f"--backend {backend} but the config's executor is {executor['kind']!r}")
+        executor["kind"] = backend
+    executor.setdefault("kind", "k8s")
+    data["executor"] = executor
+    try:
+        return EndToEndConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "config"
+        raise ValueError(f"{where}: {first['msg']}") from None
+
+
+def write_files(files: dict[str, str], out_dir: str) -> list[str]:
+    from infra import storage
+
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        written = []
+        for name, text in files.items():
+            path = os.path.join(out_dir, name)
+            with storage.atomic_open(path, "w") as fh:
+                fh.write(text)
+            written.append(path)
+    except OSError as exc:
+        raise PermissionError(f"cannot write to --out {out_dir}: {exc.strerror or exc}") from None
+    return written
+
+
+def render_run(config) -> dict[str, str]:
+    """File name -> text for every job and service of the run (plus the workspace PVC on Kubernetes)."""
+    from flows.plan import planned_specs
+    from infra.executors import get_backend
+
+    backend = get_backend(config.executor)
+    files: dict[str, str] = {}
+    if config.executor.kind == "k8s" and config.executor.pvc_name:
+        import yaml
+
+        from infra.k8s.manifests import to_dict, workspace_pvc
+
+        pvc = to_dict(workspace_pvc(config.executor))
+        files[f"persistentvolumeclaim-{pvc['metadata']['name']}.yaml"] = yaml.safe_dump(pvc, sort_keys=False)
+    for _, spec in planned_specs(config):
+        for name, text in backend.render(spec).items():
+            if name in files:
+                raise ValueError(f"two objects would be written to {name}")
+            files[name] = text
+    return files
+
+
+def run(args) -> int:
+    config = build_config(load_config(args.config), args.backend)
+    written = write_files(render_run(config), args.out)
     for path in written:
         relative = os.path.relpath(path)
         print(path if relative.startswith("..") else relative)
-    print(f"{len(written)} manifests in {args.out}; review, then: kubectl apply -f {args.out}", file=sys.stderr)
+    how = f"kubectl apply -f {args.out}" if config.executor.kind == "k8s" else "sbatch / bash them"
+    print(f"{len(written)} files in {args.out}; review, then: {how}", file=sys.stderr)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 EPILOG = """\
 examples:
@@ -76,14 +77,14 @@ def run_start(args) -> int:
     from infra import services, storage
     from infra.jobs import ServiceSpec
     from nemoflow.cli import UserError
-    from tasks.serve import local_checkpoint, serve_command, service_name
+    from tasks.serve import local_checkpoint, serve_args, service_name
 
     directory = local_checkpoint(args.checkpoint)
     if not os.path.isdir(directory):
         raise UserError(f"--checkpoint {args.checkpoint} is not a directory")
     model_name = args.model_name or storage.basename(args.checkpoint)  # not the cache dir of a gs:// copy
     name = service_name(args.name or model_name)
-    command = serve_command(directory, args.port, model_name, args.host)
+    command = [sys.executable, "-m", "workloads.serve", *serve_args(directory, args.port, model_name, args.host)]
     if args.max_tokens_cap:
         command += ["--max-tokens-cap", str(args.max_tokens_cap)]
     spec = ServiceSpec(name=name, command=command, port=args.port)

@@ -88,7 +88,8 @@ def register(sub) -> None:
     parser.set_defaults(func=run)
 
 
-def _job_options(args) -> tuple[dict | None, dict | None]:
+def _job_options(args) -> tuple[dict | None, dict]:
+    """The import job's resources, and the executor (``--backend`` plus Slurm's --partition/--account)."""
     resources = {k: v for k, v in (("cpus_per_task", args.cpus_per_task), ("time", args.time)) if v is not None}
     options = {k: v for k, v in (("partition", args.partition), ("account", args.account)) if v is not None}
     if (resources or options) and not args.convert:
@@ -99,7 +100,7 @@ def _job_options(args) -> tuple[dict | None, dict | None]:
         from nemoflow.cli import UserError
 
         raise UserError("--partition and --account are Slurm options: use --backend slurm")
-    return resources or None, options or None
+    return resources or None, {"kind": args.backend, **options}
 
 
 def _run_in_flow(args):
@@ -113,21 +114,13 @@ def _run_in_flow(args):
 
     from tasks.image import stage_image
 
-    resources, options = _job_options(args)
+    resources, executor = _job_options(args)
 
     @flow(name="stage-image", log_prints=False)
-    def stage_image_flow(source, dest, backend, convert, force):
-        return stage_image(
-            source,
-            dest=dest,
-            backend=backend,
-            convert=convert,
-            force=force,
-            resources=resources,
-            backend_options=options,
-        )
+    def stage_image_flow(source, dest, convert, force):
+        return stage_image(source, dest=dest, executor=executor, convert=convert, force=force, resources=resources)
 
-    return stage_image_flow(args.source, args.dest, args.backend, args.convert, args.force)
+    return stage_image_flow(args.source, args.dest, args.convert, args.force)
 
 
 def run(args) -> int:
@@ -137,16 +130,15 @@ def run(args) -> int:
         if args.no_prefect:
             from tasks.image import stage
 
-            resources, options = _job_options(args)
+            resources, executor = _job_options(args)
             ref, facts = stage(
                 args.source,
                 args.dest,
-                args.backend,
+                executor,
                 args.convert,
                 args.force,
                 log=lambda line: print(line, file=sys.stderr),
                 resources=resources,
-                backend_options=options,
             )
             note = " (already staged, nothing copied)" if facts["cached"] else ""
         else:

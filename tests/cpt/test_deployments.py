@@ -57,5 +57,6 @@ def test_every_pool_has_a_nightly_refresh():
     for pool, deployment in nightly.items():
         assert [s["cron"] for s in deployment["schedules"]] == ["0 2 * * *"], pool
         assert deployment["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}, pool
-        backend = deployment.get("parameters", {}).get("config", {}).get("backend", "local")
-        assert backend == {"local": "local", "gpu-cluster": "slurm", "nemoflow-k8s": "k8s"}[pool]
+        executor = deployment.get("parameters", {}).get("config", {}).get("executor", "local")
+        kind = executor if isinstance(executor, str) else executor["kind"]
+        assert kind == {"local": "local", "gpu-cluster": "slurm", "nemoflow-k8s": "k8s"}[pool]

@@ -15,10 +15,11 @@ import sentencepiece
 
 from flows.prepare_dataset import PrepareConfig, prepare_dataset
 from infra import storage
-from tasks.data import auto_blend_text, blend_weights, read_index_counts
+from tasks.data import auto_blend_text, blend_weights
 from tasks.refs import TokenizerRef
 from tests.support.fault_server import Fault, FaultServer
 from workloads.demo_data import write_slimpajama_layout
+from workloads.tokenize_array import read_index_counts
 
 pytestmark = pytest.mark.prefect
 
@@ -208,7 +209,7 @@ def test_skip_malformed_counts_lines(prefect_server, work_dir, tmp_path):
 
 def test_invalid_configs_fail_before_any_work(work_dir):
     with pytest.raises(ValueError, match="backend"):
-        PrepareConfig(backend="nomad")
+        PrepareConfig(backend="slurm")  # where it runs is the flow's executor, not a config field
     with pytest.raises(ValueError, match="without sources"):
         PrepareConfig(chunks="1-2")
     with pytest.raises(Exception, match="tokenizer"):

@@ -205,8 +205,10 @@ def test_invalid_config_fails_before_compute():
 
     with pytest.raises(ValueError, match=r"global_batch_size=30.*micro_batch_size"):
         EndToEndConfig(train={**TINY_TRAIN, "global_batch_size": 30, "micro_batch_size": 4})
-    with pytest.raises(ValueError, match="backend"):
-        EndToEndConfig(backend="nomad")
+    with pytest.raises(ValueError, match="unknown executor kind 'nomad'; choose one of local, slurm, k8s"):
+        EndToEndConfig(executor="nomad")
+    with pytest.raises(ValueError, match="kubernetes"):
+        EndToEndConfig(executor="kubernetes")  # one name for one meaning: k8s
 
 
 def test_partial_train_settings_change_the_demo_model_not_replace_it():

@@ -56,7 +56,7 @@ def slurm_pool(prefect_server, work_dir, tmp_path):
         start_new_session=True,
     )
     yield env
-    from infra.backends import get_backend
+    from infra.executors import get_backend
 
     get_backend("slurm").stop_service("nemoflow-slurm-e2e")
     for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGKILL):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from infra import images
+from infra.backends.local import LocalBackend
 from infra.images import EnrootNotFound, ImageError, RegistryCredentialsError, convert_image, plan_conversion
 
 from .conftest import leftovers
@@ -101,7 +102,7 @@ def test_anonymous_registry_renders_without_credentials(registry_env, tmp_path):
 def test_private_registry_without_credentials_fails_before_submitting(registry_env, tmp_path):
     dest = tmp_path / "images"
     with pytest.raises(RegistryCredentialsError, match="nvcr.io needs credentials .*NEMOFLOW_REGISTRY_PASSWORD"):
-        convert_image("docker://nvcr.io/nvidia/nemo:25.02", str(dest), backend="local")
+        convert_image("docker://nvcr.io/nvidia/nemo:25.02", str(dest), backend=LocalBackend())
     assert leftovers(dest) == []  # no script written, no job run
     registry_env(NEMOFLOW_REGISTRY_USER="robot")
     with pytest.raises(RegistryCredentialsError, match="NEMOFLOW_REGISTRY_USER is set but NEMOFLOW_REGISTRY_PASSWORD"):
@@ -135,7 +136,7 @@ def test_missing_enroot_fails_fast_and_clearly(registry_env, tmp_path):
     lines: list[str] = []
     started = time.monotonic()
     with pytest.raises(EnrootNotFound, match=r"enroot not found on the node \(install enroot \+ pyxis, or stage"):
-        convert_image("docker://nvcr.io/nvidia/nemo:25.02", str(dest), backend="local", log=lines.append)
+        convert_image("docker://nvcr.io/nvidia/nemo:25.02", str(dest), backend=LocalBackend(), log=lines.append)
     assert time.monotonic() - started < 10
     assert not any(p.endswith(".sqsh") for p in leftovers(dest))
     assert SECRET not in "\n".join(lines)
@@ -146,7 +147,7 @@ def test_import_job_with_credentials_end_to_end(registry_env, tmp_path, stand_in
     registry_env(NEMOFLOW_REGISTRY_PASSWORD=SECRET)
     dest = tmp_path / "images"
     lines: list[str] = []
-    staged = convert_image("docker://nvcr.io/nvidia/nemo:25.02", str(dest), backend="local", log=lines.append)
+    staged = convert_image("docker://nvcr.io/nvidia/nemo:25.02", str(dest), backend=LocalBackend(), log=lines.append)
 
     record = read_record(stand_in_enroot)
     assert record["uri"] == "docker://nvcr.io#nvidia/nemo:25.02"
@@ -169,7 +170,7 @@ def test_import_job_with_credentials_end_to_end(registry_env, tmp_path, stand_in
     assert SECRET not in everything
 
     stand_in_enroot.unlink()
-    again = convert_image("docker://nvcr.io/nvidia/nemo:25.02", str(dest), backend="local")
+    again = convert_image("docker://nvcr.io/nvidia/nemo:25.02", str(dest), backend=LocalBackend())
     assert again.cached and not stand_in_enroot.exists()  # no job ran
 
 
@@ -178,7 +179,7 @@ def test_failed_import_leaves_no_image(registry_env, tmp_path, stand_in_enroot, 
     dest = tmp_path / "images"
     failed = r"(?s)enroot import of docker.io/library/ubuntu:22.04 failed.*401 Unauthorized"
     with pytest.raises(ImageError, match=failed):
-        convert_image("docker://ubuntu:22.04", str(dest), backend="local")
+        convert_image("docker://ubuntu:22.04", str(dest), backend=LocalBackend())
     assert not any(p.endswith(".sqsh") for p in leftovers(dest))
 
 

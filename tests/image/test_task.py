@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-from infra.jobs import JobSpec
-from tasks.image import lineage, lineage_markdown, stage, with_image
-from tasks.refs import ImageRef
+from infra.jobs import ImageRef, workload_job
+from tasks.image import stage
 
 
 @pytest.mark.prefect
@@ -27,8 +26,8 @@ def test_task_caches_on_source_checksum_and_publishes_artifact(prefect_server, s
 
     @flow
     def twice():
-        first = stage_image(url, dest=dest, return_state=True)
-        second = stage_image(url, dest=dest, return_state=True)
+        first = stage_image(url, dest=dest, executor="slurm", return_state=True)
+        second = stage_image(url, dest=dest, executor="slurm", return_state=True)
         return first, second
 
     first, second = twice()
@@ -45,7 +44,7 @@ def test_task_caches_on_source_checksum_and_publishes_artifact(prefect_server, s
 
     @flow
     def once():
-        return stage_image(url, dest=dest, return_state=True)
+        return stage_image(url, dest=dest, executor="slurm", return_state=True)
 
     third = once()
     assert third.name == "Completed"
@@ -55,9 +54,9 @@ def test_task_caches_on_source_checksum_and_publishes_artifact(prefect_server, s
 
 def test_local_backend_records_the_python_environment():
     lines: list[str] = []
-    assert stage("gs://bucket/nemo.sqsh", backend="local", log=lines.append)[0].kind == "python-env"
+    assert stage("gs://bucket/nemo.sqsh", executor="local", log=lines.append)[0].kind == "python-env"
     assert any("is not staged" in line for line in lines)
-    ref, facts = stage(None, backend="local")
+    ref, facts = stage(None, executor="local")
     assert ref.kind == "python-env" and ref.uri == sys.executable
     assert ref.source.startswith("Python {}.{}.".format(*sys.version_info[:2]))
     frozen = subprocess.run([sys.executable, "-m", "pip", "freeze", "--all"], capture_output=True, text=True).stdout
@@ -67,31 +66,32 @@ def test_local_backend_records_the_python_environment():
 
 def test_backend_rules_give_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="the slurm backend runs stages in a container"):
-        stage(None, backend="slurm")
+        stage(None, executor="slurm")
     with pytest.raises(ValueError, match="pass --convert"):
-        stage("docker://nvcr.io/nvidia/nemo:25.02", str(tmp_path), backend="slurm")
+        stage("docker://nvcr.io/nvidia/nemo:25.02", str(tmp_path), executor="slurm")
     with pytest.raises(ValueError, match="Kubernetes needs|only docker:// references"):
-        stage("gs://bucket/nemo.sqsh", backend="k8s")
-    with pytest.raises(ValueError, match="unknown backend 'lsf'"):
-        stage("x.sqsh", backend="lsf")
+        stage("gs://bucket/nemo.sqsh", executor="k8s")
+    with pytest.raises(ValueError, match="unknown executor kind 'lsf'"):
+        stage("x.sqsh", executor="lsf")
 
 
 def test_kubernetes_records_reference_and_digest():
     digest = "sha256:" + "0f" * 32
-    ref, _ = stage(f"nvcr.io/nvidia/nemo:25.02@{digest}", backend="k8s")
+    ref, _ = stage(f"nvcr.io/nvidia/nemo:25.02@{digest}", executor="k8s")
     assert (ref.kind, ref.uri, ref.digest) == ("registry", f"nvcr.io/nvidia/nemo:25.02@{digest}", digest)
 
 
 def test_lineage_reaches_the_job():
     image = ImageRef(kind="sqsh", uri="/lustre/images/nemo.sqsh", checksum="md5:abc", source="gs://b/nemo.sqsh")
-    spec = with_image(JobSpec(name="train", command=["python", "-m", "workloads.train"]), image)
-    assert spec.container_image == "/lustre/images/nemo.sqsh"
+    spec = workload_job("train", "workloads.train", image=image)
+    assert spec.container_image == "/lustre/images/nemo.sqsh" and spec.command[0] == "python"
     assert spec.env["NEMOFLOW_IMAGE"] == "/lustre/images/nemo.sqsh"
     assert spec.env["NEMOFLOW_IMAGE_CHECKSUM"] == "md5:abc"
-    assert lineage(image)["image_source"] == "gs://b/nemo.sqsh"
-    assert "`/lustre/images/nemo.sqsh`" in lineage_markdown(image)
-    local = with_image(JobSpec(name="train", command=["python"]), ImageRef(kind="python-env", uri=sys.executable))
+    assert image.lineage()["image_source"] == "gs://b/nemo.sqsh"
+    assert "`/lustre/images/nemo.sqsh`" in image.lineage_markdown()
+    local = workload_job("train", "workloads.train", image=ImageRef(kind="python-env", uri="/shared/venv/bin/python"))
     assert local.container_image is None and local.env["NEMOFLOW_IMAGE_KIND"] == "python-env"
+    assert local.command[0] == "/shared/venv/bin/python"
 
 
 def test_cli_copies_and_reports(served, tmp_path, capsys):
@@ -148,8 +148,8 @@ def test_task_retries_transient_failures_only(prefect_server, served, tmp_path, 
 
     @flow
     def stage_both():
-        flaky = quick(server.url("nemo-test.sqsh"), dest=str(tmp_path / "a"), return_state=True)
-        missing = quick(server.url("missing.sqsh"), dest=str(tmp_path / "b"), return_state=True)
+        flaky = quick(server.url("nemo-test.sqsh"), dest=str(tmp_path / "a"), executor="slurm", return_state=True)
+        missing = quick(server.url("missing.sqsh"), dest=str(tmp_path / "b"), executor="slurm", return_state=True)
         return flaky, missing
 
     flaky, missing = stage_both(return_state=False)
@@ -171,8 +171,8 @@ def test_local_environment_and_k8s_reference_are_cached_on_rerun(prefect_server)
 
     @flow
     def twice():
-        return [stage_image(None, backend="local", return_state=True) for _ in range(2)] + [
-            stage_image(reference, backend="k8s", return_state=True) for _ in range(2)
+        return [stage_image(None, executor="local", return_state=True) for _ in range(2)] + [
+            stage_image(reference, executor="k8s", return_state=True) for _ in range(2)
         ]
 
     local_1, local_2, k8s_1, k8s_2 = twice()

@@ -225,14 +225,14 @@ async def test_inference_service_start_and_stop(ready, make_backend):
         container_image=IMAGE,
         resources=Resources(gpus_per_node=2),
     )
-    url = await asyncio.to_thread(backend.start_service, serve)
+    url = (await asyncio.to_thread(backend.start_service, serve)).url
     assert url == "http://llm-serve.team.svc.cluster.local:8000"
     dep = ready.live("apps/v1/deployments")[0]
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
     # starting again applies the spec to the existing objects instead of failing on 409
-    assert await asyncio.to_thread(backend.start_service, serve) == url
+    assert (await asyncio.to_thread(backend.start_service, serve)).url == url
     await asyncio.to_thread(backend.stop_service, "llm-serve")
     assert ready.live("apps/v1/deployments") == [] and ready.live("v1/services") == []
 
@@ -311,7 +311,7 @@ async def test_knative_inference_service(ready, make_backend, k8s_options):
     options = k8s_options.model_copy(update={"inference_kind": "knative"})
     backend = make_backend(ready, options=options)
     serve = ServiceSpec(name="llm-serve", command=["python", "-m", "workloads.serve"], port=8000, container_image=IMAGE)
-    assert await asyncio.to_thread(backend.start_service, serve) == "http://llm-serve.team.example.com"
+    assert (await asyncio.to_thread(backend.start_service, serve)).url == "http://llm-serve.team.example.com"
     assert len(ready.live("serving.knative.dev/v1/services")) == 1
     await asyncio.to_thread(backend.stop_service, "llm-serve")
     assert ready.live("serving.knative.dev/v1/services") == []
@@ -345,18 +345,18 @@ async def test_log_stream_cut_midway_resumes_without_loss_or_repeats(ready, make
     assert all(r.params.get("timestamps") == "true" for r in log_requests)
 
 
-def test_get_backend_takes_option_fields_and_rejects_unknown_ones(monkeypatch):
-    from infra.backends import get_backend
+def test_get_backend_takes_executor_fields_and_rejects_unknown_ones(monkeypatch):
+    from infra.executors import get_backend
 
     monkeypatch.setenv("NEMOFLOW_K8S_SCHEDULER_NAME", "runai-scheduler")
-    backend = get_backend("k8s", namespace="llm", pvc_name="shared")
+    backend = get_backend({"kind": "k8s", "namespace": "llm", "pvc_name": "shared"})
     assert (backend.options.namespace, backend.options.pvc_name, backend.options.scheduler_name) == (
         "llm",
         "shared",
         "runai-scheduler",
     )
     with pytest.raises(ValueError, match="namespaec"):
-        get_backend("k8s", namespaec="llm")
+        get_backend({"kind": "k8s", "namespaec": "llm"})
 
 
 async def test_service_never_ready_times_out_and_is_removed(ready, make_backend):
@@ -441,46 +441,48 @@ def test_api_outage_longer_than_tolerated_raises(k8s_options):
     assert lines and all("still waiting" in line for line in lines)
 
 
-async def test_stage_helper_run_job_drives_the_k8s_backend(ready, caplog):
-    """The path every stage takes: tasks.common.run_job(spec, "k8s", **options) raises JobFailed on failure."""
+async def test_stage_helper_run_job_drives_the_k8s_backend(ready, caplog, monkeypatch):
+    """The path every stage takes: tasks.common.run_job(spec, executor) raises JobFailed on failure."""
     import logging
 
+    from infra.executors import K8sExecutor
     from infra.jobs import JobFailed
     from tasks.common import run_job
 
-    opts = dict(
-        api_client=api_client_for_url(ready.url),
-        namespace="team",
-        pvc_name="workspace",
-        watch_timeout_s=0.5,
-        backoff_s=0.05,
+    executor = {"kind": "k8s", "namespace": "team", "pvc_name": "workspace"}
+    client = api_client_for_url(ready.url)
+    # The executor says where; the API client (kmock here, KUBECONFIG or in-cluster for real) is the backend's.
+    monkeypatch.setattr(
+        K8sExecutor,
+        "backend",
+        lambda self: KubernetesBackend(self, api_client=client, watch_timeout_s=0.5, backoff_s=0.05),
     )
     ready.scripts["tok"] = JobScript(pod=lambda i: PodScript(logs=[f"shard {i} done"]))
     with caplog.at_level(logging.INFO, logger="nemoflow"):
-        result = await asyncio.to_thread(run_job, spec(array_size=2), "k8s", **opts)
+        result = await asyncio.to_thread(run_job, spec(array_size=2), executor)
     assert result.state is JobState.COMPLETED and "[1] shard 1 done" in caplog.text
     ready.scripts["tok"] = JobScript(
         pod=lambda i: PodScript(logs=["killed"], exit_code=137, terminated_reason="OOMKilled")
     )
     with pytest.raises(JobFailed, match="ended out_of_memory with exit code 137: OOMKilled"):
-        await asyncio.to_thread(run_job, spec(), "k8s", **opts)
+        await asyncio.to_thread(run_job, spec(), executor)
 
 
 async def test_deploy_inference_stage_on_kubernetes(prefect_server, ready, make_backend, monkeypatch):
     """The end-to-end flow's deploy stage on the k8s backend: a Deployment + Service serving the checkpoint."""
     from prefect.logging import disable_run_logger
 
-    import infra.backends as backends
+    from infra.executors import K8sExecutor
     from tasks.refs import CheckpointRef, ImageRef
     from tasks.serve import deploy_inference, stop_inference
 
     backend = make_backend(ready)
-    monkeypatch.setattr(backends, "get_backend", lambda name, **kw: backend)
+    monkeypatch.setattr(K8sExecutor, "backend", lambda self: backend)
     checkpoint = CheckpointRef(uri="/nemo-workspace/runs/llama/checkpoints/step-000060", step=60)
     image = ImageRef(kind="registry", uri=IMAGE)
     with disable_run_logger():
         endpoint = await asyncio.to_thread(
-            deploy_inference.fn, checkpoint, 8000, "nemoflow-demo", "k8s", 60, "127.0.0.1", image
+            deploy_inference.fn, checkpoint, {"kind": "k8s", "namespace": "team"}, 8000, "nemoflow-demo", 60, image
         )
     assert endpoint.url == "http://nemoflow-demo.team.svc.cluster.local:8000" and endpoint.backend == "k8s"
     container = ready.live("apps/v1/deployments")[0]["spec"]["template"]["spec"]["containers"][0]

@@ -27,32 +27,56 @@ VERSIONS = ["1.30.0", "1.37.0"]
 HERE = pathlib.Path(__file__).parent
 PYTORCHJOB_SCHEMA = json.loads((HERE / "schemas" / "pytorchjob-kubeflow-v1.schema.json").read_text())
 
+GPU_MULTINODE = {
+    "executor": {
+        "kind": "k8s",
+        "namespace": "llm",
+        "scheduler_name": "runai-scheduler",
+        "service_account": "nemoflow",
+        "image_pull_secrets": ["ngc"],
+        "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "shm_size": "64Gi",
+        "pvc_storage_class": "standard-rwx",
+    },
+    "image": {"source": "nvcr.io/nvidia/nemo:25.02"},
+    "data": {
+        "sources": "https://data.example.com/train/chunk{chunk}/example_train_{shard}.jsonl.zst",
+        "chunks": "1",
+        "shards": "0-15",
+        "shards_per_file": 1,
+    },
+    "train": {
+        "num_nodes": 4,
+        "gpus_per_node": 8,
+        "tensor_model_parallel_size": 2,
+        "global_batch_size": 256,
+        "mem": "480G",
+        "time": "04:00:00",
+    },
+    "serve": {"resources": {"gpus_per_node": 2, "cpus_per_task": 4}},
+}
 CONFIGS = {
     "default": {},
-    "gpu-multinode": {
-        "nodes": 4,
-        "gpus_per_node": 8,
-        "tensor_parallel": 2,
-        "file_groups": 16,
-        "mem": "480G",
-        "k8s": {
-            "namespace": "llm",
-            "scheduler_name": "runai-scheduler",
-            "service_account": "nemoflow",
-            "image_pull_secrets": ["ngc"],
-            "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
-            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-            "shm_size": "64Gi",
-            "pvc_storage_class": "standard-rwx",
-        },
-    },
+    "gpu-multinode": GPU_MULTINODE,
     "pytorchjob-knative": {
-        "nodes": 2,
-        "gpus_per_node": 8,
-        "tensor_parallel": 8,
-        "k8s": {"training_kind": "pytorchjob", "inference_kind": "knative", "shm": False, "pvc_name": "shared"},
+        "executor": {"kind": "k8s", "training_kind": "pytorchjob", "inference_kind": "knative", "shm": False},
+        "train": {"num_nodes": 2, "gpus_per_node": 8, "global_batch_size": 128},
+        "serve": {"resources": {"gpus_per_node": 8}},
     },
 }
+
+
+@pytest.fixture(autouse=True)
+def workspace_work_dir(monkeypatch):
+    """Runs on Kubernetes keep their artifacts on the workspace PVC."""
+    from infra.settings import reload_settings
+
+    monkeypatch.setenv("NEMOFLOW_WORK_DIR", "/nemo-workspace/nemoflow")
+    reload_settings()
+    yield
+    monkeypatch.undo()
+    reload_settings()
 
 
 def render(tmp_path, config: dict) -> dict[str, dict]:
@@ -64,6 +88,12 @@ def render(tmp_path, config: dict) -> dict[str, dict]:
         args += ["--config", str(path)]
     assert cli(args) == 0
     return {p.name: yaml.safe_load(p.read_text()) for p in sorted(out.glob("*.yaml"))}
+
+
+def one(files: dict[str, dict], prefix: str) -> dict:
+    found = [obj for name, obj in files.items() if name.startswith(prefix)]
+    assert len(found) == 1, (prefix, sorted(files))
+    return found[0]
 
 
 def validate(obj: dict) -> None:
@@ -117,11 +147,14 @@ def test_strict_validation_rejects_an_unknown_field():
 
 def test_gpu_multinode_manifests_wire_rendezvous_gpus_and_workspace(tmp_path):
     files = render(tmp_path, CONFIGS["gpu-multinode"])
-    job = files["job-nemoflow-train.yaml"]
-    svc = files["service-nemoflow-train.yaml"]
+    job = one(files, "job-train-")
+    svc = one(files, "service-train-")
     pod = job["spec"]["template"]["spec"]
     main = pod["containers"][0]
     env = {e["name"]: e for e in main["env"]}
+    # torchrun on every node, the rendezvous from the Indexed Job's variables
+    assert main["command"][:4] == ["python", "-m", "torch.distributed.run", "--nproc-per-node=8"]
+    assert "--node-rank=$(NODE_RANK)" in main["command"] and "workloads.train" in main["command"]
     assert job["spec"]["completionMode"] == "Indexed"
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == 4
     # pod <job>-0 is reachable as <job>-0.<subdomain>: the headless Service selecting these pods
@@ -135,11 +168,11 @@ def test_gpu_multinode_manifests_wire_rendezvous_gpus_and_workspace(tmp_path):
     assert {"name": "workspace", "mountPath": "/nemo-workspace"} in main["volumeMounts"]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in pod["volumes"]
     assert job["spec"]["activeDeadlineSeconds"] == 4 * 3600
-    tok = files["job-nemoflow-tokenize.yaml"]
+    tok = one(files, "job-nemoflow-tokenize")
     tok_env = {e["name"]: e for e in tok["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert tok["spec"]["completions"] == 16
     assert "job-completion-index" in tok_env["NEMOFLOW_ARRAY_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
-    serve = files["deployment-nemoflow-serve.yaml"]["spec"]["template"]["spec"]["containers"][0]
+    serve = one(files, "deployment-nemoflow-demo")["spec"]["template"]["spec"]["containers"][0]
     assert serve["resources"]["limits"]["nvidia.com/gpu"] == "2", "GPU count = tensor parallel size"
     assert serve["readinessProbe"]["httpGet"]["port"] == serve["ports"][0]["containerPort"] == 8000
     pvc = files["persistentvolumeclaim-nemo-workspace.yaml"]
@@ -148,13 +181,16 @@ def test_gpu_multinode_manifests_wire_rendezvous_gpus_and_workspace(tmp_path):
 
 def test_pytorchjob_and_knative_variants(tmp_path):
     files = render(tmp_path, CONFIGS["pytorchjob-knative"])
-    ptj = files["pytorchjob-nemoflow-train.yaml"]
+    ptj = one(files, "pytorchjob-train-")
     assert ptj["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
     assert ptj["spec"]["nprocPerNode"] == "8"
     pod = ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert all(v["name"] != "dshm" for v in pod["volumes"]), "shm: false removes /dev/shm"
-    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "shared"
-    ksvc = files["service-nemoflow-serve.yaml"]
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "nemo-workspace"
+    command = pod["containers"][0]["command"]
+    assert command[:4] == ["python", "-m", "torch.distributed.run", "--nproc-per-node=8"]
+    assert not any(arg.startswith("--node-rank") for arg in command), "the operator sets torchrun's PET_* variables"
+    ksvc = one(files, "service-nemoflow-demo")
     assert ksvc["apiVersion"] == "serving.knative.dev/v1"
     assert ksvc["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
 
@@ -182,20 +218,43 @@ def _containers(obj):
 
 def test_render_writes_atomically_and_overwrites(tmp_path):
     first = render(tmp_path, {})
-    second = render(tmp_path, {"file_groups": 7})
-    assert set(first) == set(second)
-    assert second["job-nemoflow-tokenize.yaml"]["spec"]["completions"] == 7
+    assert one(first, "job-nemoflow-tokenize")["spec"]["completions"] == 4  # the demo corpus: 4 parts
+    second = render(tmp_path, {"data": {**GPU_MULTINODE["data"], "shards": "0-6"}})
+    assert one(second, "job-nemoflow-tokenize")["spec"]["completions"] == 7
     assert not [p for p in (tmp_path / "out").iterdir() if ".tmp-" in p.name]
 
 
 def test_render_rejects_bad_input_naming_it(tmp_path, capsys):
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"image": "nvcr.io/nvidia/NeMo:25.02"}))
+    config.write_text(yaml.safe_dump({"image": {"source": "nvcr.io/nvidia/NeMo:25.02"}}))
     assert cli(["render", "--out", str(tmp_path / "o"), "--config", str(config)]) == 2
     assert "nvcr.io/nvidia/NeMo:25.02" in capsys.readouterr().err
-    config.write_text(yaml.safe_dump({"nodez": 2}))
+    config.write_text(yaml.safe_dump({"train": {"nodez": 2}}))
     assert cli(["render", "--out", str(tmp_path / "o"), "--config", str(config)]) == 2
     assert "nodez" in capsys.readouterr().err
+    config.write_text("executor: {kind: k8s\n")
+    assert cli(["render", "--out", str(tmp_path / "o"), "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "is not valid YAML" in err and len(err.strip().splitlines()) == 1
+
+
+def test_render_is_what_the_stages_submit(tmp_path):
+    """The manifests come from the tasks' own builders: the same spec, through the backend's renderer."""
+    from flows.end_to_end import EndToEndConfig
+    from flows.plan import planned_specs
+    from infra.backends.k8s import KubernetesBackend
+    from tasks.serve import build_serve_spec
+
+    config = EndToEndConfig.model_validate(GPU_MULTINODE)
+    plan = dict(planned_specs(config))
+    files = render(tmp_path, GPU_MULTINODE)
+    backend = KubernetesBackend(config.executor)
+    for stage in ("tokenize", "pretrain", "validate", "serve"):
+        for name, text in backend.render(plan[stage]).items():
+            assert files[name] == yaml.safe_load(text), (stage, name)
+    serve = plan["serve"]
+    assert serve.command[:3] == ["python", "-m", "workloads.serve"] and "0.0.0.0" in serve.command
+    assert build_serve_spec.__module__ == "tasks.serve"
 
 
 @pytest.mark.parametrize(

@@ -85,8 +85,8 @@ def test_deploy_is_cached_while_serving_and_redeploys_otherwise(
 
 
 def test_deploy_rejects_unimplemented_backends(prefect_server, work_dir, tiny_checkpoint):
-    with pytest.raises(ValueError, match="unknown backend 'nomad'"):
-        deploy_inference.fn(CheckpointRef(uri=str(tiny_checkpoint), step=1), backend="nomad")
+    with pytest.raises(ValueError, match="unknown executor kind 'nomad'"):
+        deploy_inference.fn(CheckpointRef(uri=str(tiny_checkpoint), step=1), executor="nomad")
 
 
 def test_smoke_fails_clearly_on_an_empty_completion(prefect_server, work_dir, cleanup, tmp_path):

@@ -75,7 +75,9 @@ def test_exit_3_is_failed_with_code_and_not_retried(backend):
 
 
 def test_workload_out_of_memory_exit_code_maps_like_the_local_backend(backend):
-    from infra.backends.local import EXIT_OUT_OF_MEMORY
+    from infra.jobs import ExitCode
+
+    EXIT_OUT_OF_MEMORY = int(ExitCode.OUT_OF_MEMORY)
 
     spec = JobSpec(name="oom", command=py(f"import sys; sys.exit({EXIT_OUT_OF_MEMORY})"))
     local, slurm = LocalBackend().run(spec), backend.run(spec)
@@ -353,13 +355,20 @@ def test_service_runs_as_a_job_until_stopped(backend, tmp_path):
         port=port,
         health_path="/health",
         workdir=str(tmp_path),
+        fingerprint="f1",
     )
-    url = backend.start_service(spec, ready_timeout_s=120)
+    info = backend.start_service(spec, ready_timeout_s=120)
+    url = info.url
     try:
         assert url == f"http://127.0.0.1:{port}"  # the node's NodeAddr
         with urllib.request.urlopen(url + "/health") as r:
             assert r.read() == b"ok"
-        assert backend.start_service(spec) == url  # idempotent: same job reused
+        seen = backend.service("svc-http")
+        assert (seen.job_id, seen.fingerprint, seen.healthy, seen.url) == (info.job_id, "f1", True, url)
+        again = backend.start_service(spec)  # the same fingerprint, healthy: the same job is kept
+        assert again.job_id == info.job_id and len(jobs_under(tmp_path)) == 1
+        replaced = backend.start_service(spec.model_copy(update={"fingerprint": "f2"}), ready_timeout_s=120)
+        assert replaced.job_id != info.job_id and backend.service("svc-http").fingerprint == "f2"
         assert len(jobs_under(tmp_path)) == 1
     finally:
         assert backend.stop_service("svc-http") is True

@@ -165,13 +165,22 @@ def test_every_preset_is_eight_gpus_with_nccl_env():
 
 
 def test_options_come_from_the_environment(monkeypatch):
-    from infra.backends import get_backend
+    from pydantic import BaseModel
+
+    from infra.executors import Executor, get_backend
 
     monkeypatch.setenv("NEMOFLOW_SLURM_PARTITION", "gpu")
     monkeypatch.setenv("NEMOFLOW_SLURM_SETUP_LINES", '["module load cuda/12.4"]')
     monkeypatch.setenv("NEMOFLOW_SLURM_MAX_RESUBMITS", "1")
-    backend = get_backend("slurm", account="proj")
+    backend = get_backend({"kind": "slurm", "account": "proj"})
     assert backend.options.partition == "gpu" and backend.options.account == "proj"
     assert backend.options.setup_lines == ["module load cuda/12.4"] and backend.options.max_resubmits == 1
-    # an explicit argument beats the environment
-    assert get_backend("slurm", partition="cpu").options.partition == "cpu"
+    # an explicit value beats the environment
+    assert get_backend({"kind": "slurm", "partition": "cpu"}).options.partition == "cpu"
+
+    # The same inside a flow config: a name alone takes every option from the environment.
+    class Config(BaseModel):
+        executor: Executor
+
+    assert Config(executor="slurm").executor.partition == "gpu"
+    assert Config.model_validate({"executor": {"kind": "slurm", "qos": "high"}}).executor.partition == "gpu"

@@ -160,14 +160,17 @@ def test_crash_during_save_leaves_no_step_directory(tmp_path, train_dataset, ref
 
 
 def test_out_of_memory_exits_75_and_backend_reports_it(tmp_path, train_dataset):
-    from infra.backends.local import EXIT_OUT_OF_MEMORY as BACKEND_OOM
+    from infra.jobs import ExitCode
+
+    BACKEND_OOM = ExitCode.OUT_OF_MEMORY
     from infra.backends.local import LocalBackend
     from infra.jobs import JobState
-    from tasks.train import build_train_job
+    from tasks.train import build_train_job, write_config
     from workloads.train_config import TrainConfig
 
     assert EXIT_OUT_OF_MEMORY == BACKEND_OOM
     config = TrainConfig(**tiny_config(train_dataset, tmp_path / "run", micro_batch_size=2))
+    write_config(config)
     spec = build_train_job(config)
     spec.env["NEMOFLOW_TRAIN_TEST_OOM_AT_STEP"] = "1"
     lines: list[str] = []
