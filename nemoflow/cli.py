@@ -59,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from infra.settings import SettingsError, get_settings
+
+    try:
+        get_settings()  # an invalid NEMOFLOW_* value: one line here, not a traceback from deep inside a flow
+    except SettingsError as exc:  # its message never holds a secret value
+        print(f"nemoflow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except (UserError, FileNotFoundError, ValueError, PermissionError) as exc:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
+from pydantic import Field, SecretStr, ValidationError
 
 from infra import storage
 from infra.backends.local import LocalBackend
 from infra.jobs import JobSpec, JobState, Resources, parse_time_limit
-from infra.settings import Settings, redact, reload_settings
+from infra.settings import Settings, SettingsError, redact, reload_settings
 
 
 def test_settings_read_prefixed_env_and_dotenv(tmp_path, monkeypatch):
@@ -33,10 +35,48 @@ def test_secrets_never_print(monkeypatch):
     assert redact("token=hf_supersecretvalue123!", settings.secret_values()) == "token=***!"
 
 
-def test_invalid_setting_names_the_field(monkeypatch):
+def test_invalid_setting_is_one_line_naming_the_variable_and_allowed_values(monkeypatch):
     monkeypatch.setenv("NEMOFLOW_REGION", "mars")
-    with pytest.raises(Exception, match="region"):
-        Settings()
+    try:
+        with pytest.raises(SettingsError) as raised:
+            reload_settings()
+    finally:
+        monkeypatch.delenv("NEMOFLOW_REGION")
+        reload_settings()
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("NEMOFLOW_REGION='mars' is invalid: input should be 'us', 'europe' or 'asia'")
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__  # no pydantic trace chained
+
+
+def test_invalid_secret_setting_never_repeats_the_value():
+    class Strict(Settings):
+        hf_token: SecretStr | None = Field(None, min_length=64)
+
+    with pytest.raises(ValidationError) as raised:
+        Strict(hf_token="hf_short_but_secret")
+    message = str(SettingsError.from_validation_error(raised.value, Strict))
+    assert "hf_short_but_secret" not in message and "NEMOFLOW_HF_TOKEN is invalid" in message
+
+
+def test_cli_reports_an_invalid_setting_in_one_line_with_exit_2(tmp_path):
+    env = dict(os.environ, NEMOFLOW_REGION="mars")
+    for command in (["settings"], ["serve", "list"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "nemoflow.cli", *command], env=env, cwd=tmp_path, capture_output=True, text=True
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stdout == ""
+        assert proc.stderr.splitlines() == [
+            f"nemoflow {command[0]}: error: NEMOFLOW_REGION='mars' is invalid: "
+            "input should be 'us', 'europe' or 'asia' (set in the environment or .env)"
+        ]
+
+
+@pytest.mark.parametrize("work_dir", ["~/w", "/abs/w/", "file:///abs/w", "gs://bucket/prefix/", "rel/w"])
+def test_result_storage_default_is_joined_like_storage_join(work_dir):
+    # settings cannot import storage (storage imports settings); the two joins must agree
+    assert Settings(work_dir=work_dir).result_storage_uri == storage.join(work_dir, "prefect-results")
 
 
 def test_atomic_write_leaves_nothing_on_failure(tmp_path):
