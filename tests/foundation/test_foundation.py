@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -71,6 +72,27 @@ def test_cli_reports_an_invalid_setting_in_one_line_with_exit_2(tmp_path):
             f"nemoflow {command[0]}: error: NEMOFLOW_REGION='mars' is invalid: "
             "input should be 'us', 'europe' or 'asia' (set in the environment or .env)"
         ]
+
+
+def test_settings_command_shows_variables_and_masks_secrets(tmp_path):
+    env = dict(os.environ, NEMOFLOW_REGION="europe", HF_TOKEN="hf_shown_nowhere", NEMOFLOW_WORK_DIR=str(tmp_path))
+    text = subprocess.run(
+        [sys.executable, "-m", "nemoflow.cli", "settings"], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert text.returncode == 0, text.stderr
+    lines = {line.split()[0]: line.split()[1] for line in text.stdout.splitlines() if line.strip()}
+    assert lines["NEMOFLOW_REGION"] == "europe" and lines["NEMOFLOW_WORK_DIR"] == str(tmp_path)
+    assert lines["NEMOFLOW_HF_TOKEN"] == "**********"
+    as_json = subprocess.run(
+        [sys.executable, "-m", "nemoflow.cli", "settings", "--json"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    values = json.loads(as_json.stdout)
+    assert values["region"] == "europe" and values["hf_token"] == "**********"
+    assert "hf_shown_nowhere" not in text.stdout + as_json.stdout
 
 
 @pytest.mark.parametrize("work_dir", ["~/w", "/abs/w/", "file:///abs/w", "gs://bucket/prefix/", "rel/w"])
