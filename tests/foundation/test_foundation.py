@@ -13,6 +13,7 @@ from pydantic import Field, SecretStr, ValidationError
 from infra import storage
 from infra.backends.local import LocalBackend
 from infra.jobs import JobSpec, JobState, Resources, parse_time_limit
+from infra.processes import pid_alive
 from infra.settings import Settings, SettingsError, redact, reload_settings
 
 
@@ -190,12 +191,4 @@ def test_local_backend_time_limit_kills_process_group(tmp_path):
     import time
 
     time.sleep(0.5)
-    assert not _alive(child), "the job's child process outlived the job"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, just unreaped
-    except FileNotFoundError:
-        return False
+    assert not pid_alive(child), "the job's child process outlived the job"  # a zombie counts as dead
