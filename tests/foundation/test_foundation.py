@@ -51,6 +51,32 @@ def test_invalid_setting_is_one_line_naming_the_variable_and_allowed_values(monk
     assert raised.value.__cause__ is None and raised.value.__suppress_context__  # no pydantic trace chained
 
 
+@pytest.mark.prefect
+def test_a_flow_that_reads_an_invalid_setting_fails_with_that_one_line(prefect_server, monkeypatch):
+    from prefect import flow
+
+    @flow(name="reads-settings")
+    def reads_settings() -> str:
+        from infra.settings import get_settings
+
+        return get_settings().region
+
+    monkeypatch.setenv("NEMOFLOW_REGION", "mars")
+    from infra.settings import get_settings
+
+    get_settings.cache_clear()
+    try:
+        state = reads_settings(return_state=True)
+    finally:
+        monkeypatch.delenv("NEMOFLOW_REGION")
+        reload_settings()
+    assert state.is_failed()
+    with pytest.raises(
+        SettingsError, match=r"^NEMOFLOW_REGION='mars' is invalid: input should be 'us', 'europe' or 'asia'"
+    ):
+        state.result()
+
+
 def test_invalid_secret_setting_never_repeats_the_value():
     class Strict(Settings):
         hf_token: SecretStr | None = Field(None, min_length=64)
