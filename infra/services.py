@@ -47,6 +47,8 @@ from pydantic import BaseModel, Field
 
 from infra import storage
 from infra.jobs import ServiceSpec
+from infra.processes import group_members, pid_alive, port_owner, process_start_time
+from infra.processes import reap as _reap
 from infra.settings import DEFAULT_HOME, get_settings, redact
 
 DEFAULT_READY_TIMEOUT_S = 120.0
@@ -86,71 +88,6 @@ class ServiceHandle(BaseModel):
     model: str | None = None
     spec_hash: str | None = Field(None, description="what the caller deployed (tasks.serve compares it on re-runs)")
     command: list[str] = Field(default_factory=list)
-
-
-# ---------------------------------------------------------------- processes, via /proc
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat after the command name (which may hold spaces and parens)."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return raw[raw.rfind(")") + 2 :].split()
-
-
-def process_start_time(pid: int) -> int | None:
-    fields = _stat_fields(pid)
-    return int(fields[19]) if fields else None
-
-
-def pid_alive(pid: int, proc_start: int | None = None) -> bool:
-    """Running (not a zombie) and, when ``proc_start`` is given, the same process as recorded."""
-    fields = _stat_fields(pid)
-    if fields is None or fields[0] in ("Z", "X"):
-        return False
-    return proc_start is None or int(fields[19]) == proc_start
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group ``pgid``."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat_fields(int(entry))
-            if fields and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                members.append(int(entry))
-    return members
-
-
-def _reap(pid: int) -> None:
-    """Collect our own exited child so it does not linger as a zombie (no-op for others' processes)."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
-
-
-def port_owner(port: int) -> int | None:
-    """The pid listening on TCP ``port``, if this user can see it (best effort, Linux /proc)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                parts = line.split()
-                if len(parts) > 9 and parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(parts[9])
-    if not inodes:
-        return None
-    targets = {f"socket:[{inode}]" for inode in inodes}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{entry}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{entry}/fd/{fd}") in targets:
-                        return int(entry)
-    return None
 
 
 def check_port_free(port: int, host: str = "127.0.0.1") -> None:

@@ -6,6 +6,11 @@ current directory. Secrets are :class:`pydantic.SecretStr`: their ``repr`` and
 ``str`` print ``**********``, so a settings object can be logged safely. Use
 :func:`secret_env` to hand secrets to a job's environment, never string
 formatting.
+
+An invalid value fails where settings are first read (:func:`get_settings`) with a
+:class:`SettingsError` whose message is one line naming the variable and what it
+accepts (``NEMOFLOW_REGION='mars' is invalid: input should be 'us', 'europe' or
+'asia'``); the CLI prints it and exits 2.
 """
 
 from __future__ import annotations
@@ -14,10 +19,36 @@ import os
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_HOME = os.path.expanduser("~/.nemoflow")
+
+
+class SettingsError(ValueError):
+    """A setting from the environment or ``.env`` is invalid; the message is one line naming it."""
+
+    @classmethod
+    def from_validation_error(cls, exc: ValidationError, model: type[BaseSettings]) -> SettingsError:
+        """One line for every problem pydantic found, named as the user set it (the variable).
+
+        Works for any settings model with an ``env_prefix`` (NEMOFLOW_SLURM_*, NEMOFLOW_K8S_* too).
+        Values of secret fields are never repeated.
+        """
+        prefix = model.model_config.get("env_prefix", "")
+        problems = []
+        for error in exc.errors():
+            loc = [str(part) for part in error["loc"]]
+            field = model.model_fields.get(loc[0]) if loc else None
+            # A field name becomes PREFIX_NAME; an alias (HF_TOKEN, STORAGE_EMULATOR_HOST) is the variable itself.
+            variable = (prefix + loc[0]).upper() if field is not None else (loc[0].upper() if loc else "?")
+            if len(loc) > 1:
+                variable += "__" + "__".join(part.upper() for part in loc[1:])
+            secret = field is not None and "SecretStr" in str(field.annotation)
+            shown = "" if secret or "input" not in error or error["type"] == "missing" else f"={error['input']!r}"
+            message = error["msg"][:1].lower() + error["msg"][1:]
+            problems.append(f"{variable}{shown} is invalid: {message}")
+        return cls("; ".join(problems) + " (set in the environment or .env)")
 
 
 class Settings(BaseSettings):
@@ -73,9 +104,18 @@ class Settings(BaseSettings):
 
     @property
     def result_storage_uri(self) -> str:
-        from infra import storage
+        """``result_storage``, else ``<work_dir>/prefect-results``.
 
-        return self.result_storage or storage.join(self.work_dir, "prefect-results")
+        Joined here as ``infra.storage.join`` would (a test checks they agree): storage
+        imports this module, so importing storage back would make a cycle.
+        """
+        if self.result_storage:
+            return self.result_storage
+        work_dir = self.work_dir
+        if "://" in work_dir and not work_dir.startswith("file://"):
+            return work_dir.rstrip("/") + "/prefect-results"
+        local = os.path.abspath(os.path.expanduser(work_dir.removeprefix("file://")))
+        return os.path.join(local, "prefect-results")
 
     def secret_env(self) -> dict[str, str]:
         """Secrets as environment variables for a job, with the names tools expect."""
@@ -97,7 +137,11 @@ class Settings(BaseSettings):
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
-    return Settings()
+    """The settings, read once; an invalid value raises :class:`SettingsError` (one line)."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        raise SettingsError.from_validation_error(exc, Settings) from None
 
 
 def reload_settings() -> Settings:

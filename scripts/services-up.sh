@@ -9,7 +9,7 @@ if [ "$(id -u)" != 0 ]; then
   echo "services-up: not root; the local Slurm cluster needs root (slurm tests will skip)" >&2
   exit 0
 fi
-if ! .venv/bin/python -m infra.slurm.cluster up >/tmp/nemoflow-services-up.log 2>&1; then
+if ! .venv/bin/python -m devtools.slurm_cluster up >/tmp/nemoflow-services-up.log 2>&1; then
   echo "services-up: local Slurm did not start (slurm tests will skip):" >&2
   tail -n 20 /tmp/nemoflow-services-up.log >&2
 fi

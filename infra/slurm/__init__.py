@@ -1,1 +1,1 @@
-"""Slurm through its commands: local test cluster, parsers, states, watcher, options, presets, preflight."""
+"""Slurm through its commands: parsers, states, watcher, options, presets, preflight (the local test cluster is devtools.slurm_cluster)."""

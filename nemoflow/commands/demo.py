@@ -16,13 +16,21 @@ POOLS = {
 }
 
 
+AUTH_HELP = (
+    "run the Prefect API with HTTP Basic authentication: the server gets PREFECT_SERVER_API_AUTH_STRING, "
+    "workers and the CLI PREFECT_API_AUTH_STRING (yours if set, else one generated into "
+    "~/.nemoflow/prefect/auth-string, mode 0600); the UI asks for it once"
+)
+
+
 def register(sub) -> None:
     parser = sub.add_parser(
         "demo",
         help="run end-to-end on this machine: Prefect server, work pool, deployment, worker, watched run",
         description="""\
 Run the whole lifecycle on the embedded default and watch it:
-  1. reuse the Prefect API at PREFECT_API_URL, or start a local Prefect server;
+  1. reuse the Prefect API at PREFECT_API_URL, or start a local Prefect server, and record
+     its URL in the active Prefect profile (so `prefect ...` works in any shell);
   2. create the work pool and `prefect --no-prompt deploy` the deployment from prefect.yaml;
   3. start a worker for the pool (in the background; `--down` stops it);
   4. `prefect deployment run end-to-end/<pool> --watch`;
@@ -36,6 +44,7 @@ A second run with nothing changed finishes with every stage Cached.""",
     )
     parser.add_argument("--port", type=int, default=4200, help="port of the local Prefect server if one is started")
     parser.add_argument("--down", action="store_true", help="stop the demo's worker, server and inference endpoint")
+    parser.add_argument("--auth", action="store_true", help=AUTH_HELP)
     parser.set_defaults(func=run)
 
 
@@ -62,7 +71,7 @@ def _stop_endpoint() -> None:
 
 
 def run(args) -> int:
-    from infra import prefect_local as pl
+    from devtools import prefect_local as pl
     from infra.settings import get_settings
 
     if args.down:
@@ -75,8 +84,14 @@ def run(args) -> int:
     pool, worker_type, deployment = POOLS[args.backend]
     if args.backend == "slurm":
         subprocess.run([sys.executable, "-m", "nemoflow.cli", "local-slurm", "up"], check=True)
-    api = pl.ensure_server(args.port)
-    os.environ["PREFECT_API_URL"] = api
+    try:
+        api = pl.ensure_server(args.port, auth=args.auth)
+    except pl.ControlPlaneError as exc:
+        from nemoflow.cli import UserError
+
+        raise UserError(str(exc)) from None
+    pl.record_in_profile(api)
+    os.environ.update(api.client_env())
     pl.ensure_pools(api)
     if not pl.deploy_if_changed(api):
         print("prefect.yaml is already deployed (unchanged)")
@@ -86,7 +101,7 @@ def run(args) -> int:
     proc = subprocess.Popen(
         [pl.prefect_bin(), "deployment", "run", deployment, "--watch", "--watch-interval", "1"],
         cwd=str(pl.REPO_ROOT),
-        env=dict(os.environ, PREFECT_API_URL=api),
+        env=dict(os.environ, **api.client_env()),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -109,7 +124,7 @@ def run(args) -> int:
     summary_uri = os.path.join(get_settings().work_dir, "flow-runs", f"{flow_run_id}.json")
     if code != 0 or not os.path.exists(summary_uri):
         print(f"the run did not complete (exit {code}); its page above shows which stage failed and why")
-        print(f"worker log:  {pl.STATE_DIR / ('worker-' + pool + '.log')}")
+        print(f"worker log:  {pl.log_path('worker-' + pool)}")
         return code or 1
     import json
 

@@ -10,19 +10,29 @@ def register(sub) -> None:
         description="Prefect refuses to deploy to a work pool that does not exist. This creates the pools "
         "prefect.yaml uses (a process pool `local`; `gpu-cluster` of type slurm and `nemoflow-k8s` of type "
         "kubernetes, from their base job templates in deployments/) unless they exist, then deploys every "
-        "deployment in prefect.yaml to the Prefect API at PREFECT_API_URL (or a local server it starts). "
+        "deployment in prefect.yaml to the Prefect API at PREFECT_API_URL (or a local server it starts, whose URL "
+        "it records in the active Prefect profile). "
         "Creating a pool starts no worker: start one with `prefect worker start --pool NAME`.",
     )
     parser.add_argument("--port", type=int, default=4200, help="port of the local Prefect server if one is started")
+    from nemoflow.commands.demo import AUTH_HELP
+
+    parser.add_argument("--auth", action="store_true", help=AUTH_HELP)
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
     import re
 
-    from infra import prefect_local as pl
+    from devtools import prefect_local as pl
 
-    api = pl.ensure_server(args.port)
+    try:
+        api = pl.ensure_server(args.port, auth=args.auth)
+    except pl.ControlPlaneError as exc:
+        from nemoflow.cli import UserError
+
+        raise UserError(str(exc)) from None
+    pl.record_in_profile(api)
     pl.ensure_pools(api)
     output = pl.deploy(None, api)
     for name in re.findall(r"Deployment '([^']+)' successfully", output):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+from typing import Any
+
+MASK = "**********"
 
 
 def register(sub) -> None:
@@ -15,19 +18,45 @@ def register(sub) -> None:
     parser.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from infra.settings import Settings, get_settings
+def sections() -> list[tuple[str | None, Any]]:
+    """What is shown: (section name, settings object); the unnamed section is the core ``Settings``.
 
-    settings = get_settings()
-    values = {}
-    for name in Settings.model_fields:
+    Another settings model (a pydantic ``BaseSettings`` with an ``env_prefix``, such as the
+    Slurm or Kubernetes executor options) is one more entry: ``("slurm", SlurmOptions())``.
+    """
+    from infra.settings import get_settings
+
+    return [(None, get_settings())]
+
+
+def rows(settings) -> list[tuple[str, str, Any, str]]:
+    """(field, variable, value with secrets masked, description) for every field of a settings object."""
+    prefix = settings.model_config.get("env_prefix", "")
+    result = []
+    for name, field in type(settings).model_fields.items():
         value = getattr(settings, name)
         if hasattr(value, "get_secret_value"):
-            value = "**********"
-        values[name] = value
+            value = MASK
+        elif hasattr(value, "model_dump"):
+            value = value.model_dump(mode="json")
+        result.append((name, (prefix + name).upper(), value, field.description or ""))
+    return result
+
+
+def run(args) -> int:
     if args.json:
-        print(json.dumps(values, indent=2))
+        document: dict[str, Any] = {}
+        for section, settings in sections():
+            values = {name: value for name, _, value, _ in rows(settings)}
+            if section is None:
+                document.update(values)
+            else:
+                document[section] = values
+        print(json.dumps(document, indent=2, default=str))
         return 0
-    for name, field in Settings.model_fields.items():
-        print(f"{('NEMOFLOW_' + name.upper()):<28} {values[name]!s:<40} {field.description or ''}")
+    for section, settings in sections():
+        if section is not None:
+            print(f"\n[{section}]")
+        for _, variable, value, description in rows(settings):
+            print(f"{variable:<28} {value!s:<40} {description}")
     return 0

@@ -74,7 +74,7 @@ def local_pool(prefect_server, work_dir, tmp_path):
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_WORKER_QUERY_SECONDS="2",
     )
-    from infra.prefect_local import ensure_pools
+    from devtools.prefect_local import ensure_pools
 
     ensure_pools(prefect_server)  # prefect deploy refuses pools that do not exist
     deployed = _prefect(["--no-prompt", "deploy", "--all"], env)

@@ -23,13 +23,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.prefect]
 def slurm_pool(prefect_server, work_dir, tmp_path):
     if os.geteuid() != 0:
         pytest.skip("the local Slurm cluster runs its daemons as root")
-    from infra.slurm.cluster import LocalSlurm
+    from devtools.slurm_cluster import LocalSlurm
 
     try:
         LocalSlurm().up()
     except Exception as exc:  # noqa: BLE001 - the reason is reported
         pytest.skip(f"local Slurm could not start: {exc}")
-    from infra.prefect_local import ensure_pools
+    from devtools.prefect_local import ensure_pools
 
     env = dict(
         os.environ,

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 
 import pytest
+from pydantic import Field, SecretStr, ValidationError
 
 from infra import storage
 from infra.backends.local import LocalBackend
 from infra.jobs import JobSpec, JobState, Resources, parse_time_limit
-from infra.settings import Settings, redact, reload_settings
+from infra.processes import pid_alive
+from infra.settings import Settings, SettingsError, redact, reload_settings
 
 
 def test_settings_read_prefixed_env_and_dotenv(tmp_path, monkeypatch):
@@ -33,10 +37,95 @@ def test_secrets_never_print(monkeypatch):
     assert redact("token=hf_supersecretvalue123!", settings.secret_values()) == "token=***!"
 
 
-def test_invalid_setting_names_the_field(monkeypatch):
+def test_invalid_setting_is_one_line_naming_the_variable_and_allowed_values(monkeypatch):
     monkeypatch.setenv("NEMOFLOW_REGION", "mars")
-    with pytest.raises(Exception, match="region"):
-        Settings()
+    try:
+        with pytest.raises(SettingsError) as raised:
+            reload_settings()
+    finally:
+        monkeypatch.delenv("NEMOFLOW_REGION")
+        reload_settings()
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("NEMOFLOW_REGION='mars' is invalid: input should be 'us', 'europe' or 'asia'")
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__  # no pydantic trace chained
+
+
+@pytest.mark.prefect
+def test_a_flow_that_reads_an_invalid_setting_fails_with_that_one_line(prefect_server, monkeypatch):
+    from prefect import flow
+
+    @flow(name="reads-settings")
+    def reads_settings() -> str:
+        from infra.settings import get_settings
+
+        return get_settings().region
+
+    monkeypatch.setenv("NEMOFLOW_REGION", "mars")
+    from infra.settings import get_settings
+
+    get_settings.cache_clear()
+    try:
+        state = reads_settings(return_state=True)
+    finally:
+        monkeypatch.delenv("NEMOFLOW_REGION")
+        reload_settings()
+    assert state.is_failed()
+    with pytest.raises(
+        SettingsError, match=r"^NEMOFLOW_REGION='mars' is invalid: input should be 'us', 'europe' or 'asia'"
+    ):
+        state.result()
+
+
+def test_invalid_secret_setting_never_repeats_the_value():
+    class Strict(Settings):
+        hf_token: SecretStr | None = Field(None, min_length=64)
+
+    with pytest.raises(ValidationError) as raised:
+        Strict(hf_token="hf_short_but_secret")
+    message = str(SettingsError.from_validation_error(raised.value, Strict))
+    assert "hf_short_but_secret" not in message and "NEMOFLOW_HF_TOKEN is invalid" in message
+
+
+def test_cli_reports_an_invalid_setting_in_one_line_with_exit_2(tmp_path):
+    env = dict(os.environ, NEMOFLOW_REGION="mars")
+    for command in (["settings"], ["serve", "list"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "nemoflow.cli", *command], env=env, cwd=tmp_path, capture_output=True, text=True
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stdout == ""
+        assert proc.stderr.splitlines() == [
+            f"nemoflow {command[0]}: error: NEMOFLOW_REGION='mars' is invalid: "
+            "input should be 'us', 'europe' or 'asia' (set in the environment or .env)"
+        ]
+
+
+def test_settings_command_shows_variables_and_masks_secrets(tmp_path):
+    env = dict(os.environ, NEMOFLOW_REGION="europe", HF_TOKEN="hf_shown_nowhere", NEMOFLOW_WORK_DIR=str(tmp_path))
+    text = subprocess.run(
+        [sys.executable, "-m", "nemoflow.cli", "settings"], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert text.returncode == 0, text.stderr
+    lines = {line.split()[0]: line.split()[1] for line in text.stdout.splitlines() if line.strip()}
+    assert lines["NEMOFLOW_REGION"] == "europe" and lines["NEMOFLOW_WORK_DIR"] == str(tmp_path)
+    assert lines["NEMOFLOW_HF_TOKEN"] == "**********"
+    as_json = subprocess.run(
+        [sys.executable, "-m", "nemoflow.cli", "settings", "--json"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    values = json.loads(as_json.stdout)
+    assert values["region"] == "europe" and values["hf_token"] == "**********"
+    assert "hf_shown_nowhere" not in text.stdout + as_json.stdout
+
+
+@pytest.mark.parametrize("work_dir", ["~/w", "/abs/w/", "file:///abs/w", "gs://bucket/prefix/", "rel/w"])
+def test_result_storage_default_is_joined_like_storage_join(work_dir):
+    # settings cannot import storage (storage imports settings); the two joins must agree
+    assert Settings(work_dir=work_dir).result_storage_uri == storage.join(work_dir, "prefect-results")
 
 
 def test_atomic_write_leaves_nothing_on_failure(tmp_path):
@@ -128,12 +217,4 @@ def test_local_backend_time_limit_kills_process_group(tmp_path):
     import time
 
     time.sleep(0.5)
-    assert not _alive(child), "the job's child process outlived the job"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, just unreaped
-    except FileNotFoundError:
-        return False
+    assert not pid_alive(child), "the job's child process outlived the job"  # a zombie counts as dead

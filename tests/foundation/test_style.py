@@ -21,5 +21,6 @@ def test_every_noqa_says_why():
     listed = subprocess.run(["git", "grep", "-n", "noqa", "--", "*.py"], cwd=REPO, capture_output=True, text=True)
     bare = [line for line in listed.stdout.splitlines() if "# noqa" in line and " - " not in line.split("# noqa", 1)[1]]
     assert not bare, "noqa without a reason:\n" + "\n".join(bare)
-    skips = subprocess.run(["git", "grep", "-n", "fmt: skip"], cwd=REPO, capture_output=True, text=True)
+    # the pattern is spelled so that it does not match this line itself
+    skips = subprocess.run(["git", "grep", "-n", "fmt[:] skip"], cwd=REPO, capture_output=True, text=True)
     assert skips.stdout == "", skips.stdout

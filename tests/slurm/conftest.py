@@ -20,7 +20,7 @@ DATA = Path(__file__).parent / "data"
 def _cannot_start_reason() -> str | None:
     if os.geteuid() != 0:
         return "the local Slurm cluster runs its daemons as root; tests run as a regular user"
-    from infra.slurm.cluster import LocalSlurm
+    from devtools.slurm_cluster import LocalSlurm
 
     if LocalSlurm.missing_packages() and not shutil.which("apt-get"):
         return "Slurm packages are missing and apt-get is not available"
@@ -33,7 +33,7 @@ def slurm_cluster():
     reason = _cannot_start_reason()
     if reason:
         pytest.skip(reason)
-    from infra.slurm.cluster import LocalSlurm, LocalSlurmError
+    from devtools.slurm_cluster import LocalSlurm, LocalSlurmError
 
     cluster = LocalSlurm()
     try:

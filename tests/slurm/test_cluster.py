@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from infra.slurm.cluster import FAKE_GPUS, Layout, render_configs
+from devtools.slurm_cluster import FAKE_GPUS, Layout, render_configs
 
 pytestmark = pytest.mark.slurm
 
@@ -46,9 +46,27 @@ def test_up_again_is_quick_and_everything_runs(slurm_cluster):
         assert stat.S_ISCHR((slurm_cluster.layout.dev / f"nvidia{i}").stat().st_mode)
 
 
-def test_sacct_works_through_slurmdbd(slurm_cluster):
-    proc = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID", "-S", "now-1hour"], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+def test_sacct_reports_a_finished_job_through_slurmdbd(slurm, tmp_path):
+    """sacct answers from the accounting database: this job's own id, its state and its exit code."""
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", f"--chdir={tmp_path}", "-o", str(tmp_path / "out.txt"), "--wrap", "exit 3"],
+        capture_output=True,
+        text=True,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 60
+    row = ""
+    while time.monotonic() < deadline:
+        proc = subprocess.run(
+            ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,State,ExitCode"], capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr
+        row = proc.stdout.strip()
+        if row and row.split("|")[1] not in ("PENDING", "RUNNING", "COMPLETING"):
+            break
+        time.sleep(0.5)
+    assert row == f"{job_id}|FAILED|3:0"
 
 
 def test_cli_status_lists_daemons_and_partitions(slurm_cluster):

@@ -25,11 +25,13 @@ import dataclasses
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+from infra.processes import read_pidfile, stop
 
 DEFAULT_STATE_DIR = "/var/lib/nemoflow-slurm"
 CLUSTER_NAME = "nemoflow"
@@ -168,16 +170,6 @@ StorageLoc=slurm_acct_db
     }
 
 
-def _alive(pidfile: Path, name: str) -> int | None:
-    """The pid in ``pidfile`` if that process runs and is ``name`` (pids get reused)."""
-    try:
-        pid = int(pidfile.read_text().split()[0])
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
-    except (OSError, ValueError, IndexError):
-        return None
-    return pid if Path(cmdline).name.startswith(name) else None
-
-
 def _wait(predicate, timeout: float, what: str, log: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -227,7 +219,7 @@ class LocalSlurm:
     # ------------------------------------------------------------------ status
 
     def running(self) -> dict[str, int | None]:
-        return {d: _alive(self.layout.pidfile(d), d) for d in DAEMONS}
+        return {d: read_pidfile(self.layout.pidfile(d), d) for d in DAEMONS}
 
     def is_up(self) -> bool:
         if not all(self.running().values()):
@@ -317,7 +309,7 @@ class LocalSlurm:
         if proc.returncode != 0:
             raise LocalSlurmError(f"{name} failed to start (exit {proc.returncode}); see {self.layout.log}/{name}.out")
         _wait(
-            lambda: _alive(self.layout.pidfile(name), name) is not None,
+            lambda: read_pidfile(self.layout.pidfile(name), name) is not None,
             20,
             f"{name} pid file",
             self.layout.log / f"{name}.log",
@@ -426,15 +418,11 @@ class LocalSlurm:
         """Stop the daemons this state dir started, newest first; returns their names."""
         stopped = []
         for name in reversed(DAEMONS):
-            pid = _alive(self.layout.pidfile(name), name)
+            pid = read_pidfile(self.layout.pidfile(name), name)
             if pid is None:
                 continue
-            os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
-                time.sleep(0.1)
-            if Path(f"/proc/{pid}").exists():
-                os.kill(pid, signal.SIGKILL)
+            # Daemons are not our children and own no process group of ours: stop the pid alone.
+            stop(pid, grace_s=timeout)
             self.layout.pidfile(name).unlink(missing_ok=True)
             stopped.append(name)
         return stopped
@@ -450,18 +438,59 @@ class LocalSlurm:
         return "\n".join(lines)
 
 
+DESCRIPTION = """\
+Run a real Slurm 22.05 cluster on this machine (Debian, as root): munged, a
+private MariaDB + slurmdbd (so sacct works), slurmctld and slurmd, with two
+partitions: cpu (default) and gpu (fake GPUs as GRES, so GPU requests are
+scheduled). Configs, logs, pid files and the database live in the state dir
+(NEMOFLOW_SLURM_STATE_DIR, default /var/lib/nemoflow-slurm); /etc/slurm/*.conf
+link there unless another Slurm config is already installed.
+
+  up      install missing Debian packages (apt-get), write configs, start the
+          daemons that are not running; quick when already up
+  down    stop the daemons this state dir started (by their pid files)
+  status  show which daemons run and `sinfo`
+
+Then: sbatch/squeue/sacct work as on any cluster, and
+`get_backend("slurm")` runs nemoflow jobs there."""
+
+
+def add_arguments(parser) -> None:
+    """The command line of ``nemoflow local-slurm`` and ``python -m devtools.slurm_cluster``."""
+    parser.add_argument("action", choices=["up", "down", "status"])
+    parser.add_argument("--state-dir", default=None, help="where configs, logs and the database live")
+    parser.add_argument("--timeout", type=float, default=60, help="seconds to wait for each daemon (up)")
+
+
+def run(args, prog: str = "nemoflow local-slurm") -> int:
+    """Do ``args.action``; print the outcome; the exit code (1 on a cluster error, 3: status finds a daemon down)."""
+    cluster = LocalSlurm(args.state_dir)
+    try:
+        if args.action == "up":
+            cluster.up(timeout=args.timeout)
+            print(cluster.status())
+        elif args.action == "down":
+            stopped = cluster.down()
+            print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+        else:
+            print(cluster.status())
+            return 0 if all(cluster.running().values()) else 3
+    except LocalSlurmError as exc:
+        print(f"{prog} {args.action}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m infra.slurm.cluster up|down|status`` (what scripts/services-up.sh runs)."""
+    """``python -m devtools.slurm_cluster up|down|status`` (what scripts/services-up.sh runs)."""
     import argparse
 
-    from nemoflow.commands import local_slurm
-
-    parser = argparse.ArgumentParser(prog="python -m infra.slurm.cluster")
-    sub = parser.add_subparsers(dest="command")
-    local_slurm.register(sub)
-    return local_slurm.run(
-        parser.parse_args(["local-slurm", *(argv if argv is not None else __import__("sys").argv[1:])])
+    prog = "python -m devtools.slurm_cluster"
+    parser = argparse.ArgumentParser(
+        prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_arguments(parser)
+    return run(parser.parse_args(argv), prog=prog)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,478 @@
+"""A local Prefect control plane for the demo: server, work pools, deployments, workers.
+
+``nemoflow demo`` and ``nemoflow deploy`` use these to go from a fresh machine to a
+watched deployment run: reuse a reachable Prefect API (``PREFECT_API_URL``) or start
+``prefect server start`` in the background; create the work pools; ``prefect
+--no-prompt deploy``; start a worker; run the deployment. Background processes
+record pid files (pid and start time) under ``$NEMOFLOW_HOME/prefect`` so
+``nemoflow demo --down`` stops exactly what was started.
+
+Two things make the API usable from any shell and safe to share:
+
+- The API URL (and the auth string, when on) is recorded in the active Prefect
+  profile, Prefect's own place for it (what ``prefect config set`` writes), so
+  ``prefect deployment run ...`` in a new shell talks to this server instead of
+  starting a temporary one on the same SQLite database. ``--down`` removes what it
+  recorded.
+- With ``auth=True`` the server checks HTTP Basic credentials
+  (``PREFECT_SERVER_API_AUTH_STRING`` in its environment; clients send
+  ``PREFECT_API_AUTH_STRING``). The string is the user's ``PREFECT_API_AUTH_STRING``
+  or one generated into ``$NEMOFLOW_HOME/prefect/auth-string`` (mode 0600). It
+  travels only through environments and that file: never argv (``ps``), never a log.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from pydantic import SecretStr
+
+from infra import processes
+from infra.settings import DEFAULT_HOME
+
+DEFAULT_PORT = 4200
+REPO_ROOT = Path(__file__).resolve().parent.parent
+AUTH_USER = "nemoflow"
+
+
+class ControlPlaneError(RuntimeError):
+    """The local control plane cannot be set up; the message says why and what to do."""
+
+
+def state_dir() -> Path:
+    """Pid files, logs, the deploy stamp and the generated auth string (``$NEMOFLOW_HOME/prefect``)."""
+    return Path(os.environ.get("NEMOFLOW_HOME", DEFAULT_HOME)) / "prefect"
+
+
+def prefect_bin() -> str:
+    candidate = Path(sys.executable).parent / "prefect"
+    return str(candidate) if candidate.exists() else "prefect"
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefectApi:
+    """Where the Prefect API is and how to authenticate to it (``repr`` masks the secret)."""
+
+    url: str
+    auth_string: SecretStr | None = None
+
+    @classmethod
+    def from_settings(cls) -> PrefectApi:
+        """The API the current Prefect settings name (environment, then the active profile)."""
+        from prefect.settings import get_current_settings
+
+        api = get_current_settings().api
+        if not api.url:
+            raise ControlPlaneError("no Prefect API is configured: run `nemoflow demo` or set PREFECT_API_URL")
+        return cls(api.url, api.auth_string)
+
+    def client_env(self) -> dict[str, str]:
+        """Environment variables for a Prefect client process (CLI, worker, flow run)."""
+        env = {"PREFECT_API_URL": self.url}
+        if self.auth_string is not None:
+            env["PREFECT_API_AUTH_STRING"] = self.auth_string.get_secret_value()
+        return env
+
+    @contextlib.contextmanager
+    def settings(self) -> Iterator[None]:
+        """In-process Prefect clients inside this block talk to this API."""
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+        updates = {PREFECT_API_URL: self.url}
+        if self.auth_string is not None:
+            updates[PREFECT_API_AUTH_STRING] = self.auth_string.get_secret_value()
+        with temporary_settings(updates=updates):
+            yield
+
+    def status(self, path: str, authenticated: bool = True, timeout: float = 5.0) -> int | None:
+        """HTTP status of ``GET {url}{path}`` (None when nothing answers)."""
+        request = urllib.request.Request(self.url.rstrip("/") + path)
+        if authenticated and self.auth_string is not None:
+            token = base64.b64encode(self.auth_string.get_secret_value().encode()).decode()
+            request.add_header("Authorization", f"Basic {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def healthy(self) -> bool:
+        return self.status("/health", authenticated=False, timeout=2.0) == 200  # /health needs no credentials
+
+    def requires_auth(self) -> bool:
+        return self.status("/admin/version", authenticated=False) == 401
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This process's environment for a Prefect child, without Prefect's API/auth variables (the caller sets them)."""
+    env = {k: v for k, v in os.environ.items() if k not in _API_VARIABLES}
+    env.update(PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.update(extra)
+    return env
+
+
+_API_VARIABLES = ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING")
+
+
+# ---------------------------------------------------------------- auth string
+
+
+def auth_string_path() -> Path:
+    return state_dir() / "auth-string"
+
+
+def demo_auth_string() -> SecretStr:
+    """The auth string for a server the demo starts: the user's PREFECT_API_AUTH_STRING, else a generated one.
+
+    The generated string is ``nemoflow:<random>`` (the UI asks for ``user:password``),
+    created once with mode 0600 and reused, so clients keep working across restarts.
+    """
+    from prefect.settings import get_current_settings
+
+    configured = get_current_settings().api.auth_string
+    if configured is not None and configured.get_secret_value():
+        return configured
+    path = auth_string_path()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        value = f"{AUTH_USER}:{secrets.token_urlsafe(24)}"
+        with contextlib.suppress(FileExistsError):  # another demo wrote it first: read theirs
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(value + "\n")
+    return SecretStr(path.read_text().strip())
+
+
+# ---------------------------------------------------------------- background processes
+
+
+def _start_background(name: str, argv: list[str], env: dict[str, str]) -> int:
+    directory = state_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / f"{name}.log", "ab") as out:
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=str(REPO_ROOT),
+            start_new_session=True,
+        )
+    processes.write_pidfile(directory / f"{name}.pid", proc.pid)
+    return proc.pid
+
+
+def running(name: str) -> int | None:
+    """The pid of the background process ``name`` we started, while it runs."""
+    return processes.read_pidfile(state_dir() / f"{name}.pid")
+
+
+def log_path(name: str) -> Path:
+    return state_dir() / f"{name}.log"
+
+
+def log_tail(name: str, lines: int = 20) -> str:
+    log = log_path(name)
+    if not log.exists():
+        return ""
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def stop_all(echo=print) -> list[str]:
+    """Stop every background process the demo started (workers first, then the server)."""
+    stopped = []
+    directory = state_dir()
+    if not directory.exists():
+        return stopped
+    for pidfile in sorted(directory.glob("*.pid"), key=lambda p: p.stem == "server"):
+        pid = processes.read_pidfile(pidfile)
+        if pid is not None:
+            # Prefect workers ignore the first SIGTERM (they drain); the second stops them.
+            processes.stop(pid, group=True, grace_s=5, terms=2)
+            echo(f"stopped {pidfile.stem} (pid {pid})")
+            stopped.append(pidfile.stem)
+        pidfile.unlink()
+    if "server" in stopped:
+        forget_profile(echo)
+    return stopped
+
+
+# ---------------------------------------------------------------- the server
+
+
+def configured_api_url() -> str | None:
+    """PREFECT_API_URL from the environment or the active Prefect profile."""
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().api.url or None
+
+
+def ensure_server(port: int = DEFAULT_PORT, timeout: float = 120.0, auth: bool = False, echo=print) -> PrefectApi:
+    """A healthy Prefect API: the configured one if it answers, else a local server we start.
+
+    With ``auth``, a server we start checks the auth string (:func:`demo_auth_string`),
+    and a server we find must already check one. Without it, a found server that
+    asks for credentials is used with the configured ``PREFECT_API_AUTH_STRING``.
+    """
+    from prefect.settings import get_current_settings
+
+    configured_auth = get_current_settings().api.auth_string
+    secret = demo_auth_string() if auth else configured_auth
+    candidates = []
+    configured = configured_api_url()
+    if configured:
+        candidates.append((configured, f"the Prefect API at {configured}"))
+    local = f"http://127.0.0.1:{port}/api"
+    if local != configured:
+        candidates.append((local, f"the Prefect server already running at {local}"))
+    for url, what in candidates:
+        api = PrefectApi(url, secret)
+        if api.healthy():
+            _check_credentials(api, auth, what)
+            echo(f"using {what}" + (" (authenticated)" if api.requires_auth() else ""))
+            return api
+    if configured:
+        echo(f"PREFECT_API_URL={configured} does not answer; starting a local server instead")
+    api = PrefectApi(local, secret if auth else None)
+    if running("server") is None:
+        # The UI calls the API at PREFECT_UI_API_URL, which must match the port we chose.
+        env = _env(PREFECT_UI_API_URL=local)
+        if auth:
+            env["PREFECT_SERVER_API_AUTH_STRING"] = secret.get_secret_value()
+        argv = [prefect_bin(), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+        _start_background("server", argv, env)
+        note = ", authenticated: clients need PREFECT_API_AUTH_STRING" if auth else ""
+        echo(f"starting a local Prefect server on port {port}{note} (log: {log_path('server')})")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if api.healthy():
+            _check_credentials(api, auth, f"the local Prefect server at {local}")
+            return api
+        if running("server") is None:
+            raise ControlPlaneError(f"the Prefect server exited while starting:\n{log_tail('server')}")
+        time.sleep(0.5)
+    raise ControlPlaneError(f"the Prefect server did not become healthy in {timeout:.0f}s:\n{log_tail('server')}")
+
+
+def _check_credentials(api: PrefectApi, auth: bool, what: str) -> None:
+    """Fail with one line when the server's authentication and ours do not fit together."""
+    if not api.requires_auth():
+        if auth:
+            ours = running("server")
+            fix = (
+                f"it is the demo's server (pid {ours}): stop it with `nemoflow demo --down`, then run again"
+                if ours is not None
+                else "turn it on there (PREFECT_SERVER_API_AUTH_STRING) or point PREFECT_API_URL elsewhere"
+            )
+            raise ControlPlaneError(f"--auth was asked for, but {what} accepts unauthenticated calls; {fix}")
+        return
+    if api.auth_string is None:
+        raise ControlPlaneError(
+            f"{what} asks for credentials: set PREFECT_API_AUTH_STRING (`nemoflow demo --auth` uses "
+            f"the one in {auth_string_path()} if it generated one)"
+        )
+    code = api.status("/admin/version")
+    if code != 200:
+        raise ControlPlaneError(f"{what} refused the auth string (HTTP {code}); check PREFECT_API_AUTH_STRING")
+
+
+# ---------------------------------------------------------------- the active Prefect profile
+
+
+def _record_path() -> Path:
+    return state_dir() / "profile-record.json"
+
+
+def record_in_profile(api: PrefectApi, echo=print) -> bool:
+    """Write the API URL (and auth string) into the active Prefect profile; True when something changed.
+
+    Prefect reads the environment first, then the active profile (``prefect profile
+    ls``), so a new shell's ``prefect deployment run ...`` reaches this server. The
+    profiles file holds a secret then: it is made readable by its owner only.
+    """
+    import prefect.context
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, load_profiles, update_current_profile
+
+    profile = prefect.context.get_settings_context().profile
+    current = load_profiles().profiles_by_name.get(profile.name)
+    saved = current.settings if current is not None else {}
+    updates: dict = {}
+    if _plain(saved.get(PREFECT_API_URL)) != api.url:
+        updates[PREFECT_API_URL] = api.url
+    if api.auth_string is not None and _plain(saved.get(PREFECT_API_AUTH_STRING)) != api.auth_string.get_secret_value():
+        updates[PREFECT_API_AUTH_STRING] = api.auth_string.get_secret_value()
+    if not updates:
+        return False
+    update_current_profile(updates)
+    from prefect.settings import get_current_settings
+
+    profiles_path = Path(get_current_settings().profiles_path)
+    if api.auth_string is not None:
+        profiles_path.chmod(0o600)
+    record = {"profile": profile.name, "profiles_path": str(profiles_path), "url": api.url}
+    record["auth"] = api.auth_string is not None
+    state_dir().mkdir(parents=True, exist_ok=True)
+    _record_path().write_text(json.dumps(record) + "\n")
+    what = "PREFECT_API_URL" + (" and PREFECT_API_AUTH_STRING" if api.auth_string is not None else "")
+    echo(f"recorded {what} in the Prefect profile {profile.name!r} ({profiles_path}): `prefect ...` works in any shell")
+    return True
+
+
+def _plain(value):
+    return value.get_secret_value() if isinstance(value, SecretStr) else value
+
+
+def forget_profile(echo=print) -> None:
+    """Undo :func:`record_in_profile` if the profile still names the server we recorded."""
+    path = _record_path()
+    if not path.exists():
+        return
+    record = json.loads(path.read_text())
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, load_profiles, save_profiles
+
+    profiles = load_profiles()
+    profile = profiles.profiles_by_name.get(record["profile"])
+    if profile is not None and _plain(profile.settings.get(PREFECT_API_URL)) == record["url"]:
+        drop = {PREFECT_API_URL: None}
+        if record.get("auth"):
+            drop[PREFECT_API_AUTH_STRING] = None
+        profiles.update_profile(record["profile"], drop)
+        save_profiles(profiles)
+        echo(f"removed PREFECT_API_URL={record['url']} from the Prefect profile {record['profile']!r}")
+    path.unlink()
+
+
+# ---------------------------------------------------------------- pools, deployments, workers
+
+
+def prefect_cli(args: list[str], api: PrefectApi, check: bool = True) -> subprocess.CompletedProcess:
+    """``prefect ARGS`` against ``api`` (URL and auth string through the environment, never argv)."""
+    env = _env(PWD=str(REPO_ROOT), **api.client_env())
+    proc = subprocess.run([prefect_bin(), *args], cwd=str(REPO_ROOT), env=env, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise ControlPlaneError(f"`prefect {' '.join(args)}` failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def _as_api(api: PrefectApi | str) -> PrefectApi:
+    if isinstance(api, PrefectApi):
+        return api
+    from prefect.settings import get_current_settings
+
+    return PrefectApi(api, get_current_settings().api.auth_string)
+
+
+# The work pools prefect.yaml deploys to: name -> (worker type, base job template).
+# `prefect --no-prompt deploy --all` refuses deployments whose pool does not exist,
+# so `nemoflow deploy` creates them first (creating a pool starts nothing).
+POOLS = {
+    "local": ("process", None),
+    "gpu-cluster": ("slurm", "deployments/slurm/base-job-template.json"),
+    "nemoflow-k8s": ("kubernetes", "deployments/k8s/base-job-template.json"),
+}
+
+
+def _existing_pools(api: PrefectApi) -> set[str]:
+    """Pool names on the server, read in-process (a `prefect work-pool inspect` costs ~2 s each)."""
+    from prefect.client.orchestration import get_client
+
+    with api.settings(), get_client(sync_client=True) as client:
+        return {pool.name for pool in client.read_work_pools()}
+
+
+def ensure_pools(api: PrefectApi | str, echo=print) -> None:
+    api = _as_api(api)
+    existing = _existing_pools(api)
+    for name, (pool_type, template) in POOLS.items():
+        if name not in existing and ensure_work_pool(name, pool_type, api, template):
+            echo(f"created work pool {name!r} ({pool_type})")
+
+
+def ensure_work_pool(name: str, pool_type: str, api: PrefectApi | str, base_job_template: str | None = None) -> bool:
+    """Create the pool unless it exists; True when it was created."""
+    api = _as_api(api)
+    if prefect_cli(["work-pool", "inspect", name], api, check=False).returncode == 0:
+        return False
+    args = ["work-pool", "create", name, "--type", pool_type]
+    if base_job_template:
+        args += ["--base-job-template", str(REPO_ROOT / base_job_template)]
+    prefect_cli(args, api)
+    return True
+
+
+def _deployed_fingerprint(api: PrefectApi) -> str:
+    return hashlib.sha256((api.url + "\n" + (REPO_ROOT / "prefect.yaml").read_text()).encode()).hexdigest()
+
+
+def deploy_if_changed(api: PrefectApi, echo=print) -> bool:
+    """Deploy everything unless this prefect.yaml was already deployed to this API and is still there.
+
+    Local and Slurm workers load the flow code from the repository at run time, so only
+    prefect.yaml (parameters, pools, schedules) needs a redeploy; that saves ~7 s a demo run.
+    """
+    stamp = state_dir() / "deployed.sha256"
+    fingerprint = _deployed_fingerprint(api)
+    if stamp.exists() and stamp.read_text() == fingerprint and _deployment_exists(api, "end-to-end/local"):
+        return False
+    deploy(None, api)
+    state_dir().mkdir(parents=True, exist_ok=True)
+    stamp.write_text(fingerprint)
+    echo("deployed prefect.yaml")
+    return True
+
+
+def _deployment_exists(api: PrefectApi, name: str) -> bool:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with api.settings(), get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(name)
+            return True
+        except ObjectNotFound:
+            return False
+
+
+def deploy(names: list[str] | None, api: PrefectApi) -> str:
+    """``prefect --no-prompt deploy --all`` (or ``--name ...``) from prefect.yaml at the repository root."""
+    args = ["--no-prompt", "deploy"]
+    if names is None:
+        args.append("--all")
+    for name in names or []:
+        args += ["--name", name]
+    return prefect_cli(args, api).stdout
+
+
+def ensure_worker(pool: str, pool_type: str, api: PrefectApi, echo=print) -> int:
+    """A worker for ``pool`` in the background (started unless ours runs); its pid."""
+    name = f"worker-{pool}"
+    pid = running(name)
+    if pid is not None:
+        return pid
+    # Poll every second instead of Prefect's 10 s: a cached re-run then starts at once.
+    env = _env(PREFECT_WORKER_QUERY_SECONDS="1", **api.client_env())
+    pid = _start_background(name, [prefect_bin(), "worker", "start", "--pool", pool, "--type", pool_type], env)
+    echo(f"started a {pool_type} worker for pool {pool!r} (pid {pid}, log: {log_path(name)})")
+    return pid
+
+
+def ui_url(api: PrefectApi | str, flow_run_id: str) -> str:
+    base = (api.url if isinstance(api, PrefectApi) else api).rstrip("/")
+    base = base[: -len("/api")] if base.endswith("/api") else base
+    return f"{base}/runs/flow-run/{flow_run_id}"

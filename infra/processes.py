@@ -1,0 +1,182 @@
+"""Processes on this machine, read from ``/proc``: identity, liveness, groups, port owners, stopping.
+
+One copy of what the service registry (infra/services.py), the demo's control plane
+(devtools/prefect_local.py) and the local Slurm cluster (devtools/slurm_cluster.py)
+need to know about a process they started earlier, possibly from another process:
+
+    pid = spawn(...).pid
+    write_pidfile(path, pid)                # "PID START": the start time makes it an identity
+    read_pidfile(path)                      # the pid while that same process runs, else None
+    stop(pid, group=True, grace_s=10)       # SIGTERM, then SIGKILL; waits until it is gone
+
+A pid alone is not an identity: the kernel reuses pids. The start time (clock
+ticks since boot, field 22 of ``/proc/PID/stat``) is recorded beside it, so a
+recycled pid is never taken for the process that was started. Zombies count as
+dead: they run nothing, and only their parent can collect them (:func:`reap`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (which may hold spaces and parens)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (None when it does not exist)."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None
+
+
+def pid_alive(pid: int, proc_start: int | None = None) -> bool:
+    """Running (not a zombie) and, when ``proc_start`` is given, the same process as recorded."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X"):
+        return False
+    return proc_start is None or int(fields[19]) == proc_start
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(int(entry))
+            if fields and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                members.append(int(entry))
+    return members
+
+
+def command_name(pid: int) -> str | None:
+    """The executable's base name from ``/proc/PID/cmdline`` (None when the process is gone)."""
+    try:
+        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return None
+    return Path(argv0).name if argv0 else None
+
+
+def reap(pid: int) -> None:
+    """Collect our own exited child so it does not linger as a zombie (no-op for others' processes)."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def port_owner(port: int) -> int | None:
+    """The pid listening on TCP ``port``, if this user can see it (best effort, Linux /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                parts = line.split()
+                if len(parts) > 9 and parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(parts[9])
+    if not inodes:
+        return None
+    targets = {f"socket:[{inode}]" for inode in inodes}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{entry}/fd/{fd}") in targets:
+                        return int(entry)
+    return None
+
+
+# ---------------------------------------------------------------- pid files
+
+
+def write_pidfile(path: str | Path, pid: int) -> None:
+    """Record ``pid`` with its start time, atomically (a reader never sees half a line)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    tmp.write_text(f"{pid} {process_start_time(pid) or ''}".strip() + "\n")
+    os.replace(tmp, path)
+
+
+def read_pidfile(path: str | Path, name: str | None = None) -> int | None:
+    """The pid recorded in ``path`` while that process still runs, else None.
+
+    A pid file written by :func:`write_pidfile` carries the start time, which must
+    match. Daemons write bare pids (``slurmctld``, ``munged``): then ``name`` is
+    checked against the running executable's name instead, so a recycled pid of
+    another program is not mistaken for the daemon.
+    """
+    try:
+        fields = Path(path).read_text().split()
+        pid = int(fields[0])
+        proc_start = int(fields[1]) if len(fields) > 1 else None
+    except (OSError, ValueError, IndexError):
+        return None
+    if not pid_alive(pid, proc_start):
+        return None
+    if name is not None and not (command_name(pid) or "").startswith(name):
+        return None
+    return pid
+
+
+# ---------------------------------------------------------------- stopping
+
+
+def _gone(pid: int, group: bool, proc: subprocess.Popen | None) -> bool:
+    if proc is not None:
+        proc.poll()
+    else:
+        reap(pid)
+    return not group_members(pid) if group else not pid_alive(pid)
+
+
+def _signal(pid: int, group: bool, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        (os.killpg if group else os.kill)(pid, sig)
+
+
+def _wait_gone(pid: int, group: bool, proc: subprocess.Popen | None, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if _gone(pid, group, proc):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def stop(
+    pid: int,
+    *,
+    group: bool = False,
+    grace_s: float = 10.0,
+    terms: int = 1,
+    proc: subprocess.Popen | None = None,
+    kill_wait_s: float = 10.0,
+) -> bool:
+    """SIGTERM ``pid`` (its whole process group with ``group``), SIGKILL what is left after ``grace_s``.
+
+    ``terms`` SIGTERMs are sent, each followed by up to ``grace_s`` of waiting: a
+    Prefect worker drains on the first and stops on the second. Returns True once
+    nothing is left, False if something survived SIGKILL for ``kill_wait_s``.
+    Pass ``proc`` for our own child so its exit status is collected (no zombie).
+    """
+    for _ in range(terms):
+        if _gone(pid, group, proc):
+            return True
+        _signal(pid, group, signal.SIGTERM)
+        if _wait_gone(pid, group, proc, grace_s):
+            return True
+    _signal(pid, group, signal.SIGKILL)
+    return _wait_gone(pid, group, proc, kill_wait_s)

@@ -1,0 +1,104 @@
+"""infra/processes.py against real processes: pid identity, groups, pid files, stopping."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from infra import processes
+
+SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def spawn(argv: list[str], **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, **kwargs)
+
+
+def test_a_zombie_and_a_recycled_pid_are_not_alive():
+    proc = spawn([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while processes.pid_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not processes.pid_alive(proc.pid)  # exited, not yet reaped: a zombie
+    processes.reap(proc.pid)
+    assert processes.process_start_time(proc.pid) is None
+
+    live = spawn(SLEEP)
+    try:
+        real = processes.process_start_time(live.pid)
+        assert processes.pid_alive(live.pid, real)
+        assert not processes.pid_alive(live.pid, real + 1)  # the same pid, another process
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_pidfile_records_identity_and_checks_the_program(tmp_path):
+    proc = spawn(SLEEP)
+    try:
+        pidfile = tmp_path / "run" / "sleeper.pid"
+        processes.write_pidfile(pidfile, proc.pid)
+        pid, start = pidfile.read_text().split()
+        assert (int(pid), int(start)) == (proc.pid, processes.process_start_time(proc.pid))
+        assert processes.read_pidfile(pidfile) == proc.pid
+        assert processes.read_pidfile(pidfile, name="python") == proc.pid
+        assert processes.read_pidfile(pidfile, name="slurmctld") is None  # a daemon's pid file, reused pid
+        pidfile.write_text(f"{proc.pid} {int(start) + 1}\n")
+        assert processes.read_pidfile(pidfile) is None  # recorded start time differs: not our process
+        pidfile.write_text(f"{proc.pid}\n")  # a bare pid, as daemons write them
+        assert processes.read_pidfile(pidfile) == proc.pid
+        pidfile.write_text("garbage")
+        assert processes.read_pidfile(pidfile) is None
+        assert processes.read_pidfile(tmp_path / "missing.pid") is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_stop_group_kills_children_and_a_second_sigterm_stops_a_draining_process(tmp_path):
+    # The leader ignores its first SIGTERM (as a Prefect worker drains) and has a child in its group.
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "count = [0]\n"
+        "def handler(signum, frame):\n"
+        "    count[0] += 1\n"
+        "    if count[0] == 2: sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, handler)\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(tmp_path / 'child')!r}, 'w').write(str(child.pid))\n"
+        "while True: time.sleep(0.05)\n"
+    )
+    proc = spawn([sys.executable, "-c", code])
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "child").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int((tmp_path / "child").read_text())
+    assert sorted(processes.group_members(proc.pid)) == sorted([proc.pid, child])
+
+    started = time.monotonic()
+    assert processes.stop(proc.pid, group=True, grace_s=1.0, terms=2, proc=proc)
+    assert time.monotonic() - started < 5
+    assert proc.returncode == 0  # the second SIGTERM ended it, no SIGKILL was needed
+    assert processes.group_members(proc.pid) == []
+    assert not processes.pid_alive(child)
+
+
+def test_stop_escalates_to_sigkill():
+    proc = spawn(
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"]
+    )
+    time.sleep(0.3)  # let it install the handler
+    assert processes.stop(proc.pid, grace_s=0.3, proc=proc)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_port_owner_finds_the_listening_process():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        assert processes.port_owner(sock.getsockname()[1]) == os.getpid()
