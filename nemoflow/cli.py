@@ -24,6 +24,7 @@ COMMANDS = [
     "fetch",
     "local_slurm",
     "models",
+    "image",
 ]
 
 DESCRIPTION = """\
