@@ -6,7 +6,7 @@ import argparse
 import json
 
 DESCRIPTION = """\
-Build the container image every Kubernetes (and containerised Slurm) stage runs in.
+Build the container image every Kubernetes pod of a run (flow run and stage Jobs) runs in.
 
   nemoflow image build                       # CPU variant: localhost/nemoflow:<version>-cpu
   nemoflow image build --tag registry.example.com/team/nemoflow:0.1.0
