@@ -245,6 +245,14 @@ def ensure_wheelhouse(base: str, log: Log = _stderr, *, rebuild: bool = False) -
         os.replace(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    # keep the two newest wheelhouses (e.g. two branches with different constraints), drop older ones
+    houses = sorted(
+        (p for p in cache_dir().glob("wheels-*") if p.is_dir() and ".tmp-" not in p.name),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    for stale in houses[2:]:
+        shutil.rmtree(stale, ignore_errors=True)
     log(f"[image] wheelhouse built in {time.monotonic() - started:.0f} s: {final}")
     return final
 
