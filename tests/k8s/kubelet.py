@@ -47,7 +47,9 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -84,6 +86,9 @@ class PodmanKubelet:
         self.containers: dict[str, str] = {}  # pod name -> container name (running or not yet removed)
         self.commands: dict[str, list[str]] = {}  # pod name -> the podman command it ran (for tests)
         self.restarts: dict[str, int] = {}  # pod name -> restartCount
+        # podman's working directory: conmon drops a file named "oom" in its current directory
+        # when the container it watches is OOM-killed (outside its cgroup: --cgroups=no-conmon)
+        self.workdir = tempfile.mkdtemp(prefix=f"nemoflow-kubelet-{self.id}-")
 
     # --- the pod spec, resolved -------------------------------------------------------
 
@@ -311,6 +316,7 @@ class PodmanKubelet:
         proc = await asyncio.create_subprocess_exec(
             *cmd,
             env=env,
+            cwd=self.workdir,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
@@ -507,6 +513,7 @@ class PodmanKubelet:
         ).stdout.split()
         if listed:
             subprocess.run(podman.command("rm", "--force", "--time", "0", *listed), check=False, capture_output=True)
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def _probe_url(container: dict[str, Any], probe: dict[str, Any]) -> str:
