@@ -26,6 +26,7 @@ COMMANDS = [
     "fetch",
     "local_slurm",
     "models",
+    "image",
 ]
 
 DESCRIPTION = """\

@@ -26,6 +26,7 @@ from kubernetes import client as k
 from pydantic import BaseModel, ConfigDict, Field
 
 from infra.jobs import ARRAY_INDEX_ENV, JobSpec, Mount, Resources, ServiceSpec
+from infra.k8s import validation
 from infra.k8s.images import validate_image_reference
 from infra.k8s.options import K8sOptions
 
@@ -47,13 +48,15 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return _api.sanitize_for_serialization(obj)
 
 
-def k8s_quantity(mem: str) -> str:
+def k8s_quantity(mem: str, field: str = "memory") -> str:
     """sbatch memory (``16G``, ``512M``, ``16GB``) to a Kubernetes quantity (``16Gi``)."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?", mem.strip(), re.IGNORECASE)
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?", str(mem).strip(), re.IGNORECASE)
     if not match:
-        raise ValueError(f"memory {mem!r} is not like 16G, 512M or 16Gi")
+        raise ValueError(f"{field} {mem!r} is not like 16G, 512M or 16Gi")
     number, unit, _ = match.groups()
-    return f"{number}{unit.upper()}i" if unit else number
+    quantity = f"{number}{unit.upper()}i" if unit else number
+    validation.quantity(quantity, field)
+    return quantity
 
 
 # --- pod-level pieces -------------------------------------------------------
@@ -69,6 +72,10 @@ def labels_for(name: str, options: K8sOptions, run_id: str | None = None) -> dic
 def _env(
     env: dict[str, str], secret_env: list[str], options: K8sOptions, extra: list[k.V1EnvVar] = ()
 ) -> list[k.V1EnvVar]:
+    for key in env:
+        validation.env_name(key, "env name")
+    for name in secret_env:
+        validation.secret_key(name, "secret_env name")
     out = [k.V1EnvVar(name=key, value=value) for key, value in env.items()]
     for name in secret_env:
         # Required unless listed optional: a missing key then fails the pod visibly
@@ -101,7 +108,7 @@ def _resources(resources: Resources) -> k.V1ResourceRequirements:
     requests: dict[str, str] = {"cpu": str(resources.cpus_per_task * resources.ntasks_per_node)}
     limits: dict[str, str] = {}
     if resources.mem:
-        requests["memory"] = limits["memory"] = k8s_quantity(resources.mem)
+        requests["memory"] = limits["memory"] = k8s_quantity(resources.mem, "resources.mem")
     if resources.gpus_per_node:
         # Extended resources are set as limits; the request defaults to the limit.
         limits[GPU_RESOURCE] = str(resources.gpus_per_node)
@@ -121,6 +128,7 @@ def _volumes(mounts: list[Mount], options: K8sOptions) -> tuple[list[k.V1Volume]
         )
         volume_mounts.append(k.V1VolumeMount(name="workspace", mount_path=root))
     for mount in mounts:
+        validation.absolute_path(mount.target, f"mount target of {mount.source}")
         # A spec's bind mounts (Slurm, local) are paths on shared storage; here that
         # storage is the workspace PVC, so a mount becomes a sub-path of it.
         inside = mount.source == root or mount.source.startswith(root + "/")
@@ -154,9 +162,17 @@ def container(
     ports: list[k.V1ContainerPort] | None = None,
     readiness: k.V1Probe | None = None,
 ) -> tuple[k.V1Container, list[k.V1Volume]]:
-    image = validate_image_reference(spec.container_image or options.image)
-    _refuse_inline_secrets(spec)
-    volumes, volume_mounts = _volumes(spec.mounts, options)
+    try:
+        image = validate_image_reference(spec.container_image or options.image)
+        _refuse_inline_secrets(spec)
+        env = _env(spec.env, spec.secret_env, options, list(extra_env)) or None
+        resources = _resources(spec.resources)
+        volumes, volume_mounts = _volumes(spec.mounts, options)
+    except ValueError as exc:
+        # name the job: a plan has several, and the message must say which one to fix
+        # (same class: callers catch InvalidImageReference)
+        message = str(exc)
+        raise type(exc)(message if message.startswith(f"{spec.name}:") else f"{spec.name}: {message}") from None
     return (
         k.V1Container(
             name=name,
@@ -164,8 +180,8 @@ def container(
             image_pull_policy=options.image_pull_policy,
             command=list(spec.command),
             working_dir=spec.workdir,
-            env=_env(spec.env, spec.secret_env, options, list(extra_env)) or None,
-            resources=_resources(spec.resources),
+            env=env,
+            resources=resources,
             volume_mounts=volume_mounts or None,
             ports=ports,
             readiness_probe=readiness,
@@ -302,6 +318,7 @@ def headless_service(
     name: str, options: K8sOptions, *, run_id: str | None = None, port: int | None = None
 ) -> k.V1Service:
     """DNS names for the pods of a multi-node Job; addresses published before readiness so rendezvous can start."""
+    validation.dns1035_label(name, "job name (it names the rendezvous Service)")
     labels = labels_for(name, options, run_id)
     return k.V1Service(
         api_version="v1",
@@ -419,6 +436,7 @@ def inference_deployment(spec: ServiceSpec, options: K8sOptions, *, replicas: in
 
 
 def inference_service(spec: ServiceSpec, options: K8sOptions) -> k.V1Service:
+    validation.dns1035_label(spec.name, "service name")
     labels = labels_for(spec.name, options)
     return k.V1Service(
         api_version="v1",
@@ -434,6 +452,7 @@ def inference_service(spec: ServiceSpec, options: K8sOptions) -> k.V1Service:
 
 def knative_service(spec: ServiceSpec, options: K8sOptions) -> dict[str, Any]:
     """A Knative ``serving.knative.dev/v1`` Service (the seed guide's ksvc), kept at one warm replica."""
+    validation.dns1035_label(spec.name, "service name")
     labels = labels_for(spec.name, options)
     main, volumes = container(
         spec, options, ports=[k.V1ContainerPort(name="http1", container_port=spec.port)], readiness=_probe(spec)

@@ -6,6 +6,7 @@ import pytest_asyncio
 from infra.backends.k8s import KubernetesBackend
 from infra.k8s.config import api_client_for_url
 from infra.k8s.options import K8sOptions
+from tests.image_build.fixtures import nemoflow_image  # noqa: F401 - a fixture, used by name (podman tests)
 from tests.k8s.controller import FakeCluster
 
 NAMESPACE = "team"

@@ -7,6 +7,10 @@ Failed as a per-pod :class:`PodScript` says, serves their log as ``text/plain``
 (streamed, like ``?follow=true``), and sets the Job's conditions the way the
 real Job controller does (Complete; Failed with BackoffLimitExceeded or
 DeadlineExceeded). Deployments get one pod and ``readyReplicas``.
+With ``kubelet=PodmanKubelet()`` (tests/k8s/kubelet.py) pods are not scripted: their
+containers run for real as podman containers of the pod's image, with the PVC as a host
+directory, env and Secrets resolved, readiness probes sent, exit codes as pod status,
+and Job deadlines (``activeDeadlineSeconds``) enforced.
 What it deliberately does not do: garbage-collect pods of a deleted Job, so a
 test sees whether the backend itself leaves nothing behind.
 """
@@ -44,9 +48,11 @@ class JobScript:
 
 
 class FakeCluster:
-    def __init__(self, kmock, namespace: str = "team"):
+    def __init__(self, kmock, namespace: str = "team", kubelet=None):
         self.kmock = kmock
         self.namespace = namespace
+        self.kubelet = kubelet  # None: pods follow their PodScript; else a PodmanKubelet runs them
+        self.pvc_dirs: dict[str, str] = {}  # PVC name -> host directory (for the kubelet)
         self.url = str(kmock.url).rstrip("/")
         self.scripts: dict[str, JobScript] = {}  # by job-name prefix (the spec name)
         self.logs: dict[str, list[tuple[float, str]]] = {}  # pod -> (time written, line)
@@ -87,7 +93,9 @@ class FakeCluster:
             raise kmock.KubernetesNotFoundError(message=f'namespaces "{name}" not found')
         return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}, "status": {"phase": "Active"}}
 
-    def add_pvc(self, name: str) -> None:
+    def add_pvc(self, name: str, host_dir: str | None = None) -> None:
+        if host_dir is not None:
+            self.pvc_dirs[name] = str(host_dir)
         self.kmock.objects["v1/persistentvolumeclaims", self.namespace, name] = {
             "apiVersion": "v1",
             "kind": "PersistentVolumeClaim",
@@ -128,6 +136,16 @@ class FakeCluster:
             if f"{res.group}/{res.version}/{res.plural}".lstrip("/") == resource and not obj.deleted
         ]
 
+    def get(self, plural: str, name: str) -> dict | None:
+        """The live object of this namespace (None if absent or deleted)."""
+        for (res, ns, n), obj in list(self.kmock.objects.items()):
+            if res.plural == plural and n == name and ns == self.namespace and not obj.deleted:
+                return obj.raw
+        return None
+
+    def pod_path(self, name: str) -> str:
+        return f"/api/v1/namespaces/{self.namespace}/pods/{name}"
+
     # --- the control loop ---
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(base_url=self.url)
@@ -138,6 +156,8 @@ class FakeCluster:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.kubelet is not None:
+            await asyncio.to_thread(self.kubelet.stop)
         if self._session:
             await self._session.close()
 
@@ -301,12 +321,15 @@ class FakeCluster:
         completions = spec.get("completions") or 1
         container = spec["template"]["spec"]["containers"][0]["name"]
         pods = [await self._make_pod(name, spec["template"], i if indexed else None) for i in range(completions)]
-        runs = [asyncio.create_task(self._run_pod(p, container, script.pod(i))) for i, p in enumerate(pods)]
+        if self.kubelet is not None:
+            runs = [asyncio.create_task(self.kubelet.run_pod(self, p, job)) for p in pods]
+        else:
+            runs = [asyncio.create_task(self._run_pod(p, container, script.pod(i))) for i, p in enumerate(pods)]
         self._tasks.extend(runs)
         path = f"/apis/batch/v1/namespaces/{self.namespace}/jobs/{name}"
         await self._patch(path, {"status": {"active": completions, "startTime": "2026-11-29T20:00:00Z"}})
         pending = set(runs)
-        timeout = script.deadline_after_s
+        timeout = spec.get("activeDeadlineSeconds") if self.kubelet is not None else script.deadline_after_s
         started = asyncio.get_running_loop().time()
         while pending:
             left = None if timeout is None else max(0.0, timeout - (asyncio.get_running_loop().time() - started))
@@ -365,6 +388,9 @@ class FakeCluster:
         )
 
     async def _drive_deployment(self, dep: dict) -> None:
+        if self.kubelet is not None:
+            await self.kubelet.drive_deployment(self, dep)
+            return
         name = dep["metadata"]["name"]
         template = dep["spec"]["template"]
         script = self._script(name)
