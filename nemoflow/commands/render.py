@@ -46,23 +46,9 @@ def register(sub) -> None:
 
 def load_config(path: str | None) -> dict:
     """The YAML mapping in ``path`` ({} without one); one-line errors for unreadable or invalid files."""
-    if not path:
-        return {}
-    import yaml
+    from infra.k8s.render import load_yaml_config
 
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh) or {}
-    except OSError as exc:
-        raise ValueError(f"cannot read --config {path}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ValueError(f"--config {path} is not valid YAML ({problem} at{where})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    return data
+    return load_yaml_config(path, what="--config")
 
 
 def build_config(data: dict, backend: str | None):

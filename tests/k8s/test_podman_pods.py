@@ -202,7 +202,7 @@ async def test_deployment_is_ready_only_when_its_probe_answers(pods, backend):
         health_path="/",
     )
     be = backend(pods)
-    url = await asyncio.to_thread(be.start_service, spec)
+    url = (await asyncio.to_thread(be.start_service, spec)).url
     assert url == f"http://echo.{NAMESPACE}.svc.cluster.local:{port}"
     # ready means the container answers now (the server only listens after 3 s)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as resp:
