@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -39,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from fastapi import Request  # at module level: FastAPI resolves the handlers' string annotations here
 
 from workloads.serve_http import (
     DEFAULT_MAX_BODY_BYTES,
@@ -276,7 +279,7 @@ class ProxyState:
 
 def create_proxy_app(state: ProxyState):
     import httpx
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.background import BackgroundTask
 
@@ -508,6 +511,10 @@ def run_engine(args: argparse.Namespace, checkpoint: Path, model_name: str, api_
         target.base_url,
         f"required, from ${args.api_key_env}" if api_key else "none",
     )
+    # uvicorn re-raises the SIGTERM/SIGINT it caught once it has shut down: with the default handler
+    # that would kill this process before it stops the engine (Kubernetes signals PID 1 only).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run(sockets=[sock])
     finally:
