@@ -89,7 +89,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from workloads.serve_http import (
@@ -98,6 +98,7 @@ from workloads.serve_http import (
     APIError,
     ApiKeyAuth,
     GatedStream,
+    GatedStreamingResponse,
     bad_request,
     check_exposure,
     install_blue_green,
@@ -547,7 +548,7 @@ def create_app(state: ServerState) -> FastAPI:
         except BaseException:
             gate.release(granted)
             raise
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return GatedStreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.get("/health")
     def health():

@@ -63,7 +63,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -335,6 +335,20 @@ class GatedStream:
 
     def __del__(self):
         self._release()
+
+
+class GatedStreamingResponse(StreamingResponse):
+    """A streaming response that closes its :class:`GatedStream` however the response ends (a client
+    that hangs up makes Starlette stop iterating without closing the iterator; a dropped iterator is
+    released by the garbage collector only when nothing references it any more)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            closer = getattr(self.body_iterator, "aclose", None)
+            if closer is not None:
+                await closer()
 
 
 async def read_body(request: Request, limit: int) -> bytes:

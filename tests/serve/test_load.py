@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -44,10 +45,13 @@ def small_queue_server(tiny_checkpoint, tmp_path_factory):
         proc.wait(timeout=15)
 
 
-def one_request(url: str, index: int) -> tuple[int, dict[str, str], str]:
-    """Every fourth request streams, half of those hang up after the first event; the rest mix shapes."""
+def one_request(url: str, index: int, start: threading.Barrier) -> tuple[int, dict[str, str], str]:
+    """Every fourth request streams, half of those hang up after the first event; the rest mix shapes.
+    All wait at ``start`` with a connected client, so the burst really arrives at once."""
     kind = index % 4
     with httpx.Client(timeout=60) as http:
+        http.get(url + "/health")  # connect first
+        start.wait(timeout=60)
         if kind == 0:
             body = {"model": MODEL_NAME, "prompt": "In the beginning", "max_tokens": 12, "stream": True}
             with http.stream("POST", url + "/v1/completions", json=body) as response:
@@ -72,7 +76,7 @@ def one_request(url: str, index: int) -> tuple[int, dict[str, str], str]:
         return response.status_code, dict(response.headers), response.text
 
 
-def wait_idle(url: str, timeout: float = 20) -> dict:
+def wait_idle(url: str, timeout: float = 5) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         health = httpx.get(url + "/health", timeout=5).json()
@@ -85,8 +89,9 @@ def wait_idle(url: str, timeout: float = 20) -> dict:
 def test_a_burst_gets_answers_or_honest_backpressure(small_queue_server):
     url = small_queue_server
     started = time.monotonic()
+    start = threading.Barrier(BURST)
     with concurrent.futures.ThreadPoolExecutor(max_workers=BURST) as pool:
-        outcomes = list(pool.map(lambda i: one_request(url, i), range(BURST), timeout=DEADLINE_S))
+        outcomes = list(pool.map(lambda i: one_request(url, i, start), range(BURST), timeout=DEADLINE_S))
     assert time.monotonic() - started < DEADLINE_S
     assert len(outcomes) == BURST  # every request got an HTTP answer: none lost, none reset
     statuses = [status for status, _, _ in outcomes]
