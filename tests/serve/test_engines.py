@@ -246,6 +246,8 @@ def test_vllm_engine_behind_the_proxy(tmp_path, tiny_checkpoint, vllm_bin):
         "--tensor-parallel-size",
         "2",
         "--engine-arg=--max-num-seqs=8",
+        "--join-port",
+        str(shared_port := free_port()),
         env={KEY_ENV: key},
     )
     try:
@@ -297,6 +299,18 @@ def test_vllm_engine_behind_the_proxy(tmp_path, tiny_checkpoint, vllm_bin):
         messages = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
         slash_chat = httpx.post(url + "/v1/chat/completions/", json=messages, headers=auth, timeout=60)
         assert slash_chat.status_code == 200 and slash_chat.json()["object"] == "chat.completion"
+
+        # blue/green as with the built-in engine: SIGUSR1 joins the shared port, SIGUSR2 leaves it
+        os.kill(proc.pid, signal.SIGUSR1)
+        shared = f"http://127.0.0.1:{shared_port}"
+        wait_http(shared + "/health", 20, proc, log)
+        assert httpx.get(shared + "/v1/models", headers=auth).json()["data"][0]["id"] == MODEL_NAME
+        os.kill(proc.pid, signal.SIGUSR2)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and "left port" not in log.read_text():
+            time.sleep(0.2)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(shared + "/health", timeout=5)
 
         # the key never reached a command line or the log
         assert key not in Path(f"/proc/{proc.pid}/cmdline").read_text()
