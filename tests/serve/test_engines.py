@@ -207,6 +207,14 @@ def stop(proc: subprocess.Popen) -> int:
         return proc.wait()
 
 
+def kill_leftover(pid: int) -> None:
+    """A failing test must not leave its stand-in engine running."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def pid_gone(pid: int, timeout: float = 40) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -317,8 +325,10 @@ def test_vllm_engine_behind_the_proxy(tmp_path, tiny_checkpoint, vllm_bin):
         assert key not in Path(f"/proc/{record['pid']}/cmdline").read_text()
     finally:
         code = stop(proc)
+        gone = pid_gone(record["pid"])
+        kill_leftover(record["pid"])
     assert code == 0
-    assert pid_gone(record["pid"])  # stopping the proxy stopped the engine
+    assert gone  # stopping the proxy stopped the engine
     assert key not in log.read_text()
 
 
@@ -401,6 +411,8 @@ def test_triton_engine_behind_the_proxy(tmp_path, tiny_checkpoint):
         assert [m["id"] for m in models["data"]] == [MODEL_NAME]
         assert httpx.get(url + "/health").json()["engine"] == "triton"
     finally:
-        assert stop(proc) == 0
-    assert pid_gone(record["pid"])
+        code = stop(proc)
+        gone = pid_gone(record["pid"])
+        kill_leftover(record["pid"])
+    assert code == 0 and gone
     assert key not in log.read_text()
