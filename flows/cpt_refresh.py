@@ -46,6 +46,7 @@ from tasks.common import logger, result_storage
 from tasks.image import ImageConfig, stage_image
 from tasks.promote import compare_on_held_out, discover_new_sources, record_model, switch_serving
 from tasks.refs import CheckpointRef, TokenizerRef
+from tasks.serve import EngineOptions
 from tasks.train import pretrain
 from workloads.train_config import TrainConfig
 
@@ -81,6 +82,7 @@ class CptServeConfig(BaseModel):
     smoke_prompt: str = "In the beginning"
     enabled: bool = Field(True, description="switch the server to a promoted candidate without downtime")
     resources: Resources = Field(default_factory=lambda: Resources(cpus_per_task=1), description="of the server job")
+    engine: EngineOptions = Field(default_factory=EngineOptions)
 
 
 class CptRefreshConfig(BaseModel):
@@ -338,6 +340,7 @@ def _train_and_decide(config, registry, state, base_generation, promoted, new, r
             config.executor,
             image,
             config.serve.resources,
+            config.serve.engine,
             config.serve.smoke_prompt,
             config.serve.ready_timeout_s,
         )

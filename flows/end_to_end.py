@@ -11,6 +11,8 @@ few minutes: the King James Bible, Mixtral's tokenizer, a 20M-parameter Llama.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
@@ -24,8 +26,8 @@ from infra.settings import get_settings
 from tasks.checkpoint import validate_checkpoint
 from tasks.common import result_storage
 from tasks.image import ImageConfig, stage_image
-from tasks.serve import deploy_inference
-from tasks.smoke import DEFAULT_PROMPT, smoke_test
+from tasks.serve import EngineOptions, deploy_inference
+from tasks.smoke import DEFAULT_PROMPT, SEED_MAX_TOKENS, smoke_test
 from tasks.train import pretrain
 from workloads.train_config import TrainConfig, check_parallelism
 
@@ -55,18 +57,25 @@ def demo_train_config() -> TrainConfig:
 
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
     port: int = Field(8000, ge=1, le=65535)
     model_name: str = "nemoflow-demo"
     ready_timeout_s: float = Field(180, gt=0)
     resources: Resources = Field(
-        default_factory=lambda: Resources(cpus_per_task=1), description="of the server job (GPUs: tensor parallel)"
+        default_factory=lambda: Resources(cpus_per_task=1),
+        description="of the server job; GPUs mean vLLM with tensor parallel = GPUs (engine: auto)",
     )
+    engine: EngineOptions = Field(default_factory=EngineOptions)
 
 
 class SmokeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
     prompt: str = DEFAULT_PROMPT
-    max_tokens: int = Field(20, ge=1)
+    max_tokens: int = Field(SEED_MAX_TOKENS, ge=1, description="the seed sends 2048; the server clamps it")
+    shape: Literal["seed", "openai"] = Field(
+        "seed", description="seed: NeMo's deploy REST request ({prompt, max-tokens} -> {output}); openai: completions"
+    )
     timeout_s: float = Field(60, gt=0)
 
 
@@ -140,8 +149,11 @@ def end_to_end(config: EndToEndConfig | None = None) -> dict:
         config.serve.ready_timeout_s,
         image=image,
         resources=config.serve.resources,
+        options=config.serve.engine,
     )
-    answer = smoke_(endpoint, config.smoke.prompt, config.smoke.max_tokens, config.smoke.timeout_s)
+    answer = smoke_(
+        endpoint, config.smoke.prompt, config.smoke.max_tokens, config.smoke.timeout_s, shape=config.smoke.shape
+    )
 
     summary = {
         "flow_run_id": str(flow_run.id) if flow_run.id else None,

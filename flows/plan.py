@@ -114,6 +114,15 @@ def planned_specs(config: EndToEndConfig) -> list[tuple[str, JobSpec | ServiceSp
         backend.bind_host,
         image,
         config.serve.resources,
-        deployment_fingerprint(checkpoint, config.serve.port, config.serve.model_name, config.executor, image),
+        deployment_fingerprint(
+            checkpoint,
+            config.serve.port,
+            config.serve.model_name,
+            config.executor,
+            image,
+            config.serve.engine,
+            config.serve.resources,
+        ),
+        config.serve.engine,
     )
     return [("tokenize", tokenize), ("pretrain", train), ("validate", validate), ("serve", serve)]

@@ -12,7 +12,8 @@ branches on a backend's name:
 - jobs: :meth:`Backend.run` (submit, stream the log, wait, resubmit what is
   resumable, cancel on interruption) and :meth:`Backend.cancel`;
 - services: :meth:`Backend.start_service`, :meth:`Backend.stop_service`,
-  :meth:`Backend.service` (inspect: running? healthy? which fingerprint?) and
+  :meth:`Backend.service` (inspect: running? healthy? which fingerprint?),
+  :meth:`Backend.service_log_tail` (its last log lines) and
   :meth:`Backend.switch_service` (replace a running server without downtime);
 - images: :meth:`Backend.stage_image` (what this backend's jobs run in),
   :meth:`Backend.planned_image` (the same, without doing it) and
@@ -295,6 +296,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def service(self, name: str) -> ServiceInfo | None:
         """The running service of that name (with ``healthy`` probed now), or None."""
+
+    @abc.abstractmethod
+    def service_log_tail(self, name: str, lines: int = 20) -> list[str]:
+        """The last lines the service of that name wrote (secrets redacted); [] when there are none."""
 
     @abc.abstractmethod
     def switch_service(

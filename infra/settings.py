@@ -51,6 +51,10 @@ class SettingsError(ValueError):
         return cls("; ".join(problems) + " (set in the environment or .env)")
 
 
+# The variable that holds the endpoints' API key, in the flow run and in the server job alike.
+SERVE_API_KEY_ENV = "NEMOFLOW_SERVE_API_KEY"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="NEMOFLOW_",
@@ -101,6 +105,11 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("NEMOFLOW_REGISTRY_PASSWORD", "NGC_API_KEY"),
         description="Container registry password (nvcr.io: the NGC API key); only the import job sees it.",
     )
+    serve_api_key: SecretStr | None = Field(
+        default=None,
+        description="API key of the inference endpoints nemoflow deploys (clients send 'Authorization: Bearer "
+        "<key>'); it reaches the server by name only (a Kubernetes Secret key, sbatch's environment).",
+    )
 
     @property
     def result_storage_uri(self) -> str:
@@ -128,6 +137,8 @@ class Settings(BaseSettings):
             env["NEMOFLOW_REGISTRY_USER"] = self.registry_user.get_secret_value()
         if self.registry_password is not None:
             env["NEMOFLOW_REGISTRY_PASSWORD"] = self.registry_password.get_secret_value()
+        if self.serve_api_key is not None:
+            env[SERVE_API_KEY_ENV] = self.serve_api_key.get_secret_value()
         return env
 
     def secret_values(self) -> list[str]:

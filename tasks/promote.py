@@ -27,10 +27,11 @@ from infra import registry as reg
 from infra import storage
 from infra.executors import Executor, as_executor, get_backend
 from infra.jobs import ImageRef, JobSpec, Resources, ServiceInfo, workload_job
+from infra.settings import SERVE_API_KEY_ENV
 from infra.sources import expand_sources
 from tasks.common import logger, run_job
 from tasks.refs import CheckpointRef, EndpointRef
-from tasks.serve import build_serve_spec, local_checkpoint, service_name
+from tasks.serve import EngineOptions, build_serve_spec, local_checkpoint, service_name
 from tasks.smoke import smoke_test
 from workloads.train_config import parse_blend
 
@@ -140,6 +141,7 @@ def switch_serving(
     executor: Executor | Any = None,
     image: ImageRef | None = None,
     resources: Resources | None = None,
+    options: EngineOptions | None = None,
     smoke_prompt: str = "In the beginning",
     ready_timeout_s: float = 180,
 ) -> reg.Serving:
@@ -148,7 +150,8 @@ def switch_serving(
     log = logger()
     executor = as_executor(executor)
     backend = get_backend(executor)
-    spec = build_serve_spec(checkpoint, port, model_name, backend.bind_host, image, resources)
+    spec = build_serve_spec(checkpoint, port, model_name, backend.bind_host, image, resources, options=options)
+    api_key_env = SERVE_API_KEY_ENV if SERVE_API_KEY_ENV in spec.secret_env else None
     # A name of its own: the old and the new server run side by side until the switch.
     spec = spec.model_copy(
         update={"name": f"{service_name(model_name)[:40]}-{model_id.rsplit('-', 1)[-1]}-{int(time.time()) % 100000}"}
@@ -156,7 +159,12 @@ def switch_serving(
 
     def check(new: ServiceInfo) -> None:
         endpoint = EndpointRef(
-            url=new.url, model=model_name, executor=executor, handle=new.name, checkpoint=checkpoint.uri
+            url=new.url,
+            model=model_name,
+            executor=executor,
+            handle=new.name,
+            checkpoint=checkpoint.uri,
+            api_key_env=api_key_env,
         )
         smoke_test.fn(endpoint, smoke_prompt, 8, 60)
 

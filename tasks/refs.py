@@ -57,6 +57,9 @@ class EndpointRef(BaseModel):
     executor: Executor = Field(default_factory=LocalExecutor, description="where the server runs")
     handle: str | None = Field(None, description="the service's name on its backend (stop/inspect it by this)")
     checkpoint: str | None = None
+    api_key_env: str | None = Field(
+        None, description="the environment variable holding the endpoint's API key (its name, never the key)"
+    )
 
     @property
     def backend(self) -> str:

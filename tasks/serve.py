@@ -29,24 +29,74 @@ import re
 import shlex
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import CachePolicy
+from pydantic import BaseModel, ConfigDict, Field
 
 from infra import services, storage
 from infra.executors import Executor, as_executor, get_backend
 from infra.jobs import ImageRef, Resources, ServiceInfo, ServiceSpec, workload_service
+from infra.settings import SERVE_API_KEY_ENV, get_settings
 from tasks.common import code_fingerprint, logger
 from tasks.refs import CheckpointRef, EndpointRef
 
 DEFAULT_PORT = 8000
 DEFAULT_MODEL_NAME = "nemoflow-model"
-SERVER_MODULES = ("workloads.serve", "infra.services", "tasks.serve")
+SERVER_MODULES = ("workloads.serve", "workloads.serve_http", "workloads.serve_engines", "infra.services", "tasks.serve")
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.model", "generation_config.json")
 OPTIONAL_CHECKPOINT_FILES = ("generation_config.json",)
 DEFAULT_RESOURCES = Resources(cpus_per_task=1)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class EngineOptions(BaseModel):
+    """Which inference engine serves, and how (``python -m workloads.serve`` options)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: Literal["auto", "builtin", "vllm", "triton"] = Field(
+        "auto",
+        description="auto: vLLM's OpenAI server when the server has GPUs, else the built-in CPU engine; "
+        "triton: NeMo's Triton deploy script (in the NeMo container)",
+    )
+    max_input_len: int | None = Field(None, ge=1, description="longest prompt in tokens (vllm, triton)")
+    max_output_len: int | None = Field(None, ge=1, description="most tokens generated per request (vllm, triton)")
+    max_concurrency: int | None = Field(None, ge=1, description="built-in engine: requests generating at once")
+    max_queue: int | None = Field(None, ge=0, description="built-in engine: requests waiting; more get 429")
+    engine_args: list[str] = Field(default_factory=list, description="verbatim extra arguments for vllm/triton")
+    allow_unauthenticated: bool = Field(
+        False,
+        description="serve on a cluster without an API key (NEMOFLOW_SERVE_API_KEY); the server logs a warning",
+    )
+
+    def resolved_engine(self, resources: Resources) -> str:
+        if self.engine != "auto":
+            return self.engine
+        return "vllm" if resources.gpus_per_node else "builtin"
+
+    def args(self, resources: Resources, keyed: bool, public: bool) -> list[str]:
+        """The server's engine, sizing and authentication options."""
+        engine = self.resolved_engine(resources)
+        out = ["--engine", engine]
+        if engine != "builtin" and resources.gpus_per_node:
+            out += ["--tensor-parallel-size", str(resources.gpus_per_node)]  # tensor parallel = the GPUs given
+        for flag, value in (
+            ("--max-input-len", self.max_input_len),
+            ("--max-output-len", self.max_output_len),
+            ("--max-concurrency", self.max_concurrency),
+            ("--max-queue", self.max_queue),
+        ):
+            if value is not None:
+                out += [flag, str(value)]
+        out += [f"--engine-arg={arg}" for arg in self.engine_args]
+        if keyed:
+            out += ["--api-key-env", SERVE_API_KEY_ENV]
+        elif public and self.allow_unauthenticated:
+            out.append("--allow-unauthenticated")
+        return out
 
 
 def service_name(model_name: str) -> str:
@@ -58,15 +108,24 @@ def service_name(model_name: str) -> str:
 
 
 def deployment_fingerprint(
-    checkpoint: CheckpointRef, port: int, model_name: str, executor: Any = None, image: ImageRef | None = None
+    checkpoint: CheckpointRef,
+    port: int,
+    model_name: str,
+    executor: Any = None,
+    image: ImageRef | None = None,
+    options: EngineOptions | None = None,
+    resources: Resources | None = None,
 ) -> str:
-    """What a running server must match for a re-run to reuse it."""
+    """What a running server must match for a re-run to reuse it (the key's presence, never its value)."""
     payload = {
         "checkpoint": checkpoint.model_dump(mode="json"),
         "port": port,
         "model_name": model_name,
         "executor": as_executor(executor).kind,
         "image": image.model_dump(mode="json") if image else None,
+        "options": (options or EngineOptions()).model_dump(mode="json"),
+        "resources": (resources or DEFAULT_RESOURCES).model_dump(mode="json"),
+        "keyed": get_settings().serve_api_key is not None,
         "code": code_fingerprint(*SERVER_MODULES),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
@@ -85,17 +144,28 @@ def build_serve_spec(
     image: ImageRef | None = None,
     resources: Resources | None = None,
     fingerprint: str | None = None,
+    options: EngineOptions | None = None,
 ) -> ServiceSpec:
-    """The inference server as a service of any backend (what deploy_inference and nemoflow render use)."""
+    """The inference server as a service of any backend (what deploy_inference and nemoflow render use).
+
+    The API key travels by name: the server reads NEMOFLOW_SERVE_API_KEY, which the backend injects
+    from the settings (locally, sbatch's environment) or a Kubernetes Secret key. A server bound to
+    every interface (a cluster node) requires it unless ``options.allow_unauthenticated``.
+    """
+    options = options or EngineOptions()
+    resources = resources or DEFAULT_RESOURCES
     checkpoint_dir = checkpoint.uri if not storage.is_local(checkpoint.uri) else storage.local_path(checkpoint.uri)
+    public = host not in LOOPBACK
+    keyed = get_settings().serve_api_key is not None or (public and not options.allow_unauthenticated)
     return workload_service(
         service_name(model_name),
         "workloads.serve",
-        serve_args(checkpoint_dir, port, model_name, host),
+        serve_args(checkpoint_dir, port, model_name, host) + options.args(resources, keyed, public),
         port=port,
         image=image,
-        resources=resources or DEFAULT_RESOURCES,
+        resources=resources,
         read_only=[checkpoint_dir],
+        secret_env=[SERVE_API_KEY_ENV] if keyed else [],
         fingerprint=fingerprint,
         annotations={"checkpoint": checkpoint.uri, "model": model_name},
     )
@@ -156,7 +226,13 @@ class LiveServiceCache(CachePolicy):
         model_name = inputs.get("model_name", DEFAULT_MODEL_NAME)
         executor = inputs.get("executor")
         fingerprint = deployment_fingerprint(
-            inputs["checkpoint"], inputs.get("port", DEFAULT_PORT), model_name, executor, inputs.get("image")
+            inputs["checkpoint"],
+            inputs.get("port", DEFAULT_PORT),
+            model_name,
+            executor,
+            inputs.get("image"),
+            inputs.get("options"),
+            inputs.get("resources"),
         )
         key = f"deploy-inference-{fingerprint}"
         try:
@@ -180,8 +256,12 @@ def _publish(endpoint: EndpointRef, info: ServiceInfo) -> None:
         link_text=f"{endpoint.model} at {endpoint.url}",
         description=f"OpenAI-compatible endpoint serving {endpoint.checkpoint}",
     )
+    seed = {"prompt": "In the beginning", "model": endpoint.model, "max-tokens": 64, "top_p": 0, "top_k": 0.9}
+    seed = json.dumps({**seed, "temperature": 1.0})
     body = json.dumps({"prompt": "In the beginning", "model": endpoint.model, "max_tokens": 20, "temperature": 0})
     chat = json.dumps({"model": endpoint.model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 20})
+    auth = f' -H "Authorization: Bearer ${endpoint.api_key_env}"' if endpoint.api_key_env else ""
+    key = f"os.environ['{endpoint.api_key_env}']" if endpoint.api_key_env else '"unused"'
     create_markdown_artifact(
         key=f"endpoint-{key}-usage",
         description=f"How to call {endpoint.model}",
@@ -195,17 +275,32 @@ def _publish(endpoint: EndpointRef, info: ServiceInfo) -> None:
 | log | `{info.log}` |
 
 ```bash
-curl -s {endpoint.url}/v1/completions -H 'Content-Type: application/json' \\
+# the NeMo deploy service's request (the seed's smoke test); it answers {{"output": ...}}
+curl -s -X POST {endpoint.url}/v1/chat/completions/ -H 'Content-Type: application/json'{auth} \\
+  -d {shlex.quote(seed)}
+# OpenAI's completions and chat
+curl -s {endpoint.url}/v1/completions -H 'Content-Type: application/json'{auth} \\
   -d {shlex.quote(body)}
-curl -s {endpoint.url}/v1/chat/completions -H 'Content-Type: application/json' \\
+curl -s {endpoint.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
   -d {shlex.quote(chat)}
 ```
 
-OpenAI clients: `OpenAI(base_url="{endpoint.url}/v1", api_key="unused")`.
+OpenAI clients: `OpenAI(base_url="{endpoint.url}/v1", api_key={key})`.
 
 Stop it: `nemoflow serve stop {key}`
 """,
     )
+
+
+def _retry_transient(task, task_run, state) -> bool:
+    """Retry a deploy that met an unreachable API or a slow start; not a server that exited or a bad config."""
+    try:
+        state.result()
+    except (ValueError, services.ServiceNotReady):
+        return False
+    except Exception:  # noqa: BLE001 - connection resets, API outages, time-outs: start again
+        return True
+    return False
 
 
 @task(
@@ -213,6 +308,9 @@ Stop it: `nemoflow serve stop {key}`
     task_run_name="deploy {model_name} on port {port}",
     cache_policy=LiveServiceCache(),
     persist_result=True,
+    retries=2,
+    retry_delay_seconds=[5, 30],
+    retry_condition_fn=_retry_transient,
 )
 def deploy_inference(
     checkpoint: CheckpointRef,
@@ -222,19 +320,29 @@ def deploy_inference(
     ready_timeout_s: float = 120,
     image: ImageRef | None = None,
     resources: Resources | None = None,
+    options: EngineOptions | None = None,
 ) -> EndpointRef:
-    """Serve ``checkpoint`` over the OpenAI API where ``executor`` says; return once ``/health`` answers."""
+    """Serve ``checkpoint`` (OpenAI API and the seed's NeMo route) where ``executor`` says; return once
+    ``/health`` answers. A start that failed for a transient reason is retried (the task's retries)."""
     log = logger()
     executor = as_executor(executor)
     backend = get_backend(executor)
-    fingerprint = deployment_fingerprint(checkpoint, port, model_name, executor, image)
-    spec = build_serve_spec(checkpoint, port, model_name, backend.bind_host, image, resources, fingerprint)
+    options = options or EngineOptions()
+    fingerprint = deployment_fingerprint(checkpoint, port, model_name, executor, image, options, resources)
+    spec = build_serve_spec(checkpoint, port, model_name, backend.bind_host, image, resources, fingerprint, options)
+    if "--allow-unauthenticated" in spec.command:
+        log.warning("%s serves on %s without an API key (allow_unauthenticated)", spec.name, backend.bind_host)
     log.info("starting %s on the %s backend: %s", spec.name, backend.name, shlex.join(spec.command))
     info = backend.start_service(
         spec, ready_timeout_s=ready_timeout_s, on_log=lambda line: log.info("[%s] %s", spec.name, line)
     )
     endpoint = EndpointRef(
-        url=info.url, model=model_name, executor=executor, handle=spec.name, checkpoint=checkpoint.uri
+        url=info.url,
+        model=model_name,
+        executor=executor,
+        handle=spec.name,
+        checkpoint=checkpoint.uri,
+        api_key_env=SERVE_API_KEY_ENV if SERVE_API_KEY_ENV in spec.secret_env else None,
     )
     log.info("%s is ready at %s (%s %s)", spec.name, info.url, backend.name, info.job_id)
     _publish(endpoint, info)

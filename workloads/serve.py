@@ -1,13 +1,23 @@
-"""An OpenAI-compatible inference server for one checkpoint, on CPU with torch.
+"""The inference server: one entry point, three engines.
 
     python -m workloads.serve --checkpoint DIR --port 8000 --host 127.0.0.1 --model-name NAME
+    python -m workloads.serve --engine vllm --checkpoint DIR --port 8000 --host 0.0.0.0 \\
+        --model-name NAME --api-key-env NEMOFLOW_SERVE_API_KEY --tensor-parallel-size 4
+    python -m workloads.serve --engine triton --checkpoint DIR --port 8000 ... \\
+        --tensor-parallel-size 4 --max-input-len 2048 --max-output-len 2048
 
-``DIR`` is the trainer's layout: ``config.json`` + ``model.safetensors``
-(``save_pretrained`` of a LlamaForCausalLM or MixtralForCausalLM) and
-``tokenizer.model`` (sentencepiece). The tokenizer is used through
-sentencepiece itself, never converted to a Hugging Face fast tokenizer, whose
-ids differ on runs of whitespace: the server must tokenize exactly like the
-data pipeline did.
+``--engine builtin`` (the default) serves the checkpoint itself on CPU with torch (below).
+``--engine vllm`` runs vLLM's OpenAI server and ``--engine triton`` NeMo's Triton deploy script
+behind a thin proxy on ``--port`` that adds the seed's NeMo-shaped endpoint, the API key check and
+blue/green (:mod:`workloads.serve_engines`). Whatever the engine, clients see the same endpoints,
+``/health`` is the readiness probe, and ``--join-port`` + SIGUSR1/SIGUSR2 switch servers on one port.
+
+``DIR`` is a Hugging Face checkpoint directory: ``config.json``, safetensors weights (one file or
+shards) loaded with ``from_pretrained``, and a tokenizer: ``tokenizer.model`` (sentencepiece, the
+trainer's layout) or the files ``save_pretrained`` writes (``tokenizer.json``, NeMo AutoModel's
+consolidated checkpoints). With ``tokenizer.model`` the built-in engine tokenizes with sentencepiece
+itself, never a converted Hugging Face fast tokenizer, whose ids differ on runs of whitespace: the
+server must tokenize exactly like the data pipeline did.
 
 Endpoints (field names as in OpenAI's API reference):
 
@@ -16,12 +26,31 @@ Endpoints (field names as in OpenAI's API reference):
   ``top_p``, ``top_k`` (an extension; 0 = off), ``n`` (only 1), ``stop`` (a
   string or up to 4), ``seed``, ``stream`` (server-sent events, ``data: {...}``
   chunks then ``data: [DONE]``; ``stream_options.include_usage`` adds a usage
-  chunk). The NeMo/Triton deploy body of the seed scripts is accepted too:
-  ``{"prompt", "model", "max-tokens", "temperature", "top_p", "top_k"}``.
+  chunk). A hyphenated ``max-tokens`` is read as ``max_tokens``.
 - ``POST /v1/chat/completions``: ``messages`` with ``role``/``content``;
   same sampling fields; ``max_tokens`` or ``max_completion_tokens``.
-- ``GET /v1/models``; ``GET /health`` (200 once the model is loaded, 503 while
-  it loads: the port opens at once so a supervisor can tell "loading" from "dead").
+- NeMo's REST shape, the seed's smoke request: ``POST /v1/chat/completions/`` (trailing slash) or
+  ``/v1/completions/`` with ``{"prompt", "model", "max-tokens"|"max_tokens", "temperature", "top_p",
+  "top_k"}`` answers ``{"output": "<the continuation>"}``; sampling values mean what they mean to
+  NeMo's Triton/TensorRT-LLM path (``top_k: 0.9, top_p: 0`` is greedy): see
+  :mod:`workloads.serve_http`. ``/v1/chat/completions/`` with ``messages`` is OpenAI chat.
+- ``GET /v1/models``; ``POST /tokenize`` (vLLM's: ``{"prompt"}`` -> ``{"count", "max_model_len",
+  "tokens"}``); ``GET /health`` (200 once the model is loaded, 503 while it loads: the port opens at
+  once so a supervisor can tell "loading" from "dead"; also reports the queue).
+
+API key. ``--api-key-env NAME`` names the environment variable that holds the key (the key itself
+never goes on the command line); every endpoint but ``/health`` then wants ``Authorization: Bearer
+<key>`` (what the openai client sends) and answers 401 otherwise. Binding a non-loopback address
+without a key is refused unless ``--allow-unauthenticated`` is given, which is logged as a warning.
+
+Concurrency (built-in engine). Up to ``--max-concurrency`` requests generate at once, interleaved
+token by token (one CPU model: a forward pass at a time); up to ``--max-queue`` more wait in
+arrival order; beyond that a request is refused at once with 429 and a ``Retry-After`` estimate
+(the openai client retries those by itself), 503 + ``Retry-After`` while the model loads. Bodies
+over ``--max-body-bytes`` get 413. Memory is bounded by the model, ``--max-concurrency`` KV caches
+of at most the context length, and ``--max-queue`` bodies. Queueing, not batching: on two CPU
+cores a batched forward pass of a small model gains little over interleaving and would need padded
+per-sequence caches; GPU clusters get continuous batching from vLLM (``--engine vllm``).
 
 Chat template. A model pretrained here has no chat template, so messages are
 rendered as plain dialogue, a format any base model has seen in text::
@@ -38,8 +67,9 @@ surrounding whitespace.
 
 The prompt starts with the BOS token (``--no-bos`` turns that off, for models
 trained on documents that start without it). Errors use OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``: 400 for bad input, 404 for
-an unknown model name or route, 503 while loading.
+``{"error": {"message", "type", "param", "code"}}``: 400 for bad input, 401 without the key,
+404 for an unknown model name or route, 413 for a body too large, 429 when the queue is full,
+503 while loading.
 """
 
 from __future__ import annotations
@@ -59,47 +89,39 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from workloads.serve_http import (
+    DEFAULT_MAX_BODY_BYTES,
+    AdmissionGate,
+    APIError,
+    ApiKeyAuth,
+    GatedStream,
+    GatedStreamingResponse,
+    bad_request,
+    check_exposure,
+    install_blue_green,
+    install_error_handlers,
+    json_object,
+    listen_socket,
+    merge_hyphenated_max_tokens,
+    nemo_sampling,
+    parse_nemo,
+    read_body,
+    resolve_api_key,
+    validate,
+)
 
 log = logging.getLogger("nemoflow.serve")
 
 DEFAULT_MAX_TOKENS_CAP = 1024
+DEFAULT_MAX_CONCURRENCY = 4
+DEFAULT_MAX_QUEUE = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_STOP = "\nUser:"
 MAX_STOP_STRINGS = 4
-REQUIRED_FILES = ("config.json", "tokenizer.model")
-
-
-# ---------------------------------------------------------------- errors
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",  # noqa: A002 - the OpenAI error field's name
-        param: str | None = None,
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json")
 
 
 # ---------------------------------------------------------------- request bodies
@@ -141,28 +163,9 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
-    """JSON body to a request model; errors name the offending field, as OpenAI does."""
-    try:
-        body = json.loads(raw or b"null")
-    except ValueError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object", code="invalid_json")
-    # The NeMo/Triton deploy scripts send "max-tokens"; OpenAI clients send "max_tokens".
-    if "max-tokens" in body:
-        value = body.pop("max-tokens")
-        if body.get("max_tokens") not in (None, value):
-            raise bad_request("'max_tokens' and 'max-tokens' disagree; send one of them", param="max_tokens")
-        body["max_tokens"] = value
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = str(first["loc"][0]) if first["loc"] else None
-        where = ".".join(str(p) for p in first["loc"])
-        kind = "missing_required_parameter" if first["type"] == "missing" else "invalid_type"
-        raise bad_request(f"invalid value for '{where}': {first['msg']}", param=param, code=kind) from exc
+def parse_body(body: dict[str, Any], model: type[BaseModel]) -> BaseModel:
+    """A JSON object to an OpenAI request model (``max-tokens`` read as ``max_tokens``)."""
+    return validate(model, merge_hyphenated_max_tokens(body))
 
 
 # ---------------------------------------------------------------- generation
@@ -206,6 +209,44 @@ def _held_back(text: str, stops: list[str]) -> int:
     return hold
 
 
+class HFTokenizer:
+    """sentencepiece's interface over a transformers tokenizer.
+
+    For checkpoints without ``tokenizer.model`` whose tokenizer was written by ``save_pretrained``
+    (``tokenizer.json`` / ``tokenizer_config.json``, as NeMo AutoModel's consolidated checkpoints
+    are). With ``tokenizer.model`` present, sentencepiece itself is used (see the module docstring).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def bos_id(self) -> int:
+        return -1 if self.tokenizer.bos_token_id is None else int(self.tokenizer.bos_token_id)
+
+    def eos_id(self) -> int:
+        return -1 if self.tokenizer.eos_token_id is None else int(self.tokenizer.eos_token_id)
+
+    def get_piece_size(self) -> int:
+        return len(self.tokenizer)
+
+
+def load_tokenizer(checkpoint: Path):
+    """sentencepiece on ``tokenizer.model`` when the checkpoint has one, else its HF tokenizer files."""
+    if (checkpoint / "tokenizer.model").is_file():
+        import sentencepiece
+
+        return sentencepiece.SentencePieceProcessor(model_file=str(checkpoint / "tokenizer.model"))
+    from transformers import AutoTokenizer
+
+    return HFTokenizer(AutoTokenizer.from_pretrained(str(checkpoint)))
+
+
 class Engine:
     """One model and its sentencepiece tokenizer.
 
@@ -224,20 +265,19 @@ class Engine:
         self.lock = threading.Lock()
 
     def load(self) -> None:
-        import sentencepiece
         import torch
         from transformers import AutoModelForCausalLM
 
         if self.threads:
             torch.set_num_threads(self.threads)
         started = time.monotonic()
-        sp = sentencepiece.SentencePieceProcessor(model_file=str(self.checkpoint / "tokenizer.model"))
+        sp = load_tokenizer(self.checkpoint)
         model = AutoModelForCausalLM.from_pretrained(str(self.checkpoint), dtype=torch.float32)
         model.eval()
         vocab = model.config.vocab_size
         if sp.get_piece_size() > vocab:
             raise ValueError(
-                f"{self.checkpoint}/tokenizer.model has {sp.get_piece_size()} pieces but the model's "
+                f"{self.checkpoint}: the tokenizer has {sp.get_piece_size()} pieces but the model's "
                 f"vocab_size is {vocab}: the tokenizer does not belong to this checkpoint"
             )
         self.context_length = int(getattr(model.config, "max_position_embeddings", 0) or 0)
@@ -254,7 +294,8 @@ class Engine:
 
     def encode_prompt(self, text: str) -> list[int]:
         ids = self.sp.encode(text)
-        return ([self.sp.bos_id()] if self.add_bos else []) + ids
+        bos = self.sp.bos_id()
+        return ([bos] if self.add_bos and bos >= 0 else []) + ids
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[tuple[str, Generation | None]]:
         """Yield text deltas as they become final, then ``("", Generation)`` once at the end."""
@@ -363,6 +404,10 @@ class ServerState:
     engine: Engine
     model_name: str
     max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    api_key: str | None = field(default=None, repr=False)
     created: int = field(default_factory=lambda: int(time.time()))
     ready: threading.Event = field(default_factory=threading.Event)
     load_error: str | None = None
@@ -397,13 +442,7 @@ def render_chat(messages: list[ChatMessage]) -> str:
 
 
 def _sampling(request: _Sampling, state: ServerState, max_tokens: int | None, default_max: int) -> SamplingParams:
-    if request.model is not None and request.model != state.model_name:
-        raise APIError(
-            404,
-            f"The model '{request.model}' does not exist; this server serves '{state.model_name}'",
-            param="model",
-            code="model_not_found",
-        )
+    _check_model(state, request.model)
     if max_tokens is None:
         max_tokens = default_max
     if max_tokens < 1:
@@ -462,40 +501,59 @@ def _sse(obj: Any) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
 
 
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{state.model_name}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="nemoflow inference server", docs_url=None, redoc_url=None)
+    from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        message = f"{request.method} {request.url.path}: {exc.detail}"
-        return JSONResponse(APIError(exc.status_code, message, kind).body(), status_code=exc.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        return JSONResponse(bad_request(f"invalid value for '{param}': {first['msg']}", param=param).body(), 400)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.exception("internal error on %s", request.url.path)
-        body = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body()
-        return JSONResponse(body, status_code=500)
+    app = FastAPI(title="nemoflow inference server", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    if state.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=state.api_key)
+    gate = AdmissionGate(state.max_concurrency, state.max_queue)
+    app.state.gate = gate
 
     def require_ready() -> None:
         if not state.ready.is_set():
-            raise APIError(503, "the model is still loading; retry shortly", "server_error", code="model_loading")
+            raise APIError(
+                503,
+                "the model is still loading; retry shortly",
+                "server_error",
+                code="model_loading",
+                headers={"Retry-After": "5"},
+            )
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        require_ready()
+        return json_object(await read_body(request, state.max_body_bytes))
+
+    async def generate(work: Callable[[], Any], stream: bool):
+        """Run ``work`` (a whole answer, or a sync iterator of SSE lines) in a gate slot."""
+        granted = await gate.acquire()
+        if not stream:
+            try:
+                return await run_in_threadpool(work)
+            finally:
+                gate.release(granted)
+        try:
+            events = GatedStream(iterate_in_threadpool(work()), gate, granted)
+        except BaseException:
+            gate.release(granted)
+            raise
+        return GatedStreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.get("/health")
     def health():
-        if state.ready.is_set():
-            return {"status": "ok", "model": state.model_name}
-        return JSONResponse({"status": "loading", "model": state.model_name}, status_code=503)
+        body = {"status": "ok" if state.ready.is_set() else "loading", "model": state.model_name, **gate.stats()}
+        return JSONResponse(body, status_code=200 if state.ready.is_set() else 503)
 
     @app.get("/v1/models")
     def models():
@@ -510,28 +568,43 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
         return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "nemoflow"}
 
-    def respond(
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's /tokenize (the engine proxy clamps NeMo-shaped requests with it)."""
+        body = await body_of(request)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad_request("prompt must be a string", param="prompt")
+        _check_model(state, body.get("model"))
+        tokens = await run_in_threadpool(state.engine.encode_prompt, prompt)
+        return {"count": len(tokens), "max_model_len": state.engine.context_length, "tokens": tokens}
+
+    async def respond(
         request: _Sampling,
         prompts: list[str],
         params: SamplingParams,
-        chunk: Callable[[int, str | None, str | None, bool], dict],
+        chunk: Callable[[int, str | None, str | None, bool], dict | None],
         final: Callable[[int, str, str], dict],
         body: Callable[[list[dict], dict], dict],
         strip: bool,
     ):
         engine = state.engine
-        encoded = [engine.encode_prompt(p) for p in prompts]
+        encoded = await run_in_threadpool(lambda: [engine.encode_prompt(p) for p in prompts])
         for ids in encoded:
             _check_context(state, ids, params)
         if not request.stream:
-            choices, prompt_tokens, completion_tokens = [], 0, 0
-            for index, ids in enumerate(encoded):
-                result = engine.generate(ids, params)
-                text = result.text.strip() if strip else result.text
-                choices.append(final(index, text, result.finish_reason))
-                prompt_tokens += result.prompt_tokens
-                completion_tokens += result.completion_tokens
-            return body(choices, _usage(prompt_tokens, completion_tokens))
+
+            def answer() -> dict:
+                choices, prompt_tokens, completion_tokens = [], 0, 0
+                for index, ids in enumerate(encoded):
+                    result = engine.generate(ids, params)
+                    text = result.text.strip() if strip else result.text
+                    choices.append(final(index, text, result.finish_reason))
+                    prompt_tokens += result.prompt_tokens
+                    completion_tokens += result.completion_tokens
+                return body(choices, _usage(prompt_tokens, completion_tokens))
+
+            return await generate(answer, stream=False)
         include_usage = bool((request.stream_options or {}).get("include_usage"))
 
         def events() -> Iterator[str]:
@@ -559,12 +632,10 @@ def create_app(state: ServerState) -> FastAPI:
                 yield _sse(usage_chunk)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await generate(events, stream=True)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        require_ready()
-        req = parse_body(await request.body(), CompletionRequest)
+    async def completions_from(body: dict[str, Any]):
+        req = parse_body(body, CompletionRequest)
         if req.echo:
             raise bad_request("echo is not supported", param="echo", code="unsupported_parameter")
         if req.suffix:
@@ -585,8 +656,7 @@ def create_app(state: ServerState) -> FastAPI:
         def final(index, text, finish):
             return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
 
-        return await _run(
-            respond,
+        return await respond(
             req,
             prompts,
             params,
@@ -596,15 +666,14 @@ def create_app(state: ServerState) -> FastAPI:
             False,
         )
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        require_ready()
-        req = parse_body(await request.body(), ChatRequest)
+    async def chat_from(body: dict[str, Any]):
+        req = parse_body(body, ChatRequest)
         if req.max_completion_tokens is not None and req.max_tokens not in (None, req.max_completion_tokens):
             raise bad_request("max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
         prompt = render_chat(req.messages)
         # Without a limit a reply may use the rest of the context (as OpenAI's chat does), up to the cap.
-        room = state.engine.context_length - len(state.engine.encode_prompt(prompt))
+        prompt_len = len(await run_in_threadpool(state.engine.encode_prompt, prompt))
+        room = state.engine.context_length - prompt_len
         default_max = max(1, min(state.max_tokens_cap, room)) if state.engine.context_length else state.max_tokens_cap
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = _sampling(req, state, requested, default_max)
@@ -622,8 +691,7 @@ def create_app(state: ServerState) -> FastAPI:
             message = {"role": "assistant", "content": text}
             return {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
 
-        return await _run(
-            respond,
+        return await respond(
             req,
             [prompt],
             params,
@@ -633,180 +701,214 @@ def create_app(state: ServerState) -> FastAPI:
             True,
         )
 
+    async def nemo_from(body: dict[str, Any]):
+        """NeMo's REST shape: ``{"output": continuation}`` (see workloads.serve_http)."""
+        req = parse_nemo(body)
+        _check_model(state, req.model)
+        sampling = nemo_sampling(req)
+        ids = await run_in_threadpool(state.engine.encode_prompt, req.prompt)
+        limit = state.engine.context_length
+        room = limit - len(ids) if limit else state.max_tokens_cap
+        if room < 1:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens and the prompt has {len(ids)} tokens: "
+                "no room to generate. Shorten the prompt.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        params = SamplingParams(
+            max_tokens=min(sampling.max_tokens, state.max_tokens_cap, room),
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+        )
+        result = await generate(lambda: state.engine.generate(ids, params), stream=False)
+        return {"output": result.text}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await completions_from(await body_of(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await chat_from(await body_of(request))
+
+    @app.post("/v1/completions/")
+    async def nemo_completions(request: Request):
+        return await nemo_from(await body_of(request))
+
+    @app.post("/v1/chat/completions/")
+    async def nemo_chat(request: Request):
+        body = await body_of(request)
+        # NeMo's OpenAI server answers chat here; NeMo's REST service shape has a prompt (the seed's request)
+        return await (chat_from(body) if "messages" in body else nemo_from(body))
+
     return app
-
-
-async def _run(fn, *args):
-    """Generation is CPU-bound: run it off the event loop so /health keeps answering."""
-    from starlette.concurrency import run_in_threadpool
-
-    return await run_in_threadpool(fn, *args)
 
 
 # ---------------------------------------------------------------- command line
 
 
 def check_checkpoint(path: Path) -> None:
+    """A Hugging Face checkpoint directory: config.json, safetensors (or .bin) weights, a tokenizer."""
     if not path.is_dir():
         raise SystemExit(f"serve: --checkpoint {path} is not a directory")
-    missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
+    missing = [] if (path / "config.json").is_file() else ["config.json"]
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-        missing.append("model.safetensors")
+        missing.append("model weights (*.safetensors)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        missing.append("tokenizer.model")
     if missing:
         raise SystemExit(
-            f"serve: --checkpoint {path} lacks {', '.join(missing)} "
-            "(expected the trainer's layout: config.json, model.safetensors, tokenizer.model)"
+            f"serve: --checkpoint {path} lacks {', '.join(missing)} (expected a Hugging Face checkpoint: "
+            "config.json, model.safetensors or shards, tokenizer.model or tokenizer.json)"
         )
 
 
-# ---------------------------------------------------------------- one port, two servers (blue/green)
-#
-# Zero-downtime switching (the CPT refresh) uses SO_REUSEPORT rather than a reverse proxy: no extra
-# long-lived process to supervise, and the port users call is held by the kernel throughout. Every
-# server binds its --port with SO_REUSEPORT; a new one starts on a private port of its own, is
-# health-checked and smoke-tested there, then (SIGUSR1) also listens on the shared port through an
-# in-process TCP relay to itself; the old one is told to leave (SIGUSR2) and is stopped after its
-# in-flight requests finish. A relay, not a second uvicorn socket, because uvicorn cannot add a
-# listening socket to a running server.
+def visible_gpus(environ: dict[str, str] | None = None) -> int:
+    """GPUs this process was given (Slurm and the NVIDIA device plugin set CUDA_VISIBLE_DEVICES)."""
+    environ = os.environ if environ is None else environ
+    devices = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not devices or devices in ("-1", "none", "void", "NoDevFiles"):
+        return 0
+    return len([d for d in devices.split(",") if d.strip()])
 
 
-def listen_socket(host: str, port: int, reuse_port: bool = True):
-    """A bound, listening TCP socket; SO_REUSEPORT lets a successor server share the port."""
-    import socket
-
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-class PortRelay:
-    """Listen on ``shared_port`` (SO_REUSEPORT) and relay each connection to this server's own port."""
-
-    def __init__(self, host: str, shared_port: int, target_port: int):
-        self.host, self.shared_port, self.target_port = host, shared_port, target_port
-        self._loop = None
-        self._server = None
-        self._lock = threading.Lock()
-
-    def join(self) -> None:
-        import asyncio
-
-        with self._lock:
-            if self._server is not None:
-                return
-            try:
-                sock = listen_socket(self.host, self.shared_port)
-            except OSError as exc:
-                log.error(
-                    "cannot join port %d (%s): was its server started without SO_REUSEPORT?", self.shared_port, exc
-                )
-                return
-            ready = threading.Event()
-
-            def run() -> None:
-                self._loop = asyncio.new_event_loop()
-                self._server = self._loop.run_until_complete(asyncio.start_server(self._relay, sock=sock))
-                ready.set()
-                self._loop.run_forever()
-
-            threading.Thread(target=run, name="port-relay", daemon=True).start()
-            ready.wait()
-        log.info("joined port %d (relaying to %d)", self.shared_port, self.target_port)
-
-    def leave(self) -> None:
-        with self._lock:
-            if self._server is None or self._loop is None:
-                return
-            done = threading.Event()
-
-            def close() -> None:
-                self._server.close()
-                done.set()
-
-            self._loop.call_soon_threadsafe(close)
-            done.wait(5)
-            self._server = None
-        log.info("left port %d", self.shared_port)
-
-    async def _relay(self, reader, writer) -> None:
-        import asyncio
-
-        try:
-            up_reader, up_writer = await asyncio.open_connection(self.target_host(), self.target_port)
-        except OSError:
-            writer.close()
-            return
-
-        async def pipe(src, dst) -> None:
-            try:
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            except (ConnectionError, OSError):
-                pass
-            finally:
-                try:
-                    if dst.can_write_eof():
-                        dst.write_eof()
-                except (ConnectionError, OSError, RuntimeError):
-                    pass
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-        for w in (writer, up_writer):
-            w.close()
-
-    def target_host(self) -> str:
-        return "127.0.0.1" if self.host in ("0.0.0.0", "") else ("::1" if self.host == "::" else self.host)
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m workloads.serve",
         description="Serve one checkpoint over an OpenAI-compatible HTTP API (completions, chat, models, "
-        "health) on CPU. The port opens at once; /health answers 503 until the model is loaded.",
+        "health) plus NeMo's REST shape, with the built-in CPU engine, vLLM or NeMo's Triton deploy. "
+        "The port opens at once; /health answers 503 until the model is loaded.",
     )
-    parser.add_argument("--checkpoint", required=True, type=Path, help="checkpoint directory (trainer layout)")
+    parser.add_argument("--checkpoint", required=True, type=Path, help="Hugging Face checkpoint directory")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     parser.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory name)")
     parser.add_argument(
+        "--engine",
+        choices=["builtin", "vllm", "triton"],
+        default="builtin",
+        help="builtin: this process on CPU (default); vllm: vLLM's OpenAI server; triton: NeMo's Triton "
+        "deploy script (in the NeMo container). vllm/triton run behind a proxy on --port",
+    )
+    auth = parser.add_argument_group("API key")
+    auth.add_argument(
+        "--api-key-env",
+        metavar="NAME",
+        help="the environment variable holding the API key (never the key itself); clients then send "
+        "'Authorization: Bearer <key>' to every endpoint but /health",
+    )
+    auth.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve a non-loopback --host without an API key (logged as a warning at start)",
+    )
+    builtin = parser.add_argument_group("built-in engine")
+    builtin.add_argument(
         "--max-tokens-cap",
         type=int,
         default=DEFAULT_MAX_TOKENS_CAP,
         help=f"largest max_tokens a request may ask for (default {DEFAULT_MAX_TOKENS_CAP})",
     )
-    parser.add_argument("--no-bos", action="store_true", help="do not start prompts with the BOS token")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    builtin.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENCY,
+        help=f"requests generating at once, interleaved token by token (default {DEFAULT_MAX_CONCURRENCY})",
+    )
+    builtin.add_argument(
+        "--max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUE,
+        help=f"requests waiting for a slot; more get 429 + Retry-After (default {DEFAULT_MAX_QUEUE})",
+    )
+    builtin.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body; larger get 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    builtin.add_argument("--no-bos", action="store_true", help="do not start prompts with the BOS token")
+    builtin.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    engines = parser.add_argument_group("vllm and triton engines")
+    engines.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        help="GPUs to shard the model over (default: the GPUs given, from CUDA_VISIBLE_DEVICES, else 1)",
+    )
+    engines.add_argument(
+        "--max-input-len",
+        type=int,
+        help="longest prompt in tokens (triton; vllm: with --max-output-len sets --max-model-len)",
+    )
+    engines.add_argument(
+        "--max-output-len", type=int, help="most tokens generated per request (triton; vllm: see --max-input-len)"
+    )
+    engines.add_argument(
+        "--engine-port", type=int, help="loopback port of the engine behind the proxy (default: a free one)"
+    )
+    engines.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for the engine's own command line, verbatim (repeatable; "
+        "e.g. --engine-arg=--gpu-memory-utilization=0.85)",
+    )
+    engines.add_argument("--vllm-executable", default="vllm", help="the vllm command (default: vllm on PATH)")
+    engines.add_argument(
+        "--triton-script",
+        default="/opt/NeMo/scripts/deploy/nlp/deploy_triton.py",
+        help="NeMo's deploy_triton.py (default: its place in the NeMo container)",
+    )
+    engines.add_argument("--triton-model-repository", help="folder for the TensorRT-LLM engine (NeMo's default: /tmp)")
     parser.add_argument(
         "--join-port",
         type=int,
         help="blue/green: a port another server already serves (bound with SO_REUSEPORT); this server "
         "starts listening there too on SIGUSR1 (after it was checked on --port) and stops on SIGUSR2",
     )
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    for name in ("max_tokens_cap", "max_concurrency", "max_body_bytes", "tensor_parallel_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"serve: --{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.max_queue < 0:
+        raise SystemExit(f"serve: --max-queue must be 0 or more, got {args.max_queue}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn
-
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     checkpoint = args.checkpoint.expanduser().resolve()
     check_checkpoint(checkpoint)
-    if args.max_tokens_cap < 1:
-        raise SystemExit(f"serve: --max-tokens-cap must be at least 1, got {args.max_tokens_cap}")
+    api_key = resolve_api_key(args.api_key_env)
+    check_exposure(args.host, api_key, args.allow_unauthenticated)
+    model_name = args.model_name or checkpoint.name
+    if args.engine != "builtin":
+        from workloads.serve_engines import run_engine
+
+        return run_engine(args, checkpoint, model_name, api_key)
+    return run_builtin(args, checkpoint, model_name, api_key)
+
+
+def run_builtin(args: argparse.Namespace, checkpoint: Path, model_name: str, api_key: str | None) -> int:
+    import uvicorn
+
     state = ServerState(
         engine=Engine(checkpoint, add_bos=not args.no_bos, threads=args.threads),
-        model_name=args.model_name or checkpoint.name,
+        model_name=model_name,
         max_tokens_cap=args.max_tokens_cap,
+        max_concurrency=args.max_concurrency,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        api_key=api_key,
     )
     server = uvicorn.Server(
         uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
@@ -816,13 +918,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr, flush=True)
         return 3
-    if args.join_port:
-        import signal
-
-        relay = PortRelay(args.host, args.join_port, args.port)
-        # Handlers only start threads: joining binds a socket and must not run inside a signal handler.
-        signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=relay.join, daemon=True).start())
-        signal.signal(signal.SIGUSR2, lambda *_: threading.Thread(target=relay.leave, daemon=True).start())
+    install_blue_green(args.host, args.join_port, args.port)
 
     def load() -> None:
         try:
@@ -831,7 +927,16 @@ def main(argv: list[str] | None = None) -> int:
             server.should_exit = True  # a server that cannot serve must not look alive
 
     threading.Thread(target=load, name="load-model", daemon=True).start()
-    log.info("serving %s as %r on http://%s:%d", checkpoint, state.model_name, args.host, args.port)
+    log.info(
+        "serving %s as %r on http://%s:%d (API key: %s; up to %d generating, %d queued)",
+        checkpoint,
+        model_name,
+        args.host,
+        args.port,
+        f"required, from ${args.api_key_env}" if api_key else "none",
+        args.max_concurrency,
+        args.max_queue,
+    )
     server.run(sockets=[sock])
     if state.load_error:
         # last, so it is the line a supervisor's log tail ends with

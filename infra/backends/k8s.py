@@ -743,6 +743,19 @@ class KubernetesBackend(Backend):
             fingerprint=annotations.get(FINGERPRINT_ANNOTATION),
         )
 
+    def service_log_tail(self, name: str, lines: int = 20) -> list[str]:
+        """The last lines of the service's first pod (the API's tailLines)."""
+        try:
+            pods = self._pods(LABEL_JOB, name)
+            if not pods:
+                return []
+            text = self._call(
+                self.core.read_namespaced_pod_log, pods[0]["metadata"]["name"], self.ns, tail_lines=lines
+            )
+        except (ApiException, KubernetesUnavailable):
+            return []
+        return [redact(line) for line in str(text).splitlines()[-lines:]]
+
     def switch_service(
         self,
         current: str | None,

@@ -267,6 +267,10 @@ class LocalBackend(Backend):
         entry = services.get_service(name)
         return _info(entry) if entry is not None else None
 
+    def service_log_tail(self, name: str, lines: int = 20) -> list[str]:
+        entry = services.get_service(name)
+        return services.log_tail(entry.log_path, lines) if entry is not None else []
+
     def switch_service(
         self,
         current: str | None,

@@ -341,6 +341,19 @@ class SlurmBackend(Backend):
             details={"state": job["state"], "nodes": job["nodes"]},
         )
 
+    def service_log_tail(self, name: str, lines: int = 20) -> list[str]:
+        """The tail of the service job's output file (shared storage), read through scontrol's StdOut."""
+        jobs = self._service_jobs(name)
+        if not jobs:
+            return []
+        record = parse_scontrol_record(self.cli.run(["scontrol", "-o", "show", "job", jobs[0]["job_id"]]))
+        path = record.get("StdOut")
+        try:
+            with open(path or "", errors="replace") as fh:
+                return [redact(line.rstrip("\n")) for line in collections.deque(fh, maxlen=lines)]
+        except OSError:
+            return []
+
     def start_service(
         self, spec: ServiceSpec, *, ready_timeout_s: float = 900.0, on_log: LogSink | None = None
     ) -> ServiceInfo:

@@ -1,4 +1,4 @@
-"""``nemoflow serve``: start, stop and inspect local OpenAI-compatible inference servers."""
+"""``nemoflow serve``: start, stop, smoke-test and inspect local OpenAI-compatible inference servers."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ examples:
   nemoflow serve start --checkpoint runs/tiny/checkpoints/step-60 --model-name tiny --port 8000
   curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"prompt": "In the beginning", "model": "tiny", "max_tokens": 20}'
+  NEMOFLOW_SERVE_API_KEY=$(openssl rand -hex 16) \\
+    nemoflow serve start --checkpoint DIR --model-name tiny --host 0.0.0.0 --api-key-env NEMOFLOW_SERVE_API_KEY
+  nemoflow serve smoke tiny                     # the seed's request (NeMo REST shape), with the key
   nemoflow serve list
   nemoflow serve status tiny
   nemoflow serve logs tiny -n 20
@@ -46,7 +49,45 @@ def register(sub) -> None:
     start.add_argument("--name", help="registry name to stop it by (default: derived from the model name)")
     start.add_argument("--ready-timeout", type=float, default=120, help="seconds to wait for /health (default 120)")
     start.add_argument("--max-tokens-cap", type=int, help="largest max_tokens a request may ask for")
+    start.add_argument(
+        "--api-key-env",
+        metavar="NAME",
+        help="environment variable holding the API key the server requires (the key is read from the "
+        "environment, never given on the command line)",
+    )
+    start.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="allow a non-loopback --host without an API key (the server logs a warning)",
+    )
+    start.add_argument(
+        "--engine", choices=["builtin", "vllm", "triton"], default="builtin", help="inference engine (default builtin)"
+    )
+    start.add_argument("--max-concurrency", type=int, help="requests generating at once (built-in engine)")
+    start.add_argument("--max-queue", type=int, help="requests waiting; more get 429 (built-in engine)")
     start.set_defaults(func=run_start)
+
+    smoke = actions.add_parser(
+        "smoke",
+        help="send the seed's request (or an OpenAI completion) to a server and show the answer",
+        description="Smoke-test a running server: by registry name, or any --url. The seed's request is NeMo's "
+        'REST shape (POST /v1/chat/completions/ with a prompt, answered {"output": ...}). Transient failures '
+        "are retried with backoff.",
+    )
+    smoke.add_argument("name", nargs="?", help="registry name (see `nemoflow serve list`)")
+    smoke.add_argument("--url", help="base URL of a server not in the registry (e.g. http://host:8000)")
+    smoke.add_argument("--model", help="model name to send (default: the registered one)")
+    smoke.add_argument("--prompt", default=None, help="prompt (default: the smoke test's)")
+    smoke.add_argument("--max-tokens", type=int, default=None, help="max tokens (default: the seed's 2048)")
+    smoke.add_argument("--shape", choices=["seed", "openai"], default="seed", help="request shape (default seed)")
+    smoke.add_argument(
+        "--api-key-env",
+        metavar="NAME",
+        help="environment variable holding the API key (default: the one the server was started with)",
+    )
+    smoke.add_argument("--timeout", type=float, default=60, help="seconds per request (default 60)")
+    smoke.add_argument("--retry", type=float, default=30, help="seconds to keep retrying transient failures")
+    smoke.set_defaults(func=run_smoke)
 
     stop = actions.add_parser("stop", help="stop a server (SIGTERM its process group, SIGKILL after a grace period)")
     stop.add_argument("name", nargs="?", help="registry name (see `nemoflow serve list`)")
@@ -85,8 +126,9 @@ def run_start(args) -> int:
     model_name = args.model_name or storage.basename(args.checkpoint)  # not the cache dir of a gs:// copy
     name = service_name(args.name or model_name)
     command = [sys.executable, "-m", "workloads.serve", *serve_args(directory, args.port, model_name, args.host)]
-    if args.max_tokens_cap:
-        command += ["--max-tokens-cap", str(args.max_tokens_cap)]
+    command += server_flags(args)
+    if args.api_key_env and not os.environ.get(args.api_key_env, "").strip():
+        raise UserError(f"--api-key-env {args.api_key_env}: the environment variable {args.api_key_env} is not set")
     spec = ServiceSpec(name=name, command=command, port=args.port)
     try:
         handle = services.start_service(
@@ -102,6 +144,74 @@ def run_start(args) -> int:
     print(f"{name}: serving {model_name} at {handle.url} (pid {handle.pid}, log {handle.log_path})")
     print(f"  try: curl -s {handle.url}/v1/models")
     print(f"  stop: nemoflow serve stop {name}")
+    return 0
+
+
+def server_flags(args) -> list[str]:
+    """The ``python -m workloads.serve`` flags for the start options (the key by variable name only)."""
+    flags: list[str] = []
+    if args.max_tokens_cap:
+        flags += ["--max-tokens-cap", str(args.max_tokens_cap)]
+    if args.api_key_env:
+        flags += ["--api-key-env", args.api_key_env]
+    if args.allow_unauthenticated:
+        flags.append("--allow-unauthenticated")
+    if args.engine != "builtin":
+        flags += ["--engine", args.engine]
+    if args.max_concurrency:
+        flags += ["--max-concurrency", str(args.max_concurrency)]
+    if args.max_queue is not None:
+        flags += ["--max-queue", str(args.max_queue)]
+    return flags
+
+
+def flag_value(command: list[str], flag: str) -> str | None:
+    """The value given to ``flag`` in a recorded command line."""
+    for i, part in enumerate(command):
+        if part == flag and i + 1 < len(command):
+            return command[i + 1]
+        if part.startswith(flag + "="):
+            return part.split("=", 1)[1]
+    return None
+
+
+def run_smoke(args) -> int:
+    from infra import services
+    from nemoflow.cli import UserError
+    from tasks.refs import EndpointRef
+    from tasks.smoke import (
+        DEFAULT_PROMPT,
+        SEED_MAX_TOKENS,
+        SmokeTestFailed,
+        read_api_key,
+        request_for,
+        smoke_with_retries,
+    )
+
+    if bool(args.name) == bool(args.url):
+        raise UserError("give a server name (see `nemoflow serve list`) or --url")
+    api_key_env, model = args.api_key_env, args.model
+    if args.name:
+        entry = services.get_service(args.name)
+        if entry is None:
+            raise UserError(f"no server named {args.name!r} is running (see `nemoflow serve list`)")
+        url, model = entry.url, model or entry.model
+        api_key_env = api_key_env or flag_value(entry.command, "--api-key-env")
+    else:
+        url = args.url
+    if not model:
+        raise UserError("--model is needed with --url (the model name the server serves)")
+    try:
+        api_key = read_api_key(api_key_env)
+    except SmokeTestFailed as exc:
+        raise UserError(str(exc)) from exc
+    endpoint = EndpointRef(url=url, model=model)
+    _, body = request_for(args.shape, model, args.prompt or DEFAULT_PROMPT, args.max_tokens or SEED_MAX_TOKENS)
+    result = smoke_with_retries(endpoint, body, args.timeout, shape=args.shape, api_key=api_key, retry_s=args.retry)
+    if not result.passed:
+        raise UserError(f"smoke test of {model} at {url} failed: {result.status}")
+    print(f"{model} at {url} answered in {result.latency_s:.2f}s ({result.shape} request):")
+    print(result.output)
     return 0
 
 

@@ -1,8 +1,9 @@
 """Tiny stand-in servers (stdlib only) for the failure cases a real model cannot produce on demand.
 
-    python tests/serve/standins.py --port P --mode empty|slow|ignore-term
+    python tests/serve/standins.py --port P --mode empty|slow|busy|ignore-term|child
 
-- ``empty``: answers /health and /v1/completions like the real server, with an empty text;
+- ``empty``: answers /health, /v1/completions and the NeMo shape like the real server, with an empty text;
+- ``busy``: /health is fine, every request gets 503 + Retry-After (a server that stays overloaded);
 - ``slow``: /health is fine, a completion takes 30 s;
 - ``ignore-term``: a healthy server that ignores SIGTERM (stop must fall back to SIGKILL);
 - ``child``: a healthy server that started a grandchild ``sleep`` (stop must kill the group).
@@ -21,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--mode", choices=["empty", "slow", "ignore-term", "child"], required=True)
+    parser.add_argument("--mode", choices=["empty", "slow", "busy", "ignore-term", "child"], required=True)
     args = parser.parse_args()
     if args.mode == "ignore-term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -30,9 +31,11 @@ def main() -> None:
         print(f"child pid {child.pid}", flush=True)
 
     class Handler(BaseHTTPRequestHandler):
-        def _json(self, status: int, body: dict) -> None:
+        def _json(self, status: int, body: dict, headers: dict | None = None) -> None:
             data = json.dumps(body).encode()
             self.send_response(status)
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -45,9 +48,15 @@ def main() -> None:
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
             if args.mode == "slow":
                 time.sleep(30)
+            if args.mode == "busy":
+                error = {"message": "busy", "type": "rate_limit_error", "param": None, "code": "server_busy"}
+                return self._json(503, {"error": error}, {"Retry-After": "1"})
+            text = "" if args.mode == "empty" else " and the earth"
+            if self.path.endswith("/"):  # NeMo's REST shape
+                return self._json(200, {"output": text})
             choice = {
                 "index": 0,
-                "text": "" if args.mode == "empty" else " and the earth",
+                "text": text,
                 "finish_reason": "stop",
                 "logprobs": None,
             }

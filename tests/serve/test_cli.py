@@ -88,3 +88,39 @@ def test_gs_checkpoint_is_copied_once_and_refreshed_on_change(work_dir, gcs_buck
     with pytest.raises(FileNotFoundError, match="has no tokenizer.model"):
         storage.remove(storage.join(uri, "tokenizer.model"))
         local_checkpoint(uri)
+
+
+def test_start_with_a_key_and_smoke_it(work_dir, cleanup, tiny_checkpoint, capsys, monkeypatch):
+    import secrets
+
+    key = "sk-cli-" + secrets.token_hex(12)
+    monkeypatch.setenv("NEMOFLOW_CLI_TEST_KEY", key)
+    port = free_port()
+    start = ["serve", "start", "--checkpoint", str(tiny_checkpoint), "--port", str(port), "--model-name", "keyed"]
+    assert main(start + ["--api-key-env", "NEMOFLOW_CLI_TEST_KEY", "--max-tokens-cap", "16"]) == 0
+    capsys.readouterr()
+    denied = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
+    assert denied.status_code == 401
+    # `smoke` finds the key's variable in the server's recorded command and sends the seed's request
+    assert main(["serve", "smoke", "keyed", "--retry", "5"]) == 0
+    out = capsys.readouterr().out
+    assert f"keyed at http://127.0.0.1:{port} answered" in out and "(seed request)" in out
+    assert main(["serve", "smoke", "--url", f"http://127.0.0.1:{port}", "--model", "keyed", "--shape", "openai"]) == 2
+    assert "HTTP 401" in capsys.readouterr().err  # --url without --api-key-env sends no key
+    args = ["serve", "smoke", "--url", f"http://127.0.0.1:{port}", "--model", "keyed", "--shape", "openai"]
+    assert main(args + ["--api-key-env", "NEMOFLOW_CLI_TEST_KEY", "--max-tokens", "4"]) == 0
+    assert "(openai request)" in capsys.readouterr().out
+    # the key is in no registry record and no server log
+    entry = services.get_service("keyed")
+    assert key not in json.dumps(entry.model_dump(mode="json")) and "NEMOFLOW_CLI_TEST_KEY" in entry.command
+    assert key not in open(entry.log_path).read()
+    monkeypatch.delenv("NEMOFLOW_CLI_TEST_KEY")
+    assert main(["serve", "smoke", "keyed", "--retry", "1"]) == 2
+    assert "NEMOFLOW_CLI_TEST_KEY, which is not set here" in capsys.readouterr().err
+
+
+def test_start_refuses_an_unset_key_variable(work_dir, cleanup, tiny_checkpoint, capsys):
+    args = ["serve", "start", "--checkpoint", str(tiny_checkpoint), "--port", str(free_port())]
+    assert main(args + ["--api-key-env", "NEMOFLOW_UNSET_VARIABLE_X"]) == 2
+    assert "NEMOFLOW_UNSET_VARIABLE_X is not set" in capsys.readouterr().err
+    assert services.list_services() == []

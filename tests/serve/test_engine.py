@@ -106,3 +106,37 @@ def test_top_p_beyond_the_first_1024_candidates_falls_back_to_a_full_sort():
     first_candidates = set(torch.topk(torch.softmax(logits, -1), 1024).indices.tolist())
     # the nucleus holds 16000 tokens: most draws land outside the first 1024 candidates
     assert len(picks - first_candidates) > 200
+
+
+def test_consolidated_hf_checkpoint_with_shards_and_tokenizer_json(tiny_checkpoint, tmp_path):
+    """NeMo AutoModel's consolidated layout: sharded safetensors and save_pretrained tokenizer files."""
+    from transformers import AutoModelForCausalLM, LlamaTokenizer
+
+    from workloads.serve import HFTokenizer, check_checkpoint
+
+    dest = tmp_path / "consolidated"
+    AutoModelForCausalLM.from_pretrained(tiny_checkpoint).save_pretrained(dest, max_shard_size="2MB")
+    LlamaTokenizer.from_pretrained(str(tiny_checkpoint)).save_pretrained(dest)
+    (dest / "tokenizer.model").unlink(missing_ok=True)
+    assert len(list(dest.glob("model-*.safetensors"))) > 1 and (dest / "tokenizer.json").exists()
+    check_checkpoint(dest)
+
+    reference, consolidated = Engine(tiny_checkpoint), Engine(dest)
+    reference.load()
+    consolidated.load()
+    assert isinstance(consolidated.sp, HFTokenizer)
+    text = "In the beginning God created the heaven and the earth."
+    assert consolidated.encode_prompt(text) == reference.encode_prompt(text)
+    params = SamplingParams(max_tokens=10, temperature=0)
+    ids = reference.encode_prompt(text)
+    assert consolidated.generate(ids, params).text == reference.generate(ids, params).text
+
+
+def test_checkpoint_without_a_tokenizer_is_refused(tiny_checkpoint, tmp_path):
+    from workloads.serve import check_checkpoint
+
+    dest = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_checkpoint, dest)
+    (dest / "tokenizer.model").unlink()
+    with pytest.raises(SystemExit, match="lacks tokenizer.model"):
+        check_checkpoint(dest)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -10,12 +11,22 @@ import pytest
 from prefect import flow
 
 from infra import services
+from infra.jobs import ServiceSpec
 from tasks.common import result_storage
 from tasks.refs import CheckpointRef, EndpointRef
 from tasks.serve import deploy_inference, service_name, stop_inference
-from tasks.smoke import SmokeTestFailed, run_smoke, seed_request, smoke_test
+from tasks.smoke import (
+    SmokeTestFailed,
+    is_transient,
+    openai_request,
+    run_smoke,
+    seed_request,
+    smoke_test,
+    smoke_with_retries,
+)
 from tests.conftest import free_port
 from tests.serve.test_services import standin
+from workloads.serve_http import PortRelay
 
 MODEL = "tiny-llama-stage"
 
@@ -38,7 +49,7 @@ def teardown(endpoint: EndpointRef) -> bool:
 
 @flow(name="test-smoke-only")
 def smoke_only(endpoint: EndpointRef, timeout_s: float = 30):
-    return smoke_test(endpoint, timeout_s=timeout_s)
+    return smoke_test(endpoint, timeout_s=timeout_s, retry_s=5)
 
 
 @pytest.fixture
@@ -106,24 +117,111 @@ def test_smoke_reports_timeouts_and_unreachable_endpoints(work_dir, cleanup, tmp
     port = free_port()
     services.start_service(standin("standin-slow", port, "slow"), tmp_path / "logs")
     slow = EndpointRef(url=f"http://127.0.0.1:{port}", model="slow")
-    result = run_smoke(slow, seed_request(slow, "In the beginning", 20, 0.7, 0.9, 1), timeout_s=1)
-    assert not result.passed and result.status == f"no answer from {slow.url}/v1/completions within 1s"
+    result = run_smoke(slow, seed_request("slow", "In the beginning"), timeout_s=1)
+    assert not result.passed and result.status == f"no answer from {slow.url}/v1/chat/completions/ within 1s"
+    assert not is_transient(result)  # a server that answers too slowly is a failure, not a blip
 
     nowhere = EndpointRef(url=f"http://127.0.0.1:{free_port()}", model="none")
-    result = run_smoke(nowhere, seed_request(nowhere, "x", 5, 0.7, 0.9, 1), timeout_s=5)
-    assert not result.passed and result.status.startswith(f"could not reach {nowhere.url}/v1/completions")
+    result = run_smoke(nowhere, seed_request("none", "x"), timeout_s=5)
+    assert not result.passed and result.status.startswith(f"could not reach {nowhere.url}/v1/chat/completions/")
+    assert is_transient(result)
 
 
 def test_smoke_sends_the_seed_body(live_server):
     endpoint = EndpointRef(url=live_server, model="tiny-llama")
-    body = seed_request(endpoint, "In the beginning", 20, 0.7, 0.9, 1)
-    assert set(body) == {"prompt", "model", "max-tokens", "temperature", "top_p", "top_k"}
+    body = seed_request(endpoint.model, "In the beginning")
+    assert json.dumps(body) == (
+        '{"prompt": "In the beginning", "model": "tiny-llama", "max-tokens": 2048, "top_p": 0, "top_k": 0.9, '
+        '"temperature": 1.0}'
+    )
     result = run_smoke(endpoint, body, timeout_s=30)
     assert result.passed, result.status
-    assert result.http_status == 200 and 0 < result.completion_tokens <= 20 and result.output.strip()
+    assert result.http_status == 200 and result.output.strip() and result.shape == "seed"
+    openai_shape = run_smoke(endpoint, openai_request(endpoint.model, "In the beginning", 5), 30, shape="openai")
+    assert openai_shape.passed and 0 < openai_shape.completion_tokens <= 5
+
+
+def test_smoke_retries_until_the_server_comes_up(live_server, tmp_path):
+    """A connection refused at first (the server is still starting) is retried with backoff."""
+    import threading
+
+    port = free_port()
+    endpoint = EndpointRef(url=f"http://127.0.0.1:{port}", model="tiny-llama")
+    relay = PortRelay("127.0.0.1", port, int(live_server.rsplit(":", 1)[1]))
+    threading.Timer(2.0, relay.join).start()  # the endpoint starts answering after ~2 s
+    retries: list[str] = []
+    try:
+        result = smoke_with_retries(
+            endpoint,
+            seed_request("tiny-llama", "In the beginning", 8),
+            30,
+            retry_s=30,
+            on_retry=lambda n, status, sleep: retries.append(status),
+        )
+    finally:
+        relay.leave()
+    assert result.passed, result.status
+    assert result.attempts >= 2 and retries and all(s.startswith("could not reach") for s in retries)
+
+
+@flow(name="test-smoke-down")
+def smoke_down(endpoint: EndpointRef):
+    return smoke_test(endpoint, retry_s=3)
+
+
+def test_smoke_failure_that_persists_names_the_endpoint_and_log(prefect_server, work_dir, cleanup, tmp_path):
+    from prefect.artifacts import Artifact
+
+    port = free_port()
+    handle = services.start_service(standin("standin-busy", port, "busy"), tmp_path / "logs")
+    endpoint = EndpointRef(url=handle.url, model="standin-busy", handle="standin-busy")
+    with pytest.raises(SmokeTestFailed) as failed:
+        smoke_down(endpoint)
+    message = str(failed.value)
+    assert f"at {handle.url}/v1/chat/completions/ failed: HTTP 503" in message
+    assert "still failing after" in message and "attempts over 3s" in message
+    assert "last server log lines:" in message and "standin busy on" in message  # the server's own output
+    report = Artifact.get("smoke-test-standin-busy")
+    assert report is not None and "FAILED" in report.data and "standin busy on" in report.data
+
+
+@flow(name="test-smoke-keyed")
+def smoke_keyed(endpoint: EndpointRef, key_env: str):
+    return smoke_test(endpoint, max_tokens=6, api_key_env=key_env)
+
+
+def test_smoke_sends_the_key_and_keeps_it_out_of_artifacts_and_logs(
+    prefect_server, work_dir, cleanup, tiny_checkpoint, tmp_path, monkeypatch, caplog
+):
+    import secrets
+
+    from prefect.artifacts import Artifact
+
+    from tests.serve.conftest import serve_command
+
+    key = "sk-smoke-" + secrets.token_hex(12)
+    monkeypatch.setenv("NEMOFLOW_SMOKE_TEST_KEY", key)
+    port = free_port()
+    command = serve_command(tiny_checkpoint, port, "keyed", "--api-key-env", "NEMOFLOW_SMOKE_TEST_KEY")
+    handle = services.start_service(
+        ServiceSpec(name="keyed", command=command, port=port), tmp_path / "logs", ready_timeout_s=90
+    )
+    endpoint = EndpointRef(url=handle.url, model="keyed", handle="keyed")
+    # without the key: 401 is not transient, the failure is immediate and says so
+    with pytest.raises(SmokeTestFailed, match="HTTP 401"):
+        smoke_only(endpoint)
+    with caplog.at_level("INFO"):
+        result = smoke_keyed(endpoint, "NEMOFLOW_SMOKE_TEST_KEY")
+    assert result.passed and result.output.strip()
+    report = Artifact.get("smoke-test-keyed")
+    assert "$NEMOFLOW_SMOKE_TEST_KEY" in report.data and key not in report.data
+    assert key not in caplog.text
+    assert key not in Path(handle.log_path).read_text()
+    assert key not in json.dumps(result.model_dump())
 
 
 CANCELLED_DEPLOY = """
+import json
 import sys
 from pathlib import Path
 from prefect import flow, task

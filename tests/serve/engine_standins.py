@@ -1,0 +1,100 @@
+"""Stand-ins for the GPU engines, which cannot run on this machine (no GPU; vLLM's wheels are CUDA
+builds, NeMo's Triton deploy lives in the NeMo container). Each takes the engine's real command line
+and serves the routes the proxy uses with the built-in engine:
+
+    python tests/serve/engine_standins.py vllm serve CKPT --host H --port P --served-model-name M \\
+        --tensor-parallel-size N [...]                      # vLLM: OpenAI API, /tokenize, /health
+    python tests/serve/engine_standins.py triton --hf_model_id_path CKPT --triton_model_name M \\
+        --service_port P [...]                              # NeMo's REST service: /v1/completions/,
+                                                            # /v1/triton_health
+
+What they prove is the proxy's side (routes, translation, key passing, supervision), not the engines.
+Each records its argv, cwd, pid and whether ``VLLM_API_KEY`` was set (never its value) to the JSON file
+``$STANDIN_RECORD``. The triton stand-in writes ``nemo/deploy/service/config.json`` relative to its
+working directory, as NeMo's deploy_triton.py does (so a wrong cwd fails here as it would there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def record(kind: str, argv: list[str]) -> None:
+    path = os.environ.get("STANDIN_RECORD")
+    if path:
+        info = {
+            "kind": kind,
+            "argv": argv,
+            "cwd": os.getcwd(),
+            "pid": os.getpid(),
+            "vllm_api_key_set": bool(os.environ.get("VLLM_API_KEY")),
+        }
+        Path(path).write_text(json.dumps(info))
+
+
+def vllm(argv: list[str]) -> int:
+    from workloads.serve import main
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("subcommand", choices=["serve"])
+    parser.add_argument("model")
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--served-model-name", required=True)
+    parser.add_argument("--tensor-parallel-size", type=int, required=True)
+    parser.add_argument("--max-model-len", type=int)
+    args, _ = parser.parse_known_args(argv)
+    record("vllm", ["vllm", *argv])
+    serve = ["--checkpoint", args.model, "--host", args.host, "--port", str(args.port)]
+    serve += ["--model-name", args.served_model_name, "--threads", "1"]
+    if os.environ.get("VLLM_API_KEY"):
+        serve += ["--api-key-env", "VLLM_API_KEY"]
+    return main(serve)
+
+
+def triton(argv: list[str]) -> int:
+    import threading
+
+    import uvicorn
+
+    from workloads.serve import Engine, ServerState, create_app
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hf_model_id_path", required=True)
+    parser.add_argument("--triton_model_name", required=True)
+    parser.add_argument("--triton_port", type=int, required=True)
+    parser.add_argument("--triton_http_address", required=True)
+    parser.add_argument("--start_rest_service", type=bool, default=False)
+    parser.add_argument("--service_http_address", required=True)
+    parser.add_argument("--service_port", type=int, required=True)
+    args, _ = parser.parse_known_args(argv)
+    record("triton", [sys.argv[0], *argv])
+    if not args.start_rest_service:
+        print("standin: NeMo's REST service was not asked for (--start_rest_service)", file=sys.stderr)
+        return 2
+    with open("nemo/deploy/service/config.json", "w") as fh:  # what deploy_triton.py does, relative to cwd
+        json.dump({"triton_service_ip": args.triton_http_address, "triton_service_port": args.triton_port}, fh)
+    state = ServerState(engine=Engine(Path(args.hf_model_id_path), threads=1), model_name=args.triton_model_name)
+    app = create_app(state)
+
+    @app.get("/v1/triton_health")
+    def triton_health():
+        from fastapi.responses import JSONResponse
+
+        ready = state.ready.is_set()
+        return JSONResponse({"status": "ready" if ready else "not ready"}, status_code=200 if ready else 503)
+
+    threading.Thread(target=state.load, daemon=True).start()
+    uvicorn.run(app, host=args.service_http_address, port=args.service_port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    kind, rest = sys.argv[1], sys.argv[2:]
+    sys.exit(vllm(rest) if kind == "vllm" else triton(rest))
