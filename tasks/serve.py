@@ -261,7 +261,7 @@ def _publish(endpoint: EndpointRef, info: ServiceInfo) -> None:
     body = json.dumps({"prompt": "In the beginning", "model": endpoint.model, "max_tokens": 20, "temperature": 0})
     chat = json.dumps({"model": endpoint.model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 20})
     auth = f' -H "Authorization: Bearer ${endpoint.api_key_env}"' if endpoint.api_key_env else ""
-    key = f"os.environ['{endpoint.api_key_env}']" if endpoint.api_key_env else '"unused"'
+    client_key = f"os.environ['{endpoint.api_key_env}']" if endpoint.api_key_env else '"unused"'
     create_markdown_artifact(
         key=f"endpoint-{key}-usage",
         description=f"How to call {endpoint.model}",
@@ -285,7 +285,7 @@ curl -s {endpoint.url}/v1/chat/completions -H 'Content-Type: application/json'{a
   -d {shlex.quote(chat)}
 ```
 
-OpenAI clients: `OpenAI(base_url="{endpoint.url}/v1", api_key={key})`.
+OpenAI clients: `OpenAI(base_url="{endpoint.url}/v1", api_key={client_key})`.
 
 Stop it: `nemoflow serve stop {key}`
 """,

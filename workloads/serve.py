@@ -765,15 +765,6 @@ def check_checkpoint(path: Path) -> None:
         )
 
 
-def visible_gpus(environ: dict[str, str] | None = None) -> int:
-    """GPUs this process was given (Slurm and the NVIDIA device plugin set CUDA_VISIBLE_DEVICES)."""
-    environ = os.environ if environ is None else environ
-    devices = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    if not devices or devices in ("-1", "none", "void", "NoDevFiles"):
-        return 0
-    return len([d for d in devices.split(",") if d.strip()])
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m workloads.serve",

@@ -68,6 +68,15 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "upgrade", "te", 
 # ---------------------------------------------------------------- command lines (pure)
 
 
+def visible_gpus(environ: dict[str, str] | None = None) -> int:
+    """GPUs this process was given (Slurm and the NVIDIA device plugin set CUDA_VISIBLE_DEVICES)."""
+    environ = os.environ if environ is None else environ
+    devices = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not devices or devices in ("-1", "none", "void", "NoDevFiles"):
+        return 0
+    return len([d for d in devices.split(",") if d.strip()])
+
+
 def vllm_argv(
     checkpoint: str,
     *,
@@ -205,8 +214,6 @@ class EngineTarget:
 
 
 def build_target(args: argparse.Namespace, checkpoint: Path, model_name: str, api_key: str | None) -> EngineTarget:
-    from workloads.serve import visible_gpus
-
     tp = args.tensor_parallel_size or max(1, visible_gpus())
     if args.engine == "vllm":
         port = args.engine_port or free_port()

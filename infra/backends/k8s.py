@@ -749,9 +749,7 @@ class KubernetesBackend(Backend):
             pods = self._pods(LABEL_JOB, name)
             if not pods:
                 return []
-            text = self._call(
-                self.core.read_namespaced_pod_log, pods[0]["metadata"]["name"], self.ns, tail_lines=lines
-            )
+            text = self._call(self.core.read_namespaced_pod_log, pods[0]["metadata"]["name"], self.ns, tail_lines=lines)
         except (ApiException, KubernetesUnavailable):
             return []
         return [redact(line) for line in str(text).splitlines()[-lines:]]

@@ -7,6 +7,7 @@ controller plays Job controller, scheduler and kubelet.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -18,6 +19,7 @@ import pytest
 from infra.backends.k8s import KubernetesBackend, KubernetesUnavailable, PreflightError
 from infra.jobs import JobSpec, JobState, Resources, ServiceSpec
 from infra.k8s.config import api_client_for_url
+from tests.k8s.conftest import SECRET_VALUES
 from tests.k8s.controller import JobScript, PodScript
 
 IMAGE = "nvcr.io/nvidia/nemo:25.02"
@@ -474,21 +476,41 @@ async def test_deploy_inference_stage_on_kubernetes(prefect_server, ready, make_
 
     from infra.executors import K8sExecutor
     from tasks.refs import CheckpointRef, ImageRef
-    from tasks.serve import deploy_inference, stop_inference
+    from tasks.serve import EngineOptions, deploy_inference, stop_inference
 
     backend = make_backend(ready)
     monkeypatch.setattr(K8sExecutor, "backend", lambda self: backend)
     checkpoint = CheckpointRef(uri="/nemo-workspace/runs/llama/checkpoints/step-000060", step=60)
     image = ImageRef(kind="registry", uri=IMAGE)
-    with disable_run_logger():
-        endpoint = await asyncio.to_thread(
-            deploy_inference.fn, checkpoint, {"kind": "k8s", "namespace": "team"}, 8000, "nemoflow-demo", 60, image
-        )
+    executor = {"kind": "k8s", "namespace": "team"}
+
+    def deploy(**kwargs):
+        with disable_run_logger():
+            return deploy_inference.fn(checkpoint, executor, 8000, "nemoflow-demo", 60, image, **kwargs)
+
+    # On a cluster the endpoint needs an API key by default: the Secret must hold it.
+    with pytest.raises(PreflightError, match="has no key NEMOFLOW_SERVE_API_KEY"):
+        await asyncio.to_thread(deploy)
+    assert ready.live("apps/v1/deployments") == []
+    ready.add_secret("nemoflow-secrets", {**SECRET_VALUES, "NEMOFLOW_SERVE_API_KEY": "sk-serve-SENTINEL"})
+    endpoint = await asyncio.to_thread(deploy)
     assert endpoint.url == "http://nemoflow-demo.team.svc.cluster.local:8000" and endpoint.backend == "k8s"
-    container = ready.live("apps/v1/deployments")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert endpoint.api_key_env == "NEMOFLOW_SERVE_API_KEY"
+    deployment = ready.live("apps/v1/deployments")[0]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == IMAGE
     command = container.get("command", []) + container.get("args", [])
     assert "workloads.serve" in command and checkpoint.uri in command and "0.0.0.0" in command
+    assert command[command.index("--api-key-env") + 1] == "NEMOFLOW_SERVE_API_KEY"
+    key_env = next(e for e in container["env"] if e["name"] == "NEMOFLOW_SERVE_API_KEY")
+    ref = key_env["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"], ref.get("optional")) == ("nemoflow-secrets", "NEMOFLOW_SERVE_API_KEY", False)
+    assert "sk-serve-SENTINEL" not in json.dumps(deployment)
+    assert deployment["metadata"]["annotations"]["nemoflow.io/fingerprint"]  # what a re-run compares
+    # The explicit opt-out: no key, and the server is told so (it logs the warning).
+    open_endpoint = await asyncio.to_thread(deploy, options=EngineOptions(allow_unauthenticated=True))
+    container = ready.live("apps/v1/deployments")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert "--allow-unauthenticated" in container["command"] and open_endpoint.api_key_env is None
     with disable_run_logger():
         await asyncio.to_thread(stop_inference.fn, endpoint)
     assert ready.live("apps/v1/deployments") == []
