@@ -34,6 +34,7 @@ query-string values (signed URLs) and ``user:password@`` parts of URLs.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import tempfile
@@ -381,19 +382,28 @@ def _fetch(
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(leftover)
     hashes = copied.hashes
-    if local_dest:
-        os.replace(part, final)
-    else:
-        storage.put_file(part, dest_uri)
-        os.remove(part)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(state_path)
     record = {k: v for k, v in hashes.items() if k in ("sha256", "md5")}
     if "crc32c" in hashes:
         record["crc32c"] = transfer.hex_to_b64(hashes["crc32c"])  # as GCS states it
-    storage.write_json(
-        meta_uri, {"url": safe_url, "url_sha256": _url_digest(url), "size": copied.size, "etag": copied.etag, **record}
-    )
+    sidecar = {"url": safe_url, "url_sha256": _url_digest(url), "size": copied.size, "etag": copied.etag, **record}
+    try:
+        if local_dest:
+            # The sidecar first: it vouches for nothing until the file is renamed under it, and a
+            # rename needs no space, so a full disk cannot leave a verified file without its record.
+            storage.write_json(meta_uri, sidecar)
+            os.replace(part, final)
+        else:
+            storage.put_file(part, dest_uri)
+            storage.write_json(meta_uri, sidecar)
+            os.remove(part)
+    except OSError as exc:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        cause = "out of space" if full else (exc.strerror or str(exc))
+        raise FetchError(
+            f"{name}: verified, but cannot store {dest_uri} ({cause}); {part} is kept, a new run continues from there"
+        ) from None
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(state_path)
     ticker(copied.size, copied.size, final=True)
     seconds = time.monotonic() - started
     say(f"done: {copied.size} bytes in {seconds:.1f}s, {copied.attempts} attempt(s), sha256 {hashes['sha256'][:12]}…")

@@ -498,15 +498,10 @@ class Remote:
     generation: str | None = None  # GCS
     checksums: dict[str, str] = dataclasses.field(default_factory=dict)  # kind -> hex
     is_dir: bool = False
-    stat: os.stat_result | None = None  # local files
 
     @property
     def shown(self) -> str:
         return redact(self.url) if self.scheme in ("http", "https") else self.url
-
-    @property
-    def path(self) -> str:
-        return storage.local_path(self.url)
 
     @property
     def validator(self) -> str | None:
@@ -571,9 +566,7 @@ def probe(
         from datetime import UTC, datetime
 
         modified = datetime.fromtimestamp(st.st_mtime, UTC).isoformat()
-        return Remote(
-            url=url, scheme="file", size=st.st_size, last_modified=modified, is_dir=os.path.isdir(path), stat=st
-        )
+        return Remote(url=url, scheme="file", size=st.st_size, last_modified=modified, is_dir=os.path.isdir(path))
     if proto == "gs":
         fs = gcs_filesystem(timeout)
         meta = remote_call(lambda: gcs_stat(fs, url), url, policy=policy, log=log)
@@ -851,7 +844,6 @@ class _Pipeline:
 class Copied:
     size: int
     hashes: dict[str, str]  # kind -> hex, over the whole copy
-    claims: dict[str, str]  # what the source stated (hex), checked
     etag: str | None
     validator: str | None
     attempts: int
@@ -935,7 +927,6 @@ class ResumableCopy:
         self.last_progress = time.monotonic()
         self._session = None
         self._gcs = None
-        self._claims: dict[str, str] = {}
 
     # ------------------------------------------------------------------ the loop
 
@@ -972,7 +963,6 @@ class ResumableCopy:
         return Copied(
             size=self.sink.size,
             hashes=hashes,
-            claims=dict(self._claims),
             etag=opened.etag,
             validator=opened.validator,
             attempts=self.attempts,
@@ -1033,7 +1023,6 @@ class ResumableCopy:
             self.on_validator(opened.validator)
         self.validator = opened.validator or self.validator
         self.total = opened.total if opened.total is not None else self.total
-        self._claims = dict(opened.claims)
         try:
             if not opened.complete:
                 self._stream(opened)
@@ -1249,54 +1238,32 @@ class ResumableCopy:
 
     def _verify(self, opened: _Opened) -> dict[str, str]:
         size = self.sink.size
-        shown = self.remote.shown
-        # A pinned copy checks what the caller expects (from its probe); others what this answer states.
+        # A pinned copy checks what the caller expects (from its probe); others also what this answer states.
         claims = {} if self.pinned else dict(opened.claims)
-        mismatch: ContentMismatch | None = None
-        if opened.total is not None and size != opened.total:
-            mismatch = ContentMismatch(
-                f"size mismatch: got {size} bytes, the server announced {opened.total}",
-                shown=shown,
-                kind="size",
-                want=str(opened.total),
-                got=str(size),
-            )
-        elif self.expected_size is not None and size != self.expected_size:
-            mismatch = ContentMismatch(
-                f"size mismatch: got {size} bytes, expected {self.expected_size}",
-                shown=shown,
-                kind="size",
-                want=str(self.expected_size),
-                got=str(size),
-                who="expected_size",
-            )
         hashes = self.hashes.hexdigests()
+        checks = [("size", str(opened.total), "the server announced")] if opened.total is not None else []
+        if self.expected_size is not None:
+            checks.append(("size", str(self.expected_size), "expected"))
         missing = (set(claims) | set(self.expected)) - set(hashes)
-        if missing and mismatch is None and self.sink.local_path is not None:
+        if missing and self.sink.local_path is not None:
             hashes.update(hash_file(self.sink.local_path, missing, limit=size))
-        if mismatch is None:
-            checks = [(kind, want, "expected_" + kind) for kind, want in self.expected.items()]
-            checks += [(kind, want, "the server") for kind, want in claims.items()]
-            for kind, want, who in checks:
-                got = hashes.get(kind)
-                if got is not None and got != want:
-                    mismatch = ContentMismatch(
-                        f"{kind} mismatch: {who} says {want}, the bytes hash to {got}",
-                        shown=shown,
-                        kind=kind,
-                        want=want,
-                        got=got,
-                        who=who,
-                    )
-                    break
-        if mismatch is None:
-            self._claims = claims
-            return hashes
-        self.content_failures += 1
-        self._restart()  # wrong bytes are never resumed from, nor kept
-        if self.content_failures > self.content_retries:
-            raise mismatch
-        raise Transient(str(mismatch), immediate=mismatch.kind == "size" and mismatch.who == "the source")
+        checks += [(kind, want, f"expected_{kind} says") for kind, want in self.expected.items()]
+        checks += [(kind, want, "the server says") for kind, want in claims.items()]
+        for kind, want, who in checks:
+            got = str(size) if kind == "size" else hashes.get(kind)
+            if got is None or got == want:
+                continue
+            text = f"got {got} bytes, {who} {want}" if kind == "size" else f"{who} {want}, the bytes hash to {got}"
+            mismatch = ContentMismatch(
+                f"{kind} mismatch: {text}", shown=self.remote.shown, kind=kind, want=want, got=got, who=who
+            )
+            self.content_failures += 1
+            self._restart()  # wrong bytes are never resumed from, nor kept
+            if self.content_failures > self.content_retries:
+                raise mismatch
+            # A body shorter or longer than announced is a protocol slip: fetch it again at once.
+            raise Transient(str(mismatch), immediate=who == "the server announced")
+        return hashes
 
 
 def sink_failure(error: BaseException, sink: Sink, copied: int, total: int | None) -> DestinationError:
