@@ -6,7 +6,7 @@ Input: a real squashfs image of about ``--mb`` MiB (incompressible bytes packed 
 mksquashfs), written once to benchmarks/out/. Contenders, interleaved, medians shown:
 
   path: nemoflow      ``copy_image(path, dir)``: sha256 of the source (cache key), streamed copy
-                      re-hashed and superblock-checked, fsync, atomic rename, sidecar
+                      re-hashed and superblock-checked, fsync, ``unsquashfs -l``, atomic rename, sidecar
   path: cp            ``cp SRC DST`` (no verification at all)
   path: cp+sha256sum  ``cp`` then ``sha256sum`` of both files (what a careful manual guide does)
   http: nemoflow      ``copy_image(http://...)`` from a local http.server that sends x-goog-hash (md5)

@@ -13,12 +13,16 @@ Three ways to say which image a run uses:
 ``<region>`` in a source (``gs://vmds-containers-<region>/...``) becomes the
 ``region`` setting (us, europe or asia).
 
-A copy is verified twice: against the checksum the source states (GCS object
-md5/crc32c; HTTP ``x-goog-hash``, ``Content-MD5`` or an md5 ETag, plus
-Content-Length), and by the squashfs superblock (magic, version 4.0, block
-size, inode count, ``bytes_used`` against the file size), which catches a
-truncated or wrong file even when the source states no checksum. It is written
-under a temporary name and renamed only once verified. Beside each image a
+Bytes move through the one transfer stack (infra/transfer.py: probe, resumable
+copy, retries through infra/retry.py policies, redaction); this module adds what
+is specific to images. A copy is verified three times: against the checksum the
+source states (GCS object md5/crc32c; HTTP ``x-goog-hash``, ``Content-MD5`` or an
+md5 ETag, plus Content-Length); by the squashfs superblock (magic, version 4.0,
+block size, inode count, ``bytes_used`` against the file size), which catches a
+truncated or wrong file even when the source states no checksum; and by
+squashfs-tools' ``unsquashfs -l``, which reads the inode, directory, fragment and
+id tables, so a sound superblock in front of a damaged body is refused too. It is
+written under a temporary name and renamed only once verified. Beside each image a
 sidecar ``<image>.meta.json`` records the source, the source's checksum, the
 image's checksum, its size and when it was verified; a later copy of the same
 source with the same checksum finds it and copies nothing. A local (or fuse)
@@ -34,19 +38,16 @@ them to a private, temporary enroot config and deletes it at the end.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import os
-import queue
 import re
 import shlex
 import shutil
 import struct
-import threading
+import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -56,8 +57,9 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from infra import storage
+from infra import storage, transfer
 from infra.jobs import Backend, JobResult, JobSpec, JobState, Resources
+from infra.retry import RetryPolicy
 from infra.settings import get_settings
 
 LogSink = Callable[[str], None]
@@ -80,6 +82,8 @@ IMPORT_TIME = "02:00:00"
 PROGRESS_EVERY = 256 << 20
 RESUME_ATTEMPTS = 3
 RESUME_BACKOFF_S = 1.0
+# Seconds to wait for a connection or for the next bytes before a read counts as failed (and is resumed).
+TIMEOUT_S = 60.0
 STALE_TMP_S = 3600
 # mksquashfs pads images to 4 KiB; anything much longer is not a plain image.
 MAX_TRAILING_BYTES = 64 << 10
@@ -127,47 +131,13 @@ class EnrootNotFound(ImageError):
     """The conversion job ran on a node without enroot."""
 
 
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "unknown size"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+human_bytes = transfer.human_bytes
 
 
 # ---------------------------------------------------------------- sources and references
 
 
-def public_uri(uri: str) -> str:
-    """``uri`` without a query string or user info: what may be logged and recorded.
-
-    Signed URLs (``X-Goog-Signature``, ``X-Amz-Signature``, SAS tokens) carry a
-    credential in the query; it must not reach logs, sidecars or artifacts.
-
-    >>> public_uri("https://storage.googleapis.com/b/nemo.sqsh?X-Goog-Signature=abc")
-    'https://storage.googleapis.com/b/nemo.sqsh?<query hidden>'
-    """
-    if storage.scheme(uri) not in ("http", "https"):
-        return uri
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(uri)
-    netloc = parts.netloc.rsplit("@", 1)[-1]
-    return urlunsplit((parts.scheme, netloc, parts.path, "<query hidden>" if parts.query else "", ""))
-
-
-def _scrub(text: str, uri: str) -> str:
-    """Remove ``uri``'s query and user info from an error text (requests and aiohttp quote URLs)."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(uri)
-    for secret in (parts.query, parts.netloc.rpartition("@")[0]):
-        if secret:
-            text = text.replace(secret, "<hidden>")
-    return text
+public_uri = transfer.public_uri
 
 
 def resolve_region(source: str, region: str | None = None) -> str:
@@ -317,6 +287,8 @@ class Superblock:
     compression: str
     version: str
     bytes_used: int
+    # Where the metadata tables begin (inode table first; all of them end at bytes_used).
+    table_start: int = SUPERBLOCK_SIZE
 
 
 def check_superblock(header: bytes, file_size: int, name: str) -> Superblock:
@@ -374,6 +346,7 @@ def check_superblock(header: bytes, file_size: int, name: str) -> Superblock:
         compression=COMPRESSORS[compression],
         version=f"{major}.{minor}",
         bytes_used=bytes_used,
+        table_start=min((t for t in tables if t != NO_TABLE), default=bytes_used),
     )
 
 
@@ -384,33 +357,55 @@ def read_superblock(uri: str) -> Superblock:
     return check_superblock(header, storage.size(uri), uri)
 
 
-# ---------------------------------------------------------------- checksums
+# ---------------------------------------------------------------- the file system behind the superblock
 
 
-class _Crc32c:
-    def __init__(self) -> None:
-        import google_crc32c
+def check_filesystem(uri: str, superblock: Superblock, name: str) -> None:
+    """Refuse an image whose superblock is sound but whose file system is not (``unsquashfs -l``).
 
-        self._impl = google_crc32c.Checksum()
+    squashfs-tools' own reader walks the inode, directory, fragment and id tables, which a wrong
+    or damaged body (random bytes behind a copied superblock) does not survive. The tables sit
+    after the data blocks, from ``table_start`` to ``bytes_used``; for an image that is not a
+    local file (a ``gs://`` object) only that region is fetched, into a sparse local file.
+    """
+    unsquashfs = shutil.which("unsquashfs")
+    if unsquashfs is None:
+        raise ImageVerificationError(
+            f"cannot check the file system of {name}: unsquashfs not found (install squashfs-tools, "
+            "which enroot needs too)"
+        )
+    with contextlib.ExitStack() as stack:
+        if storage.is_local(uri):
+            path = storage.local_path(uri)
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="nemoflow-sqsh-"))
+            path = os.path.join(tmp, "tables.sqsh")
+            with storage.open_read(uri) as src, open(path, "wb") as out:
+                out.write(src.read(SUPERBLOCK_SIZE))
+                src.seek(superblock.table_start)
+                out.seek(superblock.table_start)
+                out.write(src.read(superblock.bytes_used - superblock.table_start))
+                out.truncate(superblock.bytes_used)
+        try:
+            result = subprocess.run(
+                [unsquashfs, "-l", path], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=1800
+            )
+        except subprocess.TimeoutExpired:
+            raise ImageVerificationError(f"{name}: unsquashfs -l did not finish in 30 minutes") from None
+    if result.returncode != 0:
+        lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
+        raise ImageVerificationError(
+            f"{name}: the squashfs file system is damaged although its superblock is sound "
+            f"(unsquashfs -l: {lines[-1] if lines else f'exit code {result.returncode}'})"
+        )
 
-    def update(self, data: bytes) -> None:
-        self._impl.update(data)
 
-    def hexdigest(self) -> str:
-        return self._impl.digest().hex()
+# ---------------------------------------------------------------- sources
 
 
 def new_hasher(algorithm: str):
-    if algorithm == "crc32c":
-        return _Crc32c()
-    return hashlib.new(algorithm)
-
-
-def _b64_to_hex(value: str) -> str | None:
-    try:
-        return base64.b64decode(value, validate=True).hex()
-    except (binascii.Error, ValueError):
-        return None
+    """A hashlib-like object for ``sha256``, ``md5`` or ``crc32c`` (the transfer stack's)."""
+    return transfer.new_hasher(algorithm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -427,6 +422,7 @@ class SourceInfo:
     # HTTP If-Range validator (strong ETag or Last-Modified): a resumed download
     # only continues if the file is still the one whose first part we have.
     validator: str | None = None
+    remote: transfer.Remote | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def shown(self) -> str:
@@ -441,11 +437,7 @@ def _local_sha256(path: str) -> str:
     st = os.stat(path)
     key = (path, st.st_ino, st.st_size, st.st_mtime_ns)
     if key not in _local_sha256_memo:
-        digest = hashlib.sha256()
-        with open(path, "rb") as fh:
-            while block := fh.read(CHUNK):
-                digest.update(block)
-        _local_sha256_memo[key] = "sha256:" + digest.hexdigest()
+        _local_sha256_memo[key] = "sha256:" + transfer.hash_file(path)["sha256"]
     return _local_sha256_memo[key]
 
 
@@ -455,78 +447,70 @@ def _stat_identity(path: str) -> str:
     return f"stat:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
-def _http_checksum(headers) -> str | None:
-    goog = headers.get("x-goog-hash")
-    if goog:
-        hashes = dict(part.strip().split("=", 1) for part in goog.split(",") if "=" in part)
-        for algorithm in ("md5", "crc32c"):
-            if algorithm in hashes and (value := _b64_to_hex(hashes[algorithm])):
-                return f"{algorithm}:{value}"
-    if (md5 := headers.get("Content-MD5")) and (value := _b64_to_hex(md5)):
-        return f"md5:{value}"
-    etag = (headers.get("ETag") or "").strip('"')
-    # S3/GCS single-part uploads use the md5 as ETag; weak or multipart ETags are not content hashes.
-    if re.fullmatch(r"[0-9a-f]{32}", etag) and not headers.get("ETag", "").startswith("W/"):
-        return f"md5:{etag}"
+def _stated(remote: transfer.Remote) -> str | None:
+    # md5 first: hashlib's md5 is faster than crc32c in pure Python, and composite GCS objects
+    # (parallel uploads) state only crc32c, so that is the fallback.
+    for algorithm in ("md5", "crc32c"):
+        if value := remote.checksums.get(algorithm):
+            return f"{algorithm}:{value}"
     return None
+
+
+def _source_error(exc: transfer.TransferError, source: str) -> ImageError:
+    """The image error for a transfer failure, worded for image sources."""
+    shown = public_uri(source)
+    if isinstance(exc, transfer.SourceNotFound):
+        kind = storage.scheme(source)
+        if kind in ("gs", "gcs"):
+            return ImageNotFound(f"image source not found: no such object {source}")
+        if kind == "file":
+            return ImageNotFound(f"image source not found: no such file {storage.local_path(source)}")
+        return ImageNotFound(f"image source not found: {shown} (HTTP {exc.status or 404})")
+    if isinstance(exc, transfer.SourceUnreachable):
+        error = ImageSourceError(
+            f"cannot reach image source {shown}: {exc.reason} (gave up after {exc.attempts} attempts)"
+        )
+        error.transient = exc.transient  # False for a host name that does not resolve
+        return error
+    if exc.status is not None and storage.scheme(source) in ("http", "https"):
+        return ImageNotFound(f"image source {shown} answered {exc.cause}")
+    if isinstance(exc, transfer.AccessDenied):
+        return ImageNotFound(f"image source: {exc}")
+    error = ImageSourceError(str(exc))
+    error.transient = exc.transient
+    return error
 
 
 def probe_source(source: str) -> SourceInfo:
     """Size and stated checksum of a ``.sqsh`` source; :class:`ImageSourceError` when it cannot be read."""
     kind = storage.scheme(source)
-    if kind in ("http", "https"):
-        import requests
-
-        shown = public_uri(source)
-        try:
-            response = requests.head(source, allow_redirects=True, timeout=30)
-        except requests.RequestException as exc:
-            raise ImageSourceError(f"cannot reach image source {shown}: {_scrub(str(exc), source)}") from None
-        if response.status_code == 404:
-            raise ImageNotFound(f"image source not found: {shown} (HTTP 404)")
-        if response.status_code >= 400:
-            transient = response.status_code in (408, 429) or response.status_code >= 500
-            error = ImageSourceError if transient else ImageNotFound
-            raise error(f"image source {shown} answered HTTP {response.status_code} {response.reason}")
-        headers = response.headers
-        length = headers.get("Content-Length")
-        encoded = "gzip" in headers.get("Content-Encoding", "")  # the length would be the compressed one
-        size = int(length) if length and length.isdigit() and not encoded else None
-        checksum = _http_checksum(headers)
-        validator = checksum or (f"etag:{headers['ETag']}" if headers.get("ETag") else None)
-        if validator is None and headers.get("Last-Modified"):
-            validator = f"last-modified:{headers['Last-Modified']}"
-        etag = headers.get("ETag")
-        if_range = etag if etag and not etag.startswith("W/") else headers.get("Last-Modified")
-        return SourceInfo(source, size, checksum, f"{validator or 'unvalidated'}:{size}", if_range)
-    if kind in ("gs", "gcs"):
-        try:
-            fs, path = storage.url_to_fs(source)
-            fs.invalidate_cache(path)  # a listing cached earlier in this process may predate a re-upload
-            meta = storage.info(source)
-        except FileNotFoundError as exc:
-            raise ImageNotFound(f"image source not found: no such object {source}") from exc
-        if meta.get("type") == "directory":
-            raise ImageNotFound(f"image source {source} is a directory, not a .sqsh file")
-        size = int(meta["size"])
-        checksum = None
-        # md5 first: hashlib's md5 is faster than crc32c in pure Python and composite objects
-        # (parallel uploads) have only crc32c, so that is the fallback.
-        for key, algorithm in (("md5Hash", "md5"), ("crc32c", "crc32c")):
-            if meta.get(key) and (value := _b64_to_hex(meta[key])):
-                checksum = f"{algorithm}:{value}"
-                break
-        return SourceInfo(source, size, checksum, f"{checksum or 'generation:' + str(meta.get('generation'))}:{size}")
+    if kind not in ("http", "https", "gs", "gcs", "file"):
+        raise ImageError(
+            f"image source {source!r}: unsupported scheme {kind}:// (use gs://, https://, file://, a path, or docker://)"
+        )
     if kind == "file":
         path = storage.local_path(source)
         if not os.path.exists(path):
             raise ImageNotFound(f"image source not found: no such file {path}")
         if os.path.isdir(path):
             raise ImageNotFound(f"image source {path} is a directory, not a .sqsh file")
-        return SourceInfo(path, os.path.getsize(path), None, _stat_identity(path))
-    raise ImageError(
-        f"image source {source!r}: unsupported scheme {kind}:// (use gs://, https://, file://, a path, or docker://)"
-    )
+        remote = transfer.Remote(url=path, scheme="file", size=os.path.getsize(path))
+        return SourceInfo(path, remote.size, None, _stat_identity(path), remote=remote)
+    try:
+        remote = transfer.probe(source, timeout=TIMEOUT_S, etag_md5=True)
+    except transfer.TransferError as exc:
+        raise _source_error(exc, source) from None
+    checksum = _stated(remote)
+    if remote.scheme == "gs":
+        if remote.is_dir:
+            raise ImageNotFound(f"image source {source} is a directory, not a .sqsh file")
+        identity = f"{checksum or 'generation:' + str(remote.generation)}:{remote.size}"
+        return SourceInfo(source, remote.size, checksum, identity, remote=remote)
+    validator = checksum or (f"etag:{remote.etag_header}" if remote.etag_header else None)
+    if validator is None and remote.last_modified:
+        validator = f"last-modified:{remote.last_modified}"
+    identity = f"{validator or 'unvalidated'}:{remote.size}"
+    return SourceInfo(source, remote.size, checksum, identity, remote.validator, remote=remote)
 
 
 # ---------------------------------------------------------------- staged images and the sidecar cache
@@ -630,12 +614,10 @@ def _write_sidecar(image: StagedImage, verified_at: str | None = None) -> None:
 
 def check_free_space(dest_dir: str, needed: int | None) -> None:
     """Fail before copying when a local destination cannot hold ``needed`` bytes."""
-    if needed is None or not storage.is_local(dest_dir):
-        return
-    path = storage.local_path(dest_dir)
-    free = shutil.disk_usage(path).free
-    if free < needed:
-        raise ImageDestinationError(f"needs {human_bytes(needed)}, {human_bytes(free)} free on {path}")
+    try:
+        transfer.check_free_space(dest_dir, needed)
+    except transfer.NoSpace as exc:
+        raise ImageDestinationError(str(exc)) from None
 
 
 def destination_name(source: str) -> str:
@@ -653,176 +635,35 @@ def _prepare_destination(dest_dir: str, needed: int | None) -> None:
     check_free_space(dest_dir, needed)
 
 
-class _ResumableReader:
-    """The source, read front to back; a dropped connection is resumed where it stopped.
-
-    Re-reading gigabytes because the connection broke at 90 % is what makes
-    manual staging painful. The bytes already hashed and written stay; the
-    source is reopened at the next byte (HTTP ``Range`` with ``If-Range``, so a
-    file replaced in the meantime is refused rather than spliced; a seek for
-    GCS and files), up to RESUME_ATTEMPTS times per copy. The final checksum
-    comparison covers the whole stream either way.
-    """
-
-    def __init__(self, info: SourceInfo, log: LogSink):
-        self.info, self.log = info, log
-        self.fs, self.path = storage.url_to_fs(info.uri)
-        self.http = storage.scheme(info.uri) in ("http", "https")
-        self.offset = 0
-        self.resumes = 0
-        self.fh = self._open(0)
-
-    def _open(self, offset: int):
-        uri = self.info.shown
-        try:
-            if self.http:
-                headers = {}
-                if offset:
-                    headers["Range"] = f"bytes={offset}-"
-                    if self.info.validator:
-                        headers["If-Range"] = self.info.validator
-                # block_size=0: one streamed GET, not a range request per block; a size
-                # (any, when unknown) spares fsspec a HEAD request per open.
-                fh = self.fs.open(self.path, "rb", block_size=0, size=self.info.size or -1, headers=headers)
-                status = getattr(getattr(fh, "r", None), "status", None)
-                if offset and status != 206:
-                    fh.close()
-                    raise ImageSourceError(
-                        f"cannot resume {uri} at byte {offset}: the server answered {status} instead of 206 "
-                        "(no range support, or the file changed)"
-                    )
-                return fh
-            fh = self.fs.open(self.path, "rb")
-            if offset:
-                fh.seek(offset)
-            return fh
-        except FileNotFoundError as exc:
-            raise ImageNotFound(f"image source not found: {uri}") from exc
-        except ImageError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - reported with its type, scrubbed of credentials
-            detail = _scrub(str(exc), self.info.uri)
-            raise ImageSourceError(f"cannot open {uri} at byte {offset}: {type(exc).__name__}: {detail}") from None
-
-    def read(self, n: int) -> bytes:
-        while True:
-            try:
-                block = _read_source(self.fh, n, self.info.uri, self.offset, self.info.size)
-                if not block and self.info.size is not None and self.offset < self.info.size:
-                    raise ImageSourceError(
-                        f"{self.info.shown} ended after {self.offset} of {self.info.size} bytes "
-                        "(connection closed early)"
-                    )
-            except ImageNotFound:
-                raise
-            except ImageSourceError as exc:
-                if self.resumes >= RESUME_ATTEMPTS:
-                    raise
-                self.resumes += 1
-                self.log(f"{exc}; resuming at byte {self.offset} (attempt {self.resumes} of {RESUME_ATTEMPTS})")
-                with contextlib.suppress(Exception):
-                    self.fh.close()
-                time.sleep(RESUME_BACKOFF_S * 2 ** (self.resumes - 1))
-                try:
-                    self.fh = self._open(self.offset)
-                except ImageNotFound:
-                    raise
-                except ImageSourceError as reopen:
-                    self.log(str(reopen))
-                    if "instead of 206" in str(reopen):
-                        raise
-                    self.fh = _Broken(reopen)
-                continue
-            self.offset += len(block)
-            return block
-
-    def __enter__(self) -> _ResumableReader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with contextlib.suppress(Exception):
-            self.fh.close()
-
-
-class _Broken:
-    """A source handle whose reopening failed: its read raises, which counts as the next failed attempt."""
-
-    def __init__(self, error: Exception):
-        self.error = error
-
-    def read(self, n: int) -> bytes:
-        raise self.error
-
-    def close(self) -> None:
-        pass
-
-
-class _HashWriter:
-    """Hash and write blocks on a second thread while the next block is read.
-
-    hashlib and file writes release the GIL, so network, checksum and disk
-    overlap instead of taking turns: on a multi-core node a copy runs at the
-    speed of the slowest of the three, not of their sum.
-    """
-
-    def __init__(self, hasher, out, depth: int = 4):
-        self._hasher, self._out = hasher, out
-        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=depth)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="image-copy-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (block := self._queue.get()) is not None:
-            if self._error is None:
-                try:
-                    self._hasher.update(block)
-                    self._out.write(block)
-                except BaseException as exc:  # noqa: BLE001 - re-raised in the reading thread
-                    self._error = exc
-
-    def put(self, block: bytes) -> None:
-        if self._error is not None:
-            raise self._error
-        self._queue.put(block)
-
-    def close(self, raise_error: bool = True) -> None:
-        self._queue.put(None)
-        self._thread.join()
-        if raise_error and self._error is not None:
-            raise self._error
-
-
 def _is_gcs(uri: str) -> bool:
     return storage.scheme(uri) in ("gs", "gcs")
 
 
 def _copy_within_gcs(info: SourceInfo, tmp: str, final: str, log: LogSink, progress) -> StagedImage:
     """Bucket to bucket: GCS copies server-side (no byte passes through here) and states the new md5/crc32c."""
-    fs, tmp_path = storage.url_to_fs(tmp)
-    _, src_path = storage.url_to_fs(info.uri)
     algorithm = info.checksum.split(":", 1)[0]
-    key = {"md5": "md5Hash", "crc32c": "crc32c"}[algorithm]
     started = time.monotonic()
     log(f"copying {info.shown} ({human_bytes(info.size)}) to {final} inside GCS")
     try:
-        fs.cp_file(src_path, tmp_path)
-        fs.invalidate_cache(tmp_path)
-        meta = fs.info(tmp_path)
-        stated = _b64_to_hex(meta.get(key) or "")
+        try:
+            copy = transfer.server_side_copy(info.uri, tmp)
+        except transfer.TransferError as exc:
+            raise _source_error(exc, info.uri) from None
+        stated = copy.checksums.get(algorithm)
         actual = f"{algorithm}:{stated}" if stated else None
-        if int(meta["size"]) != info.size or actual != info.checksum:
+        if copy.size != info.size or actual != info.checksum:
             raise ImageCorrupted(
                 f"GCS copy of {info.uri} does not match: the source states {info.checksum} ({info.size} bytes), "
-                f"the copy {actual} ({meta['size']} bytes) (copy discarded)"
+                f"the copy {actual} ({copy.size} bytes) (copy discarded)"
             )
-        with fs.open(tmp_path, "rb") as fh:
+        with storage.open_read(tmp) as fh:
             header = fh.read(SUPERBLOCK_SIZE)
-        superblock = check_superblock(header, int(meta["size"]), info.uri)
+        superblock = check_superblock(header, copy.size, info.uri)
+        check_filesystem(tmp, superblock, info.uri)
         storage.commit(tmp, final)
     except BaseException:
         with contextlib.suppress(Exception):
-            fs.rm(tmp_path)
+            storage.remove(tmp)
         raise
     image = StagedImage(
         uri=final,
@@ -861,17 +702,14 @@ def _remove_stale_temporaries(dest_dir: str, name: str, log: LogSink) -> None:
                 log(f"removed {path}, {human_bytes(st.st_size)} left by an interrupted copy")
 
 
-def _read_source(fh, chunk: int, source: str, copied: int, size: int | None) -> bytes:
-    """One block of the source; a dropped connection becomes an error that names the source."""
-    try:
-        return fh.read(chunk)
-    except ConnectionError as exc:
-        detail = _scrub(str(exc), source)
-    except OSError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - aiohttp's payload errors are not OSErrors
-        detail = f"{type(exc).__name__}: {_scrub(str(exc), source)}"
-    raise ImageSourceError(f"reading {public_uri(source)} failed after {copied} of {human_bytes(size)} bytes: {detail}")
+def copy_policy() -> RetryPolicy:
+    """How a copy resumes after a dropped connection: RESUME_ATTEMPTS resumes, waits from RESUME_BACKOFF_S."""
+    return RetryPolicy(
+        attempts=RESUME_ATTEMPTS + 1,
+        initial=RESUME_BACKOFF_S,
+        maximum=max(RESUME_BACKOFF_S * 2**RESUME_ATTEMPTS, RESUME_BACKOFF_S),
+        budget=transfer.COPY.budget,
+    )
 
 
 def copy_image(
@@ -885,9 +723,11 @@ def copy_image(
 ) -> StagedImage:
     """Stream a ``.sqsh`` from ``source`` into the directory ``dest_dir``, verified; reuse a verified copy.
 
-    Nothing appears under the final name unless the bytes match the source's
-    checksum (and size) and the superblock is sound. ``progress(copied, total)``
-    is called about every 256 MiB and at the end (total is None when unknown).
+    Nothing appears under the final name unless the bytes match the source's checksum (and size),
+    the superblock is sound and ``unsquashfs -l`` reads the file system. A dropped connection is
+    resumed at the next byte (RESUME_ATTEMPTS times); a failed copy leaves nothing behind.
+    ``progress(copied, total)`` is called about every PROGRESS_EVERY bytes and at the end (total
+    is None when unknown).
     """
     log = log or (lambda line: None)
     source = resolve_region(source)
@@ -906,69 +746,92 @@ def copy_image(
         return hit
     _prepare_destination(dest_dir, info.size)
     _remove_stale_temporaries(dest_dir, storage.basename(final), log)
-    algorithm = info.checksum.split(":", 1)[0] if info.checksum else "sha256"
-    hasher = new_hasher(algorithm)
+    algorithm, _, stated = (info.checksum or "sha256:").partition(":")
     tmp = storage.join(dest_dir, f"{storage.TMP_MARK}{uuid.uuid4().hex[:12]}-{storage.basename(final)}")
     if _is_gcs(source) and _is_gcs(dest_dir) and info.checksum:
         return _copy_within_gcs(info, tmp, final, log, progress)
-    fs_dst, tmp_path = storage.url_to_fs(tmp)
-    header = b""
-    copied = 0
-    started = time.monotonic()
+
+    header = bytearray()
+
+    def inspect(block: bytes, offset: int) -> None:
+        # Refuse a wrong file (an HTML error page, a tarball) after 96 bytes, not 20 GB.
+        if len(header) < SUPERBLOCK_SIZE:
+            header.extend(block[: SUPERBLOCK_SIZE - len(header)])
+            if len(header) == SUPERBLOCK_SIZE:
+                bytes_used = SUPERBLOCK.unpack_from(header)[12] if header[:4] == b"hsqs" else 0
+                check_superblock(bytes(header), info.size if info.size is not None else bytes_used, shown)
+
+    marks = {"log": 1 << 30, "progress": PROGRESS_EVERY}
+
+    def on_block(copied: int, total: int | None) -> None:
+        if copied >= marks["log"]:
+            log(f"  {human_bytes(copied)} of {human_bytes(info.size)}")
+            marks["log"] += 1 << 30
+        if progress is not None and copied >= marks["progress"]:
+            progress(copied, info.size)
+            marks["progress"] += PROGRESS_EVERY
+
+    def on_retry(exc: BaseException, attempt: int, sleep: float, offset: int) -> None:
+        reason = exc.reason if isinstance(exc, transfer.Transient) else transfer.describe(exc)
+        log(transfer.redact(f"{reason}; retrying in {sleep:.1f}s (resume {attempt} of {RESUME_ATTEMPTS})", source))
+
     log(f"copying {shown} ({human_bytes(info.size)}) to {final}")
     try:
-        reader = _ResumableReader(info, log)
-        with reader, fs_dst.open(tmp_path, "wb") as out:
-            next_log, next_progress = 1 << 30, PROGRESS_EVERY
-            pipeline = _HashWriter(hasher, out)
-            try:
-                while block := reader.read(chunk):
-                    if len(header) < SUPERBLOCK_SIZE:
-                        header += block[: SUPERBLOCK_SIZE - len(header)]
-                        if len(header) == SUPERBLOCK_SIZE:
-                            # Refuse a wrong file (an HTML error page, a tarball) after 96 bytes, not 20 GB.
-                            bytes_used = SUPERBLOCK.unpack_from(header)[12] if header[:4] == b"hsqs" else 0
-                            check_superblock(header, info.size if info.size is not None else bytes_used, shown)
-                    pipeline.put(block)
-                    copied += len(block)
-                    if copied >= next_log:
-                        log(f"  {human_bytes(copied)} of {human_bytes(info.size)}")
-                        next_log += 1 << 30
-                    if progress is not None and copied >= next_progress:
-                        progress(copied, info.size)
-                        next_progress += PROGRESS_EVERY
-            except BaseException:
-                pipeline.close(raise_error=False)
-                raise
-            pipeline.close()
-            if storage.is_local(tmp):
-                out.flush()
-                os.fsync(out.fileno())
-        actual = f"{algorithm}:{hasher.hexdigest()}"
-        if info.size is not None and copied != info.size:
+        sink = transfer.open_sink(tmp)
+    except OSError as exc:
+        raise ImageDestinationError(f"destination {dest_dir} is not writable: {exc}") from exc
+    copied = 0
+    try:
+        try:
+            result = transfer.ResumableCopy(
+                info.remote,
+                sink,
+                kinds=(algorithm,),
+                pinned=True,
+                expected={algorithm: stated} if stated else None,
+                expected_size=info.size,
+                timeout=TIMEOUT_S,
+                chunk=chunk,
+                etag_md5=True,
+                inspect=inspect,
+                on_block=on_block,
+                log=log,
+                on_retry=on_retry,
+            ).run(copy_policy())
+        except transfer.ContentMismatch as exc:
+            if exc.kind == "size":
+                raise ImageCorrupted(
+                    f"copy of {shown} is incomplete: {exc.got} of {exc.want} bytes arrived (copy discarded)"
+                ) from None
             raise ImageCorrupted(
-                f"copy of {shown} is incomplete: {copied} of {info.size} bytes arrived (copy discarded)"
-            )
-        if info.checksum is not None and actual != info.checksum:
-            raise ImageCorrupted(
-                f"checksum mismatch for {shown}: the source states {info.checksum}, the copy has {actual} "
-                "(copy discarded)"
-            )
-        superblock = check_superblock(header, copied, shown)
+                f"checksum mismatch for {shown}: the source states {info.checksum}, the copy has "
+                f"{algorithm}:{exc.got} (copy discarded)"
+            ) from None
+        except transfer.DestinationError as exc:
+            if isinstance(exc, transfer.NoSpace):
+                raise ImageDestinationError(
+                    f"{dest_dir} ran out of space after {human_bytes(sink.size)} of {human_bytes(info.size)} "
+                    "(copy discarded)"
+                ) from None
+            raise ImageDestinationError(str(exc)) from None
+        except transfer.SourceUnreachable as exc:
+            error = ImageSourceError(f"{exc.reason} (gave up after {exc.attempts} attempts)")
+            error.transient = exc.transient
+            raise error from None
+        except transfer.SourceChanged as exc:
+            raise ImageSourceError(str(exc)) from None
+        except transfer.TransferError as exc:
+            raise _source_error(exc, source) from None
+        copied = result.size
+        actual = f"{algorithm}:{result.hashes[algorithm]}"
+        superblock = check_superblock(bytes(header), copied, shown)
         if info.identity.startswith("stat:") and _stat_identity(source) != info.identity:
             raise ImageCorrupted(f"{source} changed while it was being copied (copy discarded)")
+        sink.close()
+        check_filesystem(tmp, superblock, shown)
         storage.commit(tmp, final)
-    except OSError as exc:
-        with contextlib.suppress(Exception):
-            fs_dst.rm(tmp_path)
-        if exc.errno == errno.ENOSPC:
-            raise ImageDestinationError(
-                f"{dest_dir} ran out of space after {human_bytes(copied)} of {human_bytes(info.size)} (copy discarded)"
-            ) from exc
-        raise
     except BaseException:
-        with contextlib.suppress(Exception):
-            fs_dst.rm(tmp_path)
+        sink.discard()
         raise
     image = StagedImage(
         uri=final,
@@ -977,7 +840,7 @@ def copy_image(
         source=shown,
         source_checksum=info.identity,
         bytes_copied=copied,
-        seconds=time.monotonic() - started,
+        seconds=result.seconds,
         superblock=superblock,
     )
     _write_sidecar(image)
@@ -1169,6 +1032,7 @@ def convert_image(
                 f"{result.backend} job {result.job_id} reported success but wrote no image at {plan.output_tmp}"
             )
         superblock = read_superblock(plan.output_tmp)
+        check_filesystem(plan.output_tmp, superblock, plan.output_tmp)
         size = os.path.getsize(plan.output_tmp)
         checksum = _local_sha256(plan.output_tmp)
         os.replace(plan.output_tmp, plan.final)

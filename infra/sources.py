@@ -102,10 +102,17 @@ def _expand_glob(pattern: str) -> list[Source]:
     proto = _scheme(pattern)
     if proto in ("http", "https"):
         raise SourceError(f"cannot expand a glob over {proto}: {pattern!r}; list the URLs or use a template")
-    from infra import storage
+    from infra import storage, transfer
 
     fs, path = storage.url_to_fs(pattern)
-    matches = fs.glob(path, detail=True)
+    if proto == "gs":
+        fs = transfer.gcs_filesystem()
+        try:
+            matches = transfer.remote_call(lambda: fs.glob(path, detail=True), pattern, what="list")
+        except transfer.TransferError as exc:
+            raise SourceError(f"cannot expand {pattern!r}: {exc}") from None
+    else:
+        matches = fs.glob(path, detail=True)
     files = sorted(p for p, meta in matches.items() if meta.get("type") != "directory")
     if not files:
         raise SourceError(f"glob {pattern!r} matched no files")

@@ -24,8 +24,11 @@ SOURCE is one of:
 
 A copied image is streamed to --dest under a temporary name, checked against the
 checksum the source states (GCS md5/crc32c, HTTP x-goog-hash / Content-MD5 / md5 ETag
-and Content-Length; otherwise its sha256 is recorded) and against the squashfs
-superblock (magic, version 4.0, block size, inodes, size), then renamed into place.
+and Content-Length; otherwise its sha256 is recorded), against the squashfs
+superblock (magic, version 4.0, block size, inodes, size) and by `unsquashfs -l`
+(squashfs-tools reads the file system's tables), then renamed into place. A dropped
+connection is resumed; a source that cannot be reached (404, 403, bad credentials,
+a host that does not resolve) fails at once with one line naming it.
 A sidecar IMAGE.sqsh.meta.json records source, checksum, size and time of
 verification; running the command again with the same source copies nothing.
 

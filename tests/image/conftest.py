@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import shutil
 import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
 
+from tests.support import fault_ledger
 from tests.support.fault_server import FaultServer
+from tests.support.tmpfs import tmpfs  # noqa: F401 - re-exported for the tests here
 
 MKSQUASHFS = shutil.which("mksquashfs")
 
@@ -65,23 +65,6 @@ def plain_served(tmp_path, sqsh_image):
         yield server, root
 
 
-@contextlib.contextmanager
-def tmpfs(path: Path, options: str):
-    """A real tmpfs mounted at ``path`` (root only); skips the test where mounting is not permitted."""
-    path.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", options, f"nemoflow-test-{uuid.uuid4().hex[:6]}", str(path)],
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip() or result.returncode})")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 @pytest.fixture
 def registry_env(monkeypatch):
     """Registry credentials unset, settings reloaded around the test."""
@@ -107,3 +90,7 @@ def leftovers(directory: Path) -> list[str]:
     if not directory.exists():
         return []
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    fault_ledger.terminal_summary(terminalreporter)

@@ -216,10 +216,16 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def do_HEAD(self):
-        self._serve(head=True)
+        self._serve_quietly(head=True)
 
     def do_GET(self):
-        self._serve(head=False)
+        self._serve_quietly(head=False)
+
+    def _serve_quietly(self, head: bool) -> None:
+        try:
+            self._serve(head)
+        except (BrokenPipeError, ConnectionResetError):  # the client stopped reading (it gave up, or its disk is full)
+            self._aborted = True
 
     def _serve(self, head: bool) -> None:
         srv = self.server_state

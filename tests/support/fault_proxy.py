@@ -1,0 +1,281 @@
+"""A real HTTP reverse proxy on 127.0.0.1 that injects faults in front of another server (the GCS emulator).
+
+    with FaultProxy(gcs_endpoint) as proxy:
+        proxy.add_faults(r"/download/.*/o/raw%2Fshard", Fault(status=503), Fault(reset_at=100_000))
+        proxy.add_faults(r"/storage/v1/b/[^/]+/o/raw%2Fshard", Fault(status=429, retry_after="1"))
+        # point NEMOFLOW_GCS_ENDPOINT at proxy.url, then download through gcsfs as usual
+        assert proxy.injected_count() == 3
+
+Every request is forwarded to the upstream server unless a fault is queued for it. Faults are
+queued per pattern (a regular expression searched in ``METHOD PATH?QUERY``, e.g. ``GET /download/``)
+and consumed one per matching request, in order, so the n-th attempt's behaviour is fixed. The
+:class:`tests.support.fault_server.Fault` fields mean the same as for the file server:
+
+    status + retry_after   answer this status with a GCS-style JSON error body (and Retry-After)
+    delay                  wait this long before answering (trips the client's read timeout)
+    truncate_at / reset_at forward the answer but close cleanly / reset (TCP RST) after N body bytes
+    stall_at + stall       forward N body bytes, then go silent for ``stall`` seconds
+
+Every request and every fault injected is recorded, for assertions and the faults summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import re
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+from tests.support.fault_server import Fault
+
+# Headers that describe one hop, not the message (RFC 9110 7.6.1): never forwarded.
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"}
+REASONS = {401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Error"}
+
+
+@dataclass
+class Seen:
+    line: str  # "GET /download/...?alt=media"
+    headers: dict[str, str]
+
+
+@dataclass
+class Injected:
+    pattern: str
+    request: str  # "GET /download/..."
+    fault: Fault
+
+
+@dataclass
+class _Queue:
+    pattern: re.Pattern
+    faults: list[Fault] = field(default_factory=list)
+
+
+class FaultProxy:
+    """Forward to ``upstream`` (``http://host:port``) with scripted faults. Use as a context manager."""
+
+    def __init__(self, upstream: str):
+        parts = urlsplit(upstream)
+        self.upstream_host, self.upstream_port = parts.hostname, parts.port or 80
+        self.requests: list[Seen] = []
+        self.injected: list[Injected] = []
+        self._queues: list[_Queue] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._httpd: ThreadingHTTPServer | None = None
+
+    def start(self) -> FaultProxy:
+        handler = type("Handler", (_Handler,), {"proxy": self})
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd.daemon_threads = True
+        threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def __enter__(self) -> FaultProxy:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        assert self._httpd is not None, "proxy not started"
+        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+
+    def add_faults(self, pattern: str, *faults: Fault) -> None:
+        """Queue ``faults`` for the next requests whose ``METHOD PATH?QUERY`` matches ``pattern``."""
+        with self._lock:
+            for queue in self._queues:
+                if queue.pattern.pattern == pattern:
+                    queue.faults.extend(faults)
+                    return
+            self._queues.append(_Queue(re.compile(pattern), list(faults)))
+
+    def pending(self) -> int:
+        """Faults queued but not (yet) injected."""
+        with self._lock:
+            return sum(len(q.faults) for q in self._queues)
+
+    def injected_count(self, pattern: str | None = None) -> int:
+        with self._lock:
+            return sum(1 for i in self.injected if pattern is None or i.pattern == pattern)
+
+    def count(self, pattern: str) -> int:
+        """Requests (faulty or not) whose ``METHOD PATH?QUERY`` matches ``pattern``."""
+        with self._lock:
+            return sum(1 for r in self.requests if re.search(pattern, r.line))
+
+    def seen(self, pattern: str) -> list[Seen]:
+        """The requests whose ``METHOD PATH?QUERY`` matches ``pattern``, in order."""
+        with self._lock:
+            return [r for r in self.requests if re.search(pattern, r.line)]
+
+    def _next(self, line: str, headers: dict[str, str]) -> tuple[str, Fault] | None:
+        with self._lock:
+            self.requests.append(Seen(line, headers))
+            for queue in self._queues:
+                if queue.faults and queue.pattern.search(line):
+                    fault = queue.faults.pop(0)
+                    self.injected.append(Injected(queue.pattern.pattern, line, fault))
+                    return queue.pattern.pattern, fault
+        return None
+
+
+class _Handler(BaseHTTPRequestHandler):
+    proxy: FaultProxy
+    protocol_version = "HTTP/1.0"  # one request per connection: a fault never leaks into the next attempt
+
+    def log_message(self, format, *args):  # noqa: A002 - keep pytest output clean
+        pass
+
+    def do_GET(self):
+        self._relay()
+
+    def do_HEAD(self):
+        self._relay()
+
+    def do_POST(self):
+        self._relay()
+
+    def do_PUT(self):
+        self._relay()
+
+    def do_DELETE(self):
+        self._relay()
+
+    def do_PATCH(self):
+        self._relay()
+
+    def _relay(self) -> None:
+        try:
+            self._answer()
+        except OSError:  # the client gave up (a timeout we caused): nothing to tell it
+            self._aborted = True
+
+    def _answer(self) -> None:
+        proxy = self.proxy
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        hit = proxy._next(f"{self.command} {self.path}", dict(self.headers.items()))
+        fault = hit[1] if hit else Fault()
+        if fault.before is not None:
+            fault.before()
+        if fault.delay and proxy._stop.wait(fault.delay):
+            return
+        if fault.status is not None:
+            self._error(fault)
+            return
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP and k.lower() != "host"}
+        upstream = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=30)
+        try:
+            upstream.request(self.command, self.path, body=body, headers=headers)
+            response = upstream.getresponse()
+            payload = response.read()
+            status, reason, answer_headers = response.status, response.reason, response.getheaders()
+        finally:
+            upstream.close()
+        self.send_response(status, reason)
+        for name, value in answer_headers:
+            if name.lower() not in HOP_BY_HOP and name.lower() != "content-length":
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        if self.command == "HEAD":
+            return
+        cut = next((n for n in (fault.truncate_at, fault.reset_at, fault.stall_at) if n is not None), None)
+        self.wfile.write(payload if cut is None else payload[:cut])
+        if cut is None:
+            return
+        self.wfile.flush()
+        if fault.stall_at is not None:
+            proxy._stop.wait(fault.stall)
+        elif fault.reset_at is not None:
+            # SO_LINGER 0: close() sends RST instead of FIN, as a dropped connection does.
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close_connection = True
+        try:
+            self.connection.close()
+        except OSError:
+            pass
+        self._aborted = True
+
+    def _error(self, fault: Fault) -> None:
+        """A GCS JSON API error answer (what gcsfs parses into its HttpError / OSError)."""
+        messages = {
+            401: "Anonymous caller does not have storage.objects.get access to the Google Cloud Storage object.",
+            403: "nemoflow-test@example.iam.gserviceaccount.com does not have storage.objects.get access.",
+            404: "No such object.",
+            429: "The rate of change requests to the object is too high; slow down.",
+        }
+        code = fault.status
+        body = json.dumps(
+            {"error": {"code": code, "message": messages.get(code, f"{code} injected"), "errors": []}}
+        ).encode()
+        self.send_response(code, REASONS.get(code))
+        if fault.retry_after is not None:
+            self.send_header("Retry-After", fault.retry_after)
+        self.send_header("Content-Type", "application/json; charset=UTF-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def finish(self) -> None:
+        if getattr(self, "_aborted", False):
+            return
+        try:
+            super().finish()
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def gcs_behind(endpoint: str):
+    """A FaultProxy in front of the GCS emulator at ``endpoint``, with NEMOFLOW_GCS_ENDPOINT pointing at it.
+
+    Objects written before (or after, through the proxy) are the emulator's own; afterwards the
+    settings point at the emulator again.
+    """
+    from infra.settings import reload_settings
+
+    with FaultProxy(endpoint) as proxy:
+        os.environ["NEMOFLOW_GCS_ENDPOINT"] = proxy.url
+        reload_settings()
+        try:
+            yield proxy
+        finally:
+            os.environ["NEMOFLOW_GCS_ENDPOINT"] = endpoint
+            reload_settings()
+
+
+@contextlib.contextmanager
+def unresolvable_gcs():
+    """NEMOFLOW_GCS_ENDPOINT on a host name that cannot resolve (``.invalid``, RFC 2606)."""
+    from infra.settings import reload_settings
+
+    old = os.environ.get("NEMOFLOW_GCS_ENDPOINT")
+    os.environ["NEMOFLOW_GCS_ENDPOINT"] = "http://nemoflow-gcs.invalid:9023"
+    reload_settings()
+    try:
+        yield "nemoflow-gcs.invalid"
+    finally:
+        if old is None:
+            os.environ.pop("NEMOFLOW_GCS_ENDPOINT", None)
+        else:
+            os.environ["NEMOFLOW_GCS_ENDPOINT"] = old
+        reload_settings()
