@@ -160,3 +160,10 @@ def kjv_chapters() -> list[str]:
     from workloads.demo_data import kjv_chapters as load
 
     return load()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One table of every fault injected in the session (tests record them with fault_ledger.record)."""
+    from tests.support import fault_ledger
+
+    fault_ledger.terminal_summary(terminalreporter)

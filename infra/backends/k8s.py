@@ -76,6 +76,7 @@ from infra.k8s.manifests import (
     to_dict,
 )
 from infra.k8s.options import K8sOptions
+from infra.retry import RetryPolicy
 from infra.settings import get_settings, redact
 
 RETRY_STATUSES = {429, 500, 502, 503, 504}
@@ -197,19 +198,17 @@ class KubernetesBackend(Backend):
         return self.options.namespace
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call the API, retrying what a busy or restarting API server answers; other errors pass through."""
-        last: Exception | None = None
-        for attempt in range(self.retries + 1):
-            try:
-                return fn(*args, **kwargs)
-            except ApiException as exc:
-                if exc.status not in RETRY_STATUSES:
-                    raise
-                last = exc
-            except (urllib3.exceptions.HTTPError, ConnectionError) as exc:
-                last = exc
-            if attempt < self.retries:
-                time.sleep(min(self.backoff_s * 2**attempt, 30.0))
+        """Call the API, retrying what a busy or restarting API server answers (the shared policy of
+        :mod:`infra.retry`: 429/5xx with Retry-After, dropped connections); other errors pass through."""
+        policy = RetryPolicy(attempts=self.retries + 1, initial=self.backoff_s, maximum=30.0, budget=None)
+        try:
+            return policy.call(fn, *args, **kwargs)
+        except ApiException as exc:
+            if exc.status not in RETRY_STATUSES:
+                raise
+            last: Exception | None = exc
+        except (urllib3.exceptions.HTTPError, ConnectionError) as exc:
+            last = exc
         host = self.api.configuration.host
         if isinstance(last, ApiException):
             raise KubernetesUnavailable(

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import fault_ledger
 from tests.support.fault_server import FaultServer
 
 SHARD = "/train/chunk1/example_train_0.jsonl.zst"
@@ -67,7 +66,3 @@ def hf_token(monkeypatch):
     yield value
     monkeypatch.delenv("HF_TOKEN")
     reload_settings()
-
-
-def pytest_terminal_summary(terminalreporter):
-    fault_ledger.terminal_summary(terminalreporter)

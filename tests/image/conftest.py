@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import fault_ledger
 from tests.support.fault_server import FaultServer
 from tests.support.tmpfs import tmpfs  # noqa: F401 - re-exported for the tests here
 
@@ -90,7 +89,3 @@ def leftovers(directory: Path) -> list[str]:
     if not directory.exists():
         return []
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
-
-
-def pytest_terminal_summary(terminalreporter):
-    fault_ledger.terminal_summary(terminalreporter)
