@@ -91,8 +91,8 @@ def logger():
 def run_job(spec: JobSpec, executor: Any = None) -> JobResult:
     """Run a job where ``executor`` says, streaming its output into the Prefect log; raise on failure.
 
-    The job is labelled with the flow run that submitted it, so it can be found (and cancelled)
-    from the run.
+    The job is labelled with the (root) flow run that submitted it, so it can be found (and
+    cancelled) from the run: Slurm's ``--comment nemoflow:flow-run=ID``, a Kubernetes label.
     """
     log = logger()
     backend = get_backend(executor)
@@ -107,6 +107,8 @@ def run_job(spec: JobSpec, executor: Any = None) -> JobResult:
 
 
 def _flow_run_id() -> str | None:
+    """The run a person started (the root of subflows): cancelling it must reach every job below it."""
     from prefect.runtime import flow_run
 
-    return str(flow_run.id) if flow_run.id else None
+    run_id = flow_run.root_flow_run_id or flow_run.id
+    return str(run_id) if run_id else None

@@ -161,7 +161,8 @@ async def test_cancelling_a_run_kills_its_container(pods, backend):
     spec = JobSpec(name="forever", command=["sh", "-c", "echo up; sleep 600"])
     task = asyncio.ensure_future(run(backend(pods), spec))
     for _ in range(300):
-        if pods.running:
+        # the pod is marked running before podman has the container up: wait for both
+        if pods.running and _containers(pods.kubelet, running_only=True):
             break
         await asyncio.sleep(0.1)
     assert pods.running and _containers(pods.kubelet, running_only=True)

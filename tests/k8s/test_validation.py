@@ -148,13 +148,17 @@ def test_edge_values_accepted_here_pass_strict_schema_validation():
         validate(to_dict(obj))
 
 
-def test_render_refuses_bad_names_and_quantities_writing_nothing(tmp_path, capsys):
+def test_render_refuses_bad_names_and_quantities_writing_nothing(tmp_path, capsys, monkeypatch):
+    from infra.settings import reload_settings
+
+    monkeypatch.setenv("NEMOFLOW_WORK_DIR", "/nemo-workspace/nemoflow")  # a run's paths on the PVC
+    reload_settings()
     out = tmp_path / "out"
     for config, field in [
-        ({"k8s": {"namespace": "Bad_Namespace!"}}, "k8s.namespace 'Bad_Namespace!'"),
-        ({"k8s": {"shm_size": "lots"}}, "k8s.shm_size 'lots'"),
-        ({"k8s": {"pvc_size": "huge"}}, "k8s.pvc_size 'huge'"),
-        ({"mem": "lots"}, "resources.mem 'lots'"),
+        ({"executor": {"kind": "k8s", "namespace": "Bad_Namespace!"}}, "k8s.namespace 'Bad_Namespace!'"),
+        ({"executor": {"kind": "k8s", "shm_size": "lots"}}, "k8s.shm_size 'lots'"),
+        ({"executor": {"kind": "k8s", "pvc_size": "huge"}}, "k8s.pvc_size 'huge'"),
+        ({"train": {"mem": "lots"}}, "resources.mem 'lots'"),
     ]:
         path = tmp_path / "run.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -204,8 +208,13 @@ def test_out_on_a_read_only_file_system_is_one_line(tmp_path, capsys):
             write_manifests([spec], K8sOptions(), str(ro / "manifests"))
         assert "\n" not in str(info.value) and str(ro / "manifests") in str(info.value)
         # through the command line: exit 2, one line, no traceback
+        env = {**os.environ, "NEMOFLOW_WORK_DIR": "/nemo-workspace/nemoflow"}  # a run's paths on the PVC
         proc = subprocess.run(
-            [sys.executable, "-m", "nemoflow", "render", "--out", str(ro)], capture_output=True, text=True, timeout=120
+            [sys.executable, "-m", "nemoflow", "render", "--out", str(ro)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
         )
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
