@@ -66,10 +66,11 @@ from workloads.train_config import (  # noqa: E402 - see above
     parse_blend,
 )
 
-# Test hooks (no effect unless set): raise OOM at a step, pause after a step, die inside a save.
+# Test hooks (no effect unless set): raise OOM at a step, pause after a step, die inside a save, list samples.
 OOM_AT_STEP_ENV = "NEMOFLOW_TRAIN_TEST_OOM_AT_STEP"
 PAUSE_AFTER_STEP_ENV = "NEMOFLOW_TRAIN_TEST_PAUSE_AFTER_STEP"
 CRASH_IN_SAVE_ENV = "NEMOFLOW_TRAIN_TEST_CRASH_IN_SAVE_AT_STEP"
+LOG_SAMPLES_ENV = "NEMOFLOW_TRAIN_TEST_LOG_SAMPLES"  # each rank prints a hash of every sample it trains on
 
 MIXED_PRECISION = "torch.distributed.fsdp.MixedPrecisionPolicy"
 
@@ -323,6 +324,7 @@ def build_recipe(config: TrainConfig, run_dir: Path, cfg: dict, autocast_bf16: b
     oom_at = int(os.environ.get(OOM_AT_STEP_ENV, "-1"))
     pause_after = int(os.environ.get(PAUSE_AFTER_STEP_ENV, "-1"))
     crash_at = int(os.environ.get(CRASH_IN_SAVE_ENV, "-1"))
+    log_samples = bool(os.environ.get(LOG_SAMPLES_ENV))
     tokens_per_step = config.global_batch_size * config.seq_length
 
     class NemoflowPretraining(TrainFinetuneRecipeForNextTokenPrediction):
@@ -343,13 +345,13 @@ def build_recipe(config: TrainConfig, run_dir: Path, cfg: dict, autocast_bf16: b
             done = self.step_scheduler.step + 1
             if done == oom_at:
                 raise torch.OutOfMemoryError("simulated by " + OOM_AT_STEP_ENV)
-            result = super()._run_train_optim_step(batches, max_grad_norm)
-            if done == pause_after:
-                handler = self.step_scheduler.sig_handler
-                deadline = time.monotonic() + 120
-                while not handler._signal_received and time.monotonic() < deadline:
-                    time.sleep(0.05)
-            return result
+            if log_samples:
+                rows = [
+                    hashlib.sha256(row.numpy().tobytes()).hexdigest()[:12] for b in batches for row in b["input_ids"]
+                ]
+                print(f"samples step={done} rank={self.dist_env.rank} {','.join(rows)}", flush=True)
+            self.step_lr = self.optimizer[0].param_groups[0]["lr"]  # the lr this step trains with
+            return super()._run_train_optim_step(batches, max_grad_norm)
 
         # -------------------------------------------------- metrics
         def start_metrics(self) -> None:
@@ -368,25 +370,37 @@ def build_recipe(config: TrainConfig, run_dir: Path, cfg: dict, autocast_bf16: b
             record = {
                 "step": done,
                 "loss": _scalar(m["loss"]),
-                "lr": _scalar(m["lr"]),
+                "lr": self.step_lr,
                 "tokens_per_s": self.window_steps * tokens_per_step / max(now - self.window_start, 1e-9),
                 "grad_norm": _scalar(m["grad_norm"]),
                 "consumed_samples": done * config.global_batch_size,
             }
-            if m.get("mfu") is not None:
-                record["mfu"] = _scalar(m["mfu"])
             if torch.cuda.is_available():
+                if m.get("mfu") is not None:
+                    record["mfu"] = _scalar(m["mfu"])
                 record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
             self.window_start, self.window_steps = now, 0
             if self.metrics is not None:
                 self.metrics.log(record)
             super().log_train_metrics(log_data)  # W&B, AutoModel's own log; resets the peak-memory window
+            if done == pause_after:
+                handler = self.step_scheduler.sig_handler
+                deadline = time.monotonic() + 120
+                while not handler._signal_received and time.monotonic() < deadline:
+                    time.sleep(0.05)
 
         def log_val_metrics(self, val_name, log_data, metric_logger=None):
             self.last_val_loss = _scalar(log_data.metrics["val_loss"])
             if self.metrics is not None and val_name == "default":
                 self.metrics.log({"step": log_data.step + 1, "val_loss": self.last_val_loss})
             super().log_val_metrics(val_name, log_data, metric_logger)
+
+        def _finalize_and_close_checkpointer(self):
+            started = time.perf_counter()
+            super()._finalize_and_close_checkpointer()  # waits for the last async save and publishes it
+            if self.metrics is not None:
+                done = self.step_scheduler.step
+                self.metrics.log({"step": done, "checkpoint_finalize_s": time.perf_counter() - started})
 
         # -------------------------------------------------- checkpoints
         def save_checkpoint(self, epoch, step, train_loss, val_loss=None, best_metric_key="default"):
@@ -398,7 +412,12 @@ def build_recipe(config: TrainConfig, run_dir: Path, cfg: dict, autocast_bf16: b
                     os.kill(os.getpid(), signal.SIGKILL)
 
                 self.checkpointer.save_optimizer = die
+            started = time.perf_counter()
             super().save_checkpoint(epoch, step, train_loss, val_loss, best_metric_key)
+            if self.metrics is not None:
+                # Time the training loop waited for this save (with async saves: staging, and the previous save).
+                self.metrics.log({"step": done, "checkpoint_save_s": time.perf_counter() - started})
+            self.window_start += time.perf_counter() - started  # tokens_per_s measures training steps only
             if self.dist_env.is_main:
                 val = (val_loss or {}).get("default")
                 meta = checkpoint_meta(config, done, None if val is None else _scalar(val), _scalar(train_loss))

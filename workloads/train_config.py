@@ -182,17 +182,18 @@ def describe_validation_error(exc: ValidationError) -> str:
             other.append(f"{where or 'config'}: {error['msg']}")
     parts = []
     if unknown:
+        unknown.sort()
         names = ", ".join(f"'{key}'" for key in unknown)
-        hints = [
-            f"'{key}' -> '{match[0]}'"
+        hints = {
+            key: match[0]
             for key in unknown
             if (match := difflib.get_close_matches(key, list(TrainConfig.model_fields), n=1, cutoff=0.6))
-        ]
+        }
         hint = ""
-        if len(hints) == 1 and len(unknown) == 1:
-            hint = f" (did you mean {hints[0].split(' -> ')[1]}?)"
+        if len(unknown) == 1 and hints:
+            hint = f" (did you mean '{hints[unknown[0]]}'?)"
         elif hints:
-            hint = f" (did you mean {', '.join(hints)}?)"
+            hint = " (did you mean " + ", ".join(f"'{v}' for '{k}'" for k, v in hints.items()) + "?)"
         parts.append(f"unknown TrainConfig key{'s' if len(unknown) > 1 else ''} {names}{hint}")
     parts += other
     return "; ".join(parts)
