@@ -251,24 +251,28 @@ def recipe_config(config: TrainConfig, run_dir: Path, vocab_size: int, world_siz
 
 # ----------------------------------------------------------------------------------------------- output
 class RankPrefixed:
-    """A text stream that starts every line with ``[rank N] `` (all ranks' output reaches one log)."""
+    """A text stream that starts every line with ``[rank N] `` (all ranks' output reaches one log).
+
+    Whole lines go out in one write each, so the lines of ranks sharing a pipe never interleave mid-line.
+    """
 
     def __init__(self, stream, rank: int):
-        self.stream, self.prefix, self.at_line_start = stream, f"[rank {rank}] ", True
+        self.stream, self.prefix, self.pending = stream, f"[rank {rank}] ", ""
         self.lock = threading.Lock()
 
     def write(self, text: str) -> int:
         with self.lock:
-            out = []
-            for piece in text.splitlines(keepends=True):
-                if self.at_line_start:
-                    out.append(self.prefix)
-                out.append(piece)
-                self.at_line_start = piece.endswith("\n")
-            self.stream.write("".join(out))
+            lines = (self.pending + text).split("\n")
+            self.pending = lines.pop()
+            if lines:
+                self.stream.write("".join(f"{self.prefix}{line}\n" for line in lines))
         return len(text)
 
     def flush(self) -> None:
+        with self.lock:
+            if self.pending:
+                self.stream.write(self.prefix + self.pending)
+                self.pending = ""
         self.stream.flush()
 
     def __getattr__(self, name):

@@ -343,13 +343,14 @@ def _engine_limits(config: TrainConfig, cpu: bool) -> list[str]:
         return errors
     if pp > 1:
         errors.append(
-            f"pipeline_model_parallel_size={pp} is not supported by nemoflow's AutoModel trainer (AutoModel pipelines "
-            "only its own model implementations); use tensor_model_parallel_size or more data parallel ranks"
+            f"pipeline_model_parallel_size={pp} is not supported by nemoflow's AutoModel trainer (AutoModel's pipeline "
+            "schedule is not wired in); use tensor_model_parallel_size, context_parallel_size or more data parallel ranks"
         )
     if ep > 1:
         errors.append(
-            f"expert_model_parallel_size={ep} is not supported: AutoModel 0.7 trains Mixtral as the Hugging Face model, "
-            "which it shards with FSDP2 (every rank holds a shard of every expert); set it to 1"
+            f"expert_model_parallel_size={ep} is not supported: AutoModel 0.7 trains Mixtral as the Hugging Face model "
+            "(its expert parallelism covers its own MoE implementations); FSDP2 shards every expert over the ranks "
+            "instead; set it to 1"
         )
     if cp > 1 and config.arch == "mixtral":
         errors.append(
