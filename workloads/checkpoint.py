@@ -139,6 +139,19 @@ def write_meta(consolidated: Path, meta: dict[str, Any], tokenizer_model: str | 
     write_text_atomic(consolidated / META, json.dumps(meta, indent=1, sort_keys=True, default=str))
 
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+def name_architecture(consolidated: Path) -> None:
+    """Fill ``architectures`` in config.json when the export left it null (AutoModel 0.7 does for configs
+    built in memory): transformers infers the class from ``model_type``, but vLLM and TensorRT-LLM read it."""
+    path = consolidated / "config.json"
+    config = json.loads(path.read_text())
+    if not config.get("architectures") and config.get("model_type") in ARCHITECTURES:
+        config["architectures"] = [ARCHITECTURES[config["model_type"]]]
+        write_text_atomic(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     """A complete checkpoint: ``path`` is its consolidated directory (usable wherever a path is)."""

@@ -483,6 +483,7 @@ class CheckpointFinisher:
         try:
             for path in paths:
                 consolidated = ckpt.consolidated_dir(path)
+                ckpt.name_architecture(consolidated)
                 ckpt.write_manifest(consolidated)
                 meta = ckpt.read_meta(consolidated)
                 print(f"saved checkpoint {consolidated} (step {meta.get('step')}, val_loss {meta.get('val_loss')})")
@@ -513,6 +514,7 @@ def complete_interrupted(run_dir: Path, config: TrainConfig) -> None:
             continue
         if not (consolidated / "config.json").exists():
             continue
+        ckpt.name_architecture(consolidated)
         if not (consolidated / ckpt.META).exists():
             step = int(ckpt.STEP_DIR_RE.match(step_dir.name).group(2)) + 1
             losses = step_dir / "losses.json"

@@ -72,6 +72,7 @@ def test_checkpoint_layout_and_manifest(reference_run):
 
     model = AutoModelForCausalLM.from_pretrained(latest.path)
     assert type(model).__name__ == "LlamaForCausalLM"
+    assert json.loads((latest.path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert model.config.vocab_size == 32000 and model.config.num_hidden_layers == 2
     check_checkpoint(latest.path)
     # Pointer-style use keeps working: a CheckpointInfo is a path.
@@ -239,7 +240,7 @@ def test_mixtral_run_reports_to_wandb_only_with_key(tmp_path, train_dataset, ref
     assert "NeMo AutoModel mixtral" in on.stdout
     latest = ckpt.latest_checkpoint(tmp_path / "on")
     saved = json.loads((latest.path / "config.json").read_text())
-    assert saved["model_type"] == "mixtral" and saved["num_local_experts"] == 4
+    assert saved["architectures"] == ["MixtralForCausalLM"] and saved["num_local_experts"] == 4
     from transformers import AutoModelForCausalLM
 
     assert type(AutoModelForCausalLM.from_pretrained(latest.path)).__name__ == "MixtralForCausalLM"
