@@ -275,3 +275,13 @@ def test_continued_pretraining_starts_from_checkpoint_weights(tmp_path, train_da
     assert first["step"] == 1 and first["loss"] < reference_last + 0.5
     meta = ckpt.latest_checkpoint(tmp_path / "cpt").meta
     assert meta["init_from"] == str(source) and meta["step"] == 2
+
+    # reset_optimizer=False continues with the source run's AdamW moments: step 1 (same weights, same
+    # batch) gives the same loss, and the first update then differs from a fresh optimizer's.
+    keep = {**config, "run_dir": str(tmp_path / "keep"), "reset_optimizer": False}
+    proc = run_trainer(write_config(keep, tmp_path / "keep.json"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "(reset_optimizer=False)" in proc.stdout
+    fresh = [m["loss"] for m in read_metrics(tmp_path / "cpt") if "loss" in m]
+    kept = [m["loss"] for m in read_metrics(tmp_path / "keep") if "loss" in m]
+    assert kept[0] == fresh[0] and kept[1] != pytest.approx(fresh[1], abs=1e-6)
