@@ -17,7 +17,8 @@ supports them). The training loop, optimizer, schedule, checkpointing and resume
 AutoModel's; this module adds what the pipeline needs around them:
 
 * ``<run_dir>/metrics.jsonl`` (rank 0): one JSON object per logged step
-  (step, loss, lr, tokens_per_s, grad_norm, ...) and per validation (step, val_loss);
+  (step, loss, lr, tokens_per_s, grad_norm, consumed_samples; on GPUs mfu and peak_mem_gib),
+  per validation (step, val_loss) and per save (step, checkpoint_save_s: how long it blocked);
 * checkpoints every ``ckpt_every_n_steps`` as consolidated safetensors that
   transformers loads as they are, completed by rank 0 with tokenizer.model, meta.json
   and MANIFEST.json, and pruned to ``save_top_k`` (layout: workloads/checkpoint.py);
