@@ -1,22 +1,29 @@
-"""The checkpoint format: one directory per step, complete or absent.
+"""The checkpoint layout: NeMo AutoModel's checkpoints, plus what nemoflow's stages read from them.
 
-Layout (serving and the continued-pretraining refresh read it; keep it)::
+Layout (the trainer writes it; validation, serving and the continued-pretraining
+refresh read the consolidated directory, which is the checkpoint they are handed)::
 
-    <run_dir>/checkpoints/step-000050/
-        config.json, model.safetensors   transformers save_pretrained (AutoModelForCausalLM.from_pretrained loads it)
-        tokenizer.model                  copy of the sentencepiece model the data was tokenized with
-        trainer_state.pt                 optimizer state, step, consumed_samples, RNG states (torch.load)
-        meta.json                        step, val_loss, train_loss, consumed_samples, tokens_seen, arch,
-                                         data_prefix, split, seq_length, seed, init_from
-        MANIFEST.json                    written LAST: {"files": {name: {"size", "sha256"}}}
-    <run_dir>/checkpoints/latest         text: the name of the newest complete checkpoint
-    <run_dir>/checkpoints/best           text: the name of the checkpoint with the lowest val_loss
+    <run_dir>/checkpoints/                      AutoModel's checkpoint_dir
+        epoch_0_step_49/                        one AutoModel checkpoint, taken after 50 optimizer steps
+            model/consolidated/                 THE checkpoint nemoflow hands on (CheckpointInfo.path):
+                config.json, generation_config.json,
+                model-0000i-of-0000n.safetensors,
+                model.safetensors.index.json    AutoModel's consolidated Hugging Face export
+                                                (AutoModelForCausalLM.from_pretrained loads it as it is)
+                tokenizer.model                 copy of the sentencepiece model the data was tokenized with
+                meta.json                       step, val_loss, train_loss, consumed_samples, tokens_seen, arch,
+                                                data_prefix, split, seq_length, seed, init_from, world_size
+                MANIFEST.json                   written LAST: {"files": {name: {"size", "sha256"}}}
+            model/shard-*.safetensors, optim/, dataloader/, rng/, step_scheduler.pt, losses.json, config.yaml
+                                                AutoModel's resume state (sharded per rank; resume is automatic)
+        LATEST, LOWEST_VAL                      AutoModel's pointers (symlinks)
 
-A checkpoint is written into ``.tmp-step-*`` beside its final name and renamed
-into place once MANIFEST.json is written and everything is fsynced, so a
-crash never leaves a partial directory under a ``step-*`` name. ``latest`` and
-``best`` are replaced atomically (write a temporary file, ``os.replace``).
-This module imports torch lazily: the Prefect tasks read checkpoints with it.
+A checkpoint is *complete* once MANIFEST.json is in its consolidated directory.
+AutoModel writes each checkpoint under an ``.incomplete`` marker and publishes it
+(marker removed, LATEST moved) only when every rank's files are written; rank 0
+then adds tokenizer.model and meta.json and writes MANIFEST.json atomically, so a
+crash at any point leaves no directory that :func:`list_checkpoints` reports.
+This module imports neither torch nor AutoModel: the Prefect tasks read checkpoints with it.
 """
 
 from __future__ import annotations
@@ -31,10 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-STEP_RE = re.compile(r"^step-(\d{6,})$")
+STEP_DIR_RE = re.compile(r"^epoch_(\d+)_step_(\d+)$")
+CONSOLIDATED = Path("model") / "consolidated"
 MANIFEST = "MANIFEST.json"
 META = "meta.json"
-TRAINER_STATE = "trainer_state.pt"
+TOKENIZER = "tokenizer.model"
 TMP_PREFIX = ".tmp-"
 
 
@@ -42,8 +50,13 @@ def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def step_name(step: int) -> str:
-    return f"step-{step:06d}"
+def step_dir_name(step: int, epoch: int = 0) -> str:
+    """AutoModel's directory for the checkpoint taken after ``step`` optimizer steps (it counts from 0)."""
+    return f"epoch_{epoch}_step_{step - 1}"
+
+
+def consolidated_dir(step_dir: str | os.PathLike) -> Path:
+    return Path(step_dir) / CONSOLIDATED
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
@@ -62,25 +75,31 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, fsync, rename over ``path``."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_manifest(directory: Path) -> dict[str, Any]:
-    """Size and sha256 of every file in ``directory`` (MANIFEST.json itself excluded)."""
+    """Size and sha256 of every file in ``directory`` (MANIFEST.json itself excluded), written atomically."""
     files = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
+        if path.name.startswith(TMP_PREFIX):
+            continue
+        with open(path, "rb") as fh:
+            os.fsync(fh.fileno())
         files[path.relative_to(directory).as_posix()] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-    manifest = {"format": "nemoflow-checkpoint/1", "files": files}
-    with open(directory / MANIFEST, "w", encoding="utf-8") as fh:
-        json.dump(manifest, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
+    manifest = {"format": "nemoflow-checkpoint/2", "files": files}
+    write_text_atomic(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    _fsync_dir(directory)
     return manifest
 
 
@@ -110,78 +129,48 @@ def verify_manifest(directory: str | os.PathLike) -> list[str]:
     return problems
 
 
-def save_checkpoint(
-    run_dir: str | os.PathLike,
-    step: int,
-    model,
-    trainer_state: dict[str, Any],
-    meta: dict[str, Any],
-    tokenizer_model: str | None = None,
-    crash_hook=None,
-) -> Path:
-    """Write a complete checkpoint for ``step`` and point ``latest`` at it; returns its directory.
+def write_meta(consolidated: Path, meta: dict[str, Any], tokenizer_model: str | None) -> None:
+    """tokenizer.model and meta.json into a consolidated directory (before its manifest)."""
+    consolidated.mkdir(parents=True, exist_ok=True)
+    if tokenizer_model:
+        tmp = consolidated / f"{TMP_PREFIX}{TOKENIZER}"
+        shutil.copyfile(tokenizer_model, tmp)
+        os.replace(tmp, consolidated / TOKENIZER)
+    write_text_atomic(consolidated / META, json.dumps(meta, indent=1, sort_keys=True, default=str))
 
-    ``crash_hook(tmp_dir)`` runs just before the manifest is written (tests
-    kill the process there to prove a half-written checkpoint stays invisible).
-    """
-    import torch
 
-    root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / step_name(step)
-    tmp = root / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer_model:
-            shutil.copyfile(tokenizer_model, tmp / "tokenizer.model")
-        torch.save(trainer_state, tmp / TRAINER_STATE)
-        (tmp / META).write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
-        if crash_hook is not None:
-            crash_hook(tmp)
-        for path in tmp.rglob("*"):
-            if path.is_file():
-                with open(path, "rb+") as fh:
-                    os.fsync(fh.fileno())
-        write_manifest(tmp)
-        _fsync_dir(tmp)
-        if final.exists():
-            # Re-saving a step (a run stopped right after a checkpoint): swap the old one out first.
-            old = root / f"{TMP_PREFIX}old-{final.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _write_text_atomic(root / "latest", final.name + "\n")
-    return final
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+def name_architecture(consolidated: Path) -> None:
+    """Fill ``architectures`` in config.json when the export left it null (AutoModel 0.7 does for configs
+    built in memory): transformers infers the class from ``model_type``, but vLLM and TensorRT-LLM read it."""
+    path = consolidated / "config.json"
+    config = json.loads(path.read_text())
+    if not config.get("architectures") and config.get("model_type") in ARCHITECTURES:
+        config["architectures"] = [ARCHITECTURES[config["model_type"]]]
+        write_text_atomic(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 @dataclass(frozen=True)
 class CheckpointInfo:
+    """A complete checkpoint: ``path`` is its consolidated directory (usable wherever a path is)."""
+
     path: Path
     step: int
     val_loss: float | None
     meta: dict[str, Any]
 
+    @property
+    def step_dir(self) -> Path:
+        """AutoModel's checkpoint directory (resume state) that holds this one."""
+        return self.path.parent.parent
 
-def list_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointInfo]:
-    """Complete checkpoints (with a manifest), oldest first; temporary directories are ignored."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in root.iterdir():
-        match = STEP_RE.match(entry.name)
-        if not match or not (entry / MANIFEST).exists():
-            continue
-        meta = read_meta(entry)
-        found.append(CheckpointInfo(entry, int(match.group(1)), meta.get("val_loss"), meta))
-    return sorted(found, key=lambda c: c.step)
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
 
 
 def read_meta(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
@@ -189,16 +178,32 @@ def read_meta(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint ``latest`` names (it must be complete), else the newest complete one."""
+def step_dirs(run_dir: str | os.PathLike) -> list[Path]:
+    """AutoModel checkpoint directories (complete or not), oldest step first."""
     root = checkpoints_dir(run_dir)
-    pointer = root / "latest"
-    if pointer.exists():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / MANIFEST).exists():
-            return candidate
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_DIR_RE.match(p.name) and p.is_dir() and not p.is_symlink()]
+    return sorted(found, key=lambda p: tuple(int(x) for x in STEP_DIR_RE.match(p.name).groups()))
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointInfo]:
+    """Complete checkpoints (manifest written), oldest first."""
+    found = []
+    for step_dir in step_dirs(run_dir):
+        consolidated = consolidated_dir(step_dir)
+        if not (consolidated / MANIFEST).exists():
+            continue
+        meta = read_meta(consolidated)
+        step = meta.get("step", int(STEP_DIR_RE.match(step_dir.name).group(2)) + 1)
+        found.append(CheckpointInfo(consolidated, int(step), meta.get("val_loss"), meta))
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> CheckpointInfo | None:
+    """The newest complete checkpoint."""
     complete = list_checkpoints(run_dir)
-    return complete[-1].path if complete else None
+    return complete[-1] if complete else None
 
 
 def best_checkpoint(run_dir: str | os.PathLike) -> CheckpointInfo | None:
@@ -212,58 +217,28 @@ def best_checkpoint(run_dir: str | os.PathLike) -> CheckpointInfo | None:
     return min(scored, key=lambda c: (c.val_loss, -c.step))
 
 
-def prune_checkpoints(run_dir: str | os.PathLike, save_top_k: int) -> list[Path]:
-    """Keep the best ``save_top_k`` by val_loss plus the latest; delete the rest; update ``best``.
+def prune_checkpoints(run_dir: str | os.PathLike, save_top_k: int, protect: set[Path] | None = None) -> list[Path]:
+    """Keep the best ``save_top_k`` complete checkpoints by val_loss plus the latest; delete the rest.
 
-    Without validation losses the newest ``save_top_k`` are kept. Temporary
-    directories left by a crash are removed too. Returns the deleted paths.
+    Without validation losses the newest ``save_top_k`` are kept; -1 keeps all.
+    Only complete checkpoints are considered, so a checkpoint still being written
+    (or published but not yet manifested) is never touched; ``protect`` names
+    AutoModel step directories that must stay (its LATEST target). Returns the deleted
+    AutoModel step directories.
     """
-    root = checkpoints_dir(run_dir)
     complete = list_checkpoints(run_dir)
-    deleted: list[Path] = []
-    if not complete:
-        return deleted
-    best = best_checkpoint(run_dir)
-    if best is not None:
-        _write_text_atomic(root / "best", best.path.name + "\n")
-    if save_top_k < 0:
-        keep = {c.path for c in complete}
-    else:
-        scored = sorted((c for c in complete if c.val_loss is not None), key=lambda c: (c.val_loss, -c.step))
-        unscored = sorted((c for c in complete if c.val_loss is None), key=lambda c: -c.step)
-        keep = {c.path for c in (scored + unscored)[:save_top_k]}
-        latest = latest_checkpoint(run_dir)
-        if latest is not None:
-            keep.add(latest)
-        if best is not None:
-            keep.add(best.path)
+    if save_top_k < 0 or not complete:
+        return []
+    scored = sorted((c for c in complete if c.val_loss is not None), key=lambda c: (c.val_loss, -c.step))
+    unscored = sorted((c for c in complete if c.val_loss is None), key=lambda c: -c.step)
+    keep = {c.step_dir for c in (scored + unscored)[: max(save_top_k, 1)]}
+    keep.add(complete[-1].step_dir)
+    keep |= {Path(p) for p in (protect or set())}
+    deleted = []
     for info in complete:
-        if info.path not in keep:
-            shutil.rmtree(info.path)
-            deleted.append(info.path)
-    for entry in root.iterdir():
-        if entry.name.startswith(TMP_PREFIX) and entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
+        if info.step_dir not in keep:
+            # Drop the manifest first: a crash half-way leaves an incomplete (ignored) directory.
+            (info.path / MANIFEST).unlink(missing_ok=True)
+            shutil.rmtree(info.step_dir, ignore_errors=True)
+            deleted.append(info.step_dir)
     return deleted
-
-
-def load_trainer_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
-    import torch
-
-    # Our own file (optimizer tensors, RNG states, numbers): not an untrusted download.
-    return torch.load(Path(checkpoint_dir) / TRAINER_STATE, map_location="cpu", weights_only=False)
-
-
-def load_weights(model, checkpoint_dir: str | os.PathLike) -> None:
-    """Load ``model.safetensors`` into an already built model (strict: every tensor must match)."""
-    from safetensors.torch import load_file
-
-    path = Path(checkpoint_dir) / "model.safetensors"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: not a complete checkpoint")
-    state = load_file(path)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise ValueError(f"{path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")

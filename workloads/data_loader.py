@@ -25,9 +25,15 @@ class DatasetMissingError(FileNotFoundError):
 
 
 class SentencePieceInfo:
-    """What GPTDatasetConfig asks of a tokenizer (eod, pad, vocab_size, unique_identifiers)."""
+    """What a Megatron GPT dataset asks of a tokenizer, for megatron-core (eod, pad, vocab_size,
+    unique_identifiers) and for NeMo AutoModel's copy (name_or_path, eos_token_id, pad_token_id).
 
-    def __init__(self, model_path: str):
+    The data is already tokenized, so no text is ever encoded here; a real Hugging Face
+    tokenizer built from the .model would also need a protobuf that AutoModel's CUDA
+    kernels' dependencies (protobuf<7) and transformers' sentencepiece converter disagree on.
+    """
+
+    def __init__(self, model_path: str, **_ignored):
         import sentencepiece
 
         if not os.path.exists(model_path):
@@ -40,6 +46,19 @@ class SentencePieceInfo:
         self.pad = sp.pad_id()
         self.bos = sp.bos_id()
         self.unique_identifiers = {"class": "SentencePieceInfo", "model": os.path.abspath(model_path)}
+        self.name_or_path = os.path.abspath(model_path)
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.eod
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.pad
+
+    @property
+    def bos_token_id(self) -> int:
+        return self.bos
 
 
 def check_prefixes(blend: list) -> list[str]:

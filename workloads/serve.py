@@ -282,6 +282,10 @@ class Engine:
             )
         self.context_length = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         self.sp, self.model = sp, model
+        # The KV cache argument is `past_key_values` up to transformers 5.18 (NeMo AutoModel's pin), `cache` later.
+        import inspect
+
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         params = sum(p.numel() for p in model.parameters())
         log.info(
             "loaded %s (%s, %.1fM parameters, context %d) in %.1fs",
@@ -314,8 +318,8 @@ class Engine:
             # go away mid-answer (the generator is then abandoned, not resumed), and each
             # step may run on a different thread of the pool.
             with self.lock, torch.inference_mode():
-                out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-                cache = out.cache
+                out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{self.cache_arg: cache})
+                cache = getattr(out, self.cache_arg)
                 next_id = self._pick(out.logits[0, -1].float(), params, generator)
             if next_id == eos:
                 finish, hit_eos = "stop", True

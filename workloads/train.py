@@ -1,166 +1,303 @@
-"""Pretrain (or continue pretraining) a small Llama / Mixtral on a prepared Megatron dataset.
+"""Pretrain (or continue pretraining) a Llama / Mixtral with NVIDIA NeMo AutoModel, on every GPU of every node.
 
-    python -m workloads.train --config run.json
+    python -m workloads.train --config run.json                        # one process (CPU demo, one GPU)
+    python -m torch.distributed.run --nproc-per-node 8 -m workloads.train --config run.json
+    srun python -m torch.distributed.run --nnodes $N --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint $HEAD:29500 -m workloads.train --config run.json   # one srun task per node
 
-``run.json`` is a :class:`workloads.train_config.TrainConfig`. The model is a
-transformers ``LlamaForCausalLM`` / ``MixtralForCausalLM`` with seeded random
-weights; data comes from the NeMo blend through megatron-core's
-``GPTDataset``; the loop below is the whole trainer: gradient accumulation,
-AdamW, warmup + cosine schedule, gradient clipping, periodic validation and
-checkpoints (see workloads/checkpoint.py for the layout).
+``run.json`` is a :class:`workloads.train_config.TrainConfig` (NeMo names; an unknown
+key is an error naming it). :func:`recipe_config` maps it onto NeMo AutoModel's
+pretraining recipe (``TrainFinetuneRecipeForNextTokenPrediction``): the model is a
+Hugging Face ``LlamaForCausalLM`` / ``MixtralForCausalLM`` built from its config (or
+loaded from ``init_from`` to continue pretraining), the data is AutoModel's Megatron-Core
+dataset (``MegatronPretraining``) over the NeMo blend prepare-dataset writes (weights,
+prefixes, split, seed), sharded over the data-parallel ranks by Megatron's sequential
+sampler, and the model is sharded with FSDP2 (tensor / context parallel where AutoModel
+supports them). The training loop, optimizer, schedule, checkpointing and resume are
+AutoModel's; this module adds what the pipeline needs around them:
 
-Started again with the same ``run_dir`` it resumes from ``checkpoints/latest``:
-weights, optimizer, step, consumed samples and RNG states, so the loss curve
-continues exactly where an uninterrupted run would be (bit-identical on CPU).
-SIGTERM / SIGUSR1 (Slurm pre-emption) save a checkpoint and exit 76.
+* ``<run_dir>/metrics.jsonl`` (rank 0): one JSON object per logged step
+  (step, loss, lr, tokens_per_s, grad_norm, consumed_samples; on GPUs mfu and peak_mem_gib),
+  per validation (step, val_loss) and per save (step, checkpoint_save_s: how long it blocked);
+* checkpoints every ``ckpt_every_n_steps`` as consolidated safetensors that
+  transformers loads as they are, completed by rank 0 with tokenizer.model, meta.json
+  and MANIFEST.json, and pruned to ``save_top_k`` (layout: workloads/checkpoint.py);
+* resume: started again on the same ``run_dir`` (a retry, a Slurm requeue, a
+  pre-empted job) AutoModel restores weights, optimizer, schedule, RNG and the data
+  loader's position from the latest checkpoint, so the data order continues exactly;
+* SIGTERM / SIGUSR1: a checkpoint at the next step boundary, then exit 76;
+* W&B through AutoModel when ``WANDB_API_KEY`` is set (``WANDB_PROJECT``, default nemoflow);
+* every rank's output prefixed with ``[rank N]`` when there is more than one.
+
+Numerics (``precision``): ``bf16-mixed`` (default, as NeMo recipes) keeps fp32 master
+weights and fp32 AdamW state and computes in bf16 (FSDP2's mixed-precision policy on
+several GPUs; autocast on one GPU, where AutoModel skips FSDP2 and so its policy); on
+CPU everything is fp32.
 
 Exit codes: 0 done, 2 bad configuration / missing data / unwritable run_dir,
-75 out of memory, 76 stopped by a signal after saving.
+75 out of memory, 76 stopped by a signal after saving a checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
-import math
 import os
-import random
 import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
 
-# megatron-core warns at import that Apex / Transformer Engine are absent; we use neither.
+# megatron-core / megatron-fsdp warn at import that Apex / Transformer Engine are absent; neither is used.
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
-import numpy as np  # noqa: E402 - after the warnings filter, which must precede megatron's import
-import torch  # noqa: E402 - see numpy's import
-import torch.nn.functional as F  # noqa: E402 - see numpy's import
-
-from workloads import checkpoint as ckpt  # noqa: E402 - see numpy's import
-from workloads.data_loader import DatasetMissingError, build_datasets, check_prefixes, get_batch  # noqa: E402 - see numpy's import
-from workloads.train_config import (  # noqa: E402 - see numpy's import
+from workloads import checkpoint as ckpt  # noqa: E402 - after the warnings filter
+from workloads.data_loader import DatasetMissingError, SentencePieceInfo, check_prefixes  # noqa: E402 - see above
+from workloads.train_config import (  # noqa: E402 - see above
+    EXIT_BAD_CONFIG,
     EXIT_OUT_OF_MEMORY,
     EXIT_PREEMPTED,
     ParallelismError,
     TrainConfig,
     check_parallelism,
-    lr_at,
+    load_train_config,
+    parse_blend,
 )
 
-EXIT_BAD_CONFIG = 2
-# Test hooks (no effect unless set): raise OOM at a step, pause after a step, die inside a save.
+# Test hooks (no effect unless set): raise OOM at a step, pause after a step, die inside a save, list samples.
 OOM_AT_STEP_ENV = "NEMOFLOW_TRAIN_TEST_OOM_AT_STEP"
 PAUSE_AFTER_STEP_ENV = "NEMOFLOW_TRAIN_TEST_PAUSE_AFTER_STEP"
 CRASH_IN_SAVE_ENV = "NEMOFLOW_TRAIN_TEST_CRASH_IN_SAVE_AT_STEP"
+LOG_SAMPLES_ENV = "NEMOFLOW_TRAIN_TEST_LOG_SAMPLES"  # each rank prints a hash of every sample it trains on
+
+MIXED_PRECISION = "torch.distributed.fsdp.MixedPrecisionPolicy"
 
 
-def build_model(config: TrainConfig, vocab_size: int, seed: int):
-    """A randomly initialised (seeded) Llama or Mixtral of the configured size."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
-    from transformers.utils import logging as hf_logging
+class LaunchError(ValueError):
+    """The processes started do not match what the configuration asks for."""
 
-    # save_pretrained's progress bars would flood the Prefect log at every checkpoint.
-    hf_logging.disable_progress_bar()
 
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.ffn_hidden_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.kv_heads,
-        max_position_embeddings=config.seq_length,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(seed)
+def launch_world() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) as torchrun sets them; (0, 0, 1) for a plain ``python -m``."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+# ----------------------------------------------------------------------------------------------- config mapping
+def hf_model_config(config: TrainConfig, vocab_size: int) -> dict:
+    """The transformers config (as an AutoModel ``_target_`` node) of the model TrainConfig describes."""
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.kv_heads,
+        "max_position_embeddings": config.seq_length,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
     if config.arch == "mixtral":
-        model_config = MixtralConfig(
-            num_local_experts=config.experts, num_experts_per_tok=config.moe_router_topk, **common
-        )
-        return MixtralForCausalLM(model_config)
-    return LlamaForCausalLM(LlamaConfig(**common))
+        return {
+            "_target_": "transformers.MixtralConfig",
+            "num_local_experts": config.experts,
+            "num_experts_per_tok": config.moe_router_topk,
+            **common,
+        }
+    return {"_target_": "transformers.LlamaConfig", **common}
 
 
-def lm_loss(model, tokens, labels, loss_mask) -> torch.Tensor:
-    """Mean next-token cross-entropy over unmasked positions (+ the MoE load-balancing loss)."""
-    moe = hasattr(model.config, "num_local_experts")
-    out = model(input_ids=tokens, output_router_logits=True) if moe else model(input_ids=tokens)
-    per_token = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), reduction="none")
-    loss = (per_token * loss_mask.flatten()).sum() / loss_mask.sum().clamp(min=1)
-    if moe and model.training and out.aux_loss is not None:
-        loss = loss + model.config.router_aux_loss_coef * out.aux_loss
-    return loss
+def _dtypes(config: TrainConfig, cuda: bool) -> tuple[str, str]:
+    """(weights dtype, FSDP2 compute dtype) for ``precision`` on this device."""
+    if not cuda or config.precision == "32":
+        return "float32", "float32"
+    if config.precision == "bf16":
+        return "bfloat16", "bfloat16"
+    return "float32", "bfloat16"  # bf16-mixed: fp32 master weights and optimizer state, bf16 compute
 
 
-@torch.no_grad()
-def evaluate(model, dataset, batches: int, batch_size: int, device, autocast) -> float:
-    """Mean loss over the first ``batches`` batches of ``dataset``: the same samples every time."""
-    was_training = model.training
-    model.eval()
-    losses = []
-    for b in range(batches):
-        tokens, labels, mask = (t.to(device) for t in get_batch(dataset, b * batch_size, batch_size))
-        with autocast():
-            losses.append(lm_loss(model, tokens, labels, mask).item())
-    model.train(was_training)
-    return sum(losses) / len(losses)
+def recipe_config(config: TrainConfig, run_dir: Path, vocab_size: int, world_size: int, cuda: bool) -> dict:
+    """TrainConfig as NeMo AutoModel's recipe config (the dict its YAML files hold).
+
+    The mapping, NeMo name -> AutoModel key: global_batch_size / micro_batch_size ->
+    step_scheduler.global_batch_size / local_batch_size; max_steps (or max_tokens) ->
+    step_scheduler.max_steps; val_check_interval -> val_every_steps; ckpt_every_n_steps ->
+    ckpt_every_steps; data_prefix / split / seed / seq_length -> MegatronPretraining paths /
+    split / seed / seq_length (validation: the same blend's validation split, or
+    valid_data_prefix, limit_val_batches global batches); lr / min_lr / warmup_steps /
+    lr_schedule -> lr_scheduler (warmup from 0 like Megatron); weight_decay / adam_beta* ->
+    AdamW; gradient_clip_val -> clip_grad_norm.max_norm; tensor / context parallel ->
+    distributed.tp_size / cp_size (FSDP2 takes the rest of the world as data parallel).
+    """
+    weights_dtype, compute_dtype = _dtypes(config, cuda)
+    total = config.total_steps
+    gbs, mbs = config.global_batch_size, config.micro_batch_size
+    if config.init_from:
+        model = {
+            "_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained",
+            "pretrained_model_name_or_path": str(config.init_from),
+            "torch_dtype": weights_dtype,
+        }
+    else:
+        model = {
+            "_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_config",
+            "config": hf_model_config(config, vocab_size),
+            "torch_dtype": weights_dtype,
+        }
+    if config.arch == "mixtral":
+        model["force_hf"] = True  # AutoModel 0.7 has no own Mixtral: the transformers model, sharded by FSDP2
+
+    def paths(blend: list) -> list[str]:
+        prefixes, weights = parse_blend(blend)
+        return prefixes if weights is None else [x for w, p in zip(weights, prefixes) for x in (str(w), p)]
+
+    def dataset(blend: list | dict, split_name: str, **extra) -> dict:
+        return {
+            "_target_": "nemo_automodel.components.datasets.llm.megatron_dataset.MegatronPretraining",
+            "paths": {k: paths(v) for k, v in blend.items()} if isinstance(blend, dict) else paths(blend),
+            "seq_length": config.seq_length,
+            "seed": config.seed,
+            "split": config.split,
+            "splits_to_build": split_name,
+            "index_mapping_dir": str(run_dir / "index-cache"),
+            "tokenizer": {"_target_": "workloads.data_loader.SentencePieceInfo", "model_path": config.tokenizer_model},
+            **extra,
+        }
+
+    cfg: dict = {
+        "seed": config.seed,
+        "dist_env": {"backend": "nccl" if cuda else "gloo", "timeout_minutes": 10},
+        "model": model,
+        "dataset": dataset(config.data_prefix, "train"),
+        "dataloader": {"dataloader_type": "single"},
+        "step_scheduler": {
+            "global_batch_size": gbs,
+            "local_batch_size": mbs,
+            "max_steps": total,
+            "num_epochs": 1,
+            "ckpt_every_steps": config.ckpt_every_n_steps,
+            "val_every_steps": config.val_check_interval,
+            "log_remote_every_steps": config.log_every_n_steps,
+            "preemption_signal": ["SIGTERM", "SIGUSR1"],
+        },
+        "checkpoint": {
+            "enabled": True,
+            "checkpoint_dir": str(ckpt.checkpoints_dir(run_dir)),
+            "model_save_format": "safetensors",
+            "save_consolidated": "every",
+            # Background DCP writes and consolidation on GPUs; on CPU the save is small and synchronous.
+            "is_async": bool(config.ckpt_async_save and cuda),
+        },
+        "distributed": {
+            "strategy": "fsdp2",
+            "dp_size": None,
+            "tp_size": config.tensor_model_parallel_size,
+            "cp_size": config.context_parallel_size,
+            "sequence_parallel": False,
+            "activation_checkpointing": config.activation_checkpointing,
+            "enable_compile": config.enable_compile,
+            "mp_policy": {
+                "_target_": MIXED_PRECISION,
+                "param_dtype": compute_dtype,
+                "reduce_dtype": "float32",
+                "output_dtype": None,
+                "cast_forward_inputs": False,
+            },
+        },
+        "loss_fn": {"_target_": "nemo_automodel.components.loss.masked_ce.MaskedCrossEntropy"},
+        "optimizer": {
+            "_target_": "torch.optim.AdamW",
+            "lr": config.lr,
+            "betas": [config.adam_beta1, config.adam_beta2],
+            "weight_decay": config.weight_decay,
+            "eps": 1e-8,
+            **({"fused": True} if cuda else {}),
+        },
+        "lr_scheduler": {
+            "lr_decay_style": "constant" if config.lr_schedule == "constant" else "cosine",
+            # AutoModel asserts warmup < decay steps; the last step of a run that is all warmup decays.
+            "lr_warmup_steps": min(config.warmup_steps, total - 1),
+            "lr_decay_steps": total,
+            "init_lr": 0.0,
+            "max_lr": config.lr,
+            "min_lr": config.min_lr if config.lr_schedule == "cosine" else config.lr,
+        },
+        "clip_grad_norm": {"max_norm": config.gradient_clip_val},
+    }
+    if config.limit_val_batches > 0:
+        num_val = config.limit_val_batches * gbs
+        if config.valid_data_prefix:
+            # A separate validation blend: Megatron's blend_per_split (the split string is then unused).
+            cfg["validation_dataset"] = dataset(
+                {"train": config.data_prefix, "validation": config.valid_data_prefix},
+                "validation",
+                num_val_samples=num_val,
+            )
+        else:
+            cfg["validation_dataset"] = dataset(config.data_prefix, "validation", num_val_samples=num_val)
+        cfg["validation_dataloader"] = {"dataloader_type": "single"}
+    if os.environ.get("WANDB_API_KEY"):
+        cfg["wandb"] = {
+            "project": os.environ.get("WANDB_PROJECT", "nemoflow"),
+            "name": run_dir.name,
+            "id": hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12],
+            "resume": "allow",
+            "dir": str(run_dir),
+        }
+    return cfg
 
 
-def make_optimizer(model, config: TrainConfig) -> torch.optim.AdamW:
-    # Like NeMo: no weight decay on biases and norm weights (1-D tensors).
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.lr,
-        betas=(config.adam_beta1, config.adam_beta2),
-    )
+# ----------------------------------------------------------------------------------------------- output
+class RankPrefixed:
+    """A text stream that starts every line with ``[rank N] `` (all ranks' output reaches one log).
 
+    Whole lines go out in one write each, so the lines of ranks sharing a pipe never interleave mid-line.
+    """
 
-def rng_states() -> dict:
-    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
+    def __init__(self, stream, rank: int):
+        self.stream, self.prefix, self.pending = stream, f"[rank {rank}] ", ""
+        self.lock = threading.Lock()
 
+    def write(self, text: str) -> int:
+        with self.lock:
+            lines = (self.pending + text).split("\n")
+            self.pending = lines.pop()
+            if lines:
+                self.stream.write("".join(f"{self.prefix}{line}\n" for line in lines))
+        return len(text)
 
-def set_rng_states(states: dict) -> None:
-    torch.set_rng_state(states["torch"])
-    np.random.set_state(states["numpy"])
-    random.setstate(states["python"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    def flush(self) -> None:
+        with self.lock:
+            if self.pending:
+                self.stream.write(self.prefix + self.pending)
+                self.pending = ""
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 class MetricsLog:
-    """metrics.jsonl (one JSON object per line), stdout lines, and W&B when a key is set."""
+    """metrics.jsonl (one JSON object per line) and a short stdout line per record; rank 0 only."""
 
-    def __init__(self, run_dir: Path, config: TrainConfig, resume_step: int):
+    def __init__(self, run_dir: Path, resume_step: int):
         self.path = run_dir / "metrics.jsonl"
         if self.path.exists():
             # A killed run may have logged steps past its last checkpoint; they are redone now.
             kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_step]
-            tmp = self.path.with_name(".tmp-metrics.jsonl")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
+            ckpt.write_text_atomic(self.path, "".join(line + "\n" for line in kept))
         self.fh = open(self.path, "a", encoding="utf-8")
-        self.wandb = _start_wandb(config, run_dir)
 
     def log(self, record: dict) -> None:
         self.fh.write(json.dumps(record) + "\n")
         self.fh.flush()
         print(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), flush=True)
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
     def close(self) -> None:
         self.fh.close()
-        if self.wandb is not None:
-            self.wandb.finish()
 
 
 def _step_of(line: str) -> int:
@@ -176,39 +313,220 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def _start_wandb(config: TrainConfig, run_dir: Path):
-    if not os.environ.get("WANDB_API_KEY"):
-        return None
-    try:
-        import wandb
-    except ImportError:
-        print("warning: WANDB_API_KEY is set but wandb is not installed; metrics go to metrics.jsonl only", flush=True)
-        return None
-    import hashlib
-
-    run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
-    return wandb.init(
-        project=os.environ.get("WANDB_PROJECT", "nemoflow"),
-        name=run_dir.name,
-        id=run_id,
-        resume="allow",
-        config=config.model_dump(exclude={"run_dir"}),
-    )
+def _scalar(value):
+    item = getattr(value, "item", None)
+    return float(item()) if callable(item) else value
 
 
-class StopSignal:
-    """SIGTERM / SIGUSR1 ask for a checkpoint and a clean exit at the next step boundary."""
+# ----------------------------------------------------------------------------------------------- the recipe
+def build_recipe(config: TrainConfig, run_dir: Path, cfg: dict, autocast_bf16: bool):
+    """AutoModel's pretraining recipe with nemoflow's metrics, checkpoint completion and test hooks."""
+    import torch
+    from nemo_automodel.components.checkpoint.utils import is_checkpoint_incomplete
+    from nemo_automodel.components.config.loader import ConfigNode
+    from nemo_automodel.recipes.llm.train_ft import TrainFinetuneRecipeForNextTokenPrediction
 
-    def __init__(self):
-        self.signum: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
+    oom_at = int(os.environ.get(OOM_AT_STEP_ENV, "-1"))
+    pause_after = int(os.environ.get(PAUSE_AFTER_STEP_ENV, "-1"))
+    crash_at = int(os.environ.get(CRASH_IN_SAVE_ENV, "-1"))
+    log_samples = bool(os.environ.get(LOG_SAMPLES_ENV))
+    tokens_per_step = config.global_batch_size * config.seq_length
 
-    def _handle(self, signum, frame) -> None:
-        self.signum = signum
+    class NemoflowPretraining(TrainFinetuneRecipeForNextTokenPrediction):
+        metrics: MetricsLog | None = None
+        last_val_loss: float | None = None
 
-    def __bool__(self) -> bool:
-        return self.signum is not None
+        def _make_progress_bar(self, *args, **kwargs):
+            return None  # one log line per logged step instead of a redrawn bar in the job log
+
+        def _forward_backward_step(self, *args, **kwargs):
+            # One GPU: AutoModel skips FSDP2 and with it the bf16 compute policy; autocast does it instead.
+            if autocast_bf16:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    return super()._forward_backward_step(*args, **kwargs)
+            return super()._forward_backward_step(*args, **kwargs)
+
+        def _run_train_optim_step(self, batches, max_grad_norm=None):
+            done = self.step_scheduler.step + 1
+            if done == oom_at:
+                raise torch.OutOfMemoryError("simulated by " + OOM_AT_STEP_ENV)
+            if log_samples:
+                rows = [
+                    hashlib.sha256(row.numpy().tobytes()).hexdigest()[:12] for b in batches for row in b["input_ids"]
+                ]
+                print(f"samples step={done} rank={self.dist_env.rank} {','.join(rows)}", flush=True)
+            self.step_lr = self.optimizer[0].param_groups[0]["lr"]  # the lr this step trains with
+            return super()._run_train_optim_step(batches, max_grad_norm)
+
+        # -------------------------------------------------- metrics
+        def start_metrics(self) -> None:
+            self.window_start, self.window_steps = time.perf_counter(), 0
+            self.max_steps = self.step_scheduler.max_steps
+            if self.dist_env.is_main:
+                self.metrics = MetricsLog(run_dir, self.step_scheduler.step)
+
+        def log_train_metrics(self, log_data):
+            done = log_data.step + 1
+            self.window_steps += 1
+            if done % config.log_every_n_steps and done != self.max_steps:
+                return
+            now = time.perf_counter()
+            m = log_data.metrics
+            record = {
+                "step": done,
+                "loss": _scalar(m["loss"]),
+                "lr": self.step_lr,
+                "tokens_per_s": self.window_steps * tokens_per_step / max(now - self.window_start, 1e-9),
+                "grad_norm": _scalar(m["grad_norm"]),
+                "consumed_samples": done * config.global_batch_size,
+            }
+            if torch.cuda.is_available():
+                if m.get("mfu") is not None:
+                    record["mfu"] = _scalar(m["mfu"])
+                record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            self.window_start, self.window_steps = now, 0
+            if self.metrics is not None:
+                self.metrics.log(record)
+            super().log_train_metrics(log_data)  # W&B, AutoModel's own log; resets the peak-memory window
+            if done == pause_after:
+                handler = self.step_scheduler.sig_handler
+                deadline = time.monotonic() + 120
+                while not handler._signal_received and time.monotonic() < deadline:
+                    time.sleep(0.05)
+
+        def log_val_metrics(self, val_name, log_data, metric_logger=None):
+            self.last_val_loss = _scalar(log_data.metrics["val_loss"])
+            if self.metrics is not None and val_name == "default":
+                self.metrics.log({"step": log_data.step + 1, "val_loss": self.last_val_loss})
+            super().log_val_metrics(val_name, log_data, metric_logger)
+
+        def _finalize_and_close_checkpointer(self):
+            started = time.perf_counter()
+            super()._finalize_and_close_checkpointer()  # waits for the last async save and publishes it
+            if self.metrics is not None:
+                done = self.step_scheduler.step
+                self.metrics.log({"step": done, "checkpoint_finalize_s": time.perf_counter() - started})
+
+        # -------------------------------------------------- checkpoints
+        def save_checkpoint(self, epoch, step, train_loss, val_loss=None, best_metric_key="default"):
+            done = step + 1
+            path = Path(self.checkpointer.config.checkpoint_dir) / f"epoch_{epoch}_step_{step}"
+            if done == crash_at:
+                # Die inside AutoModel's save: weights written, optimizer not, checkpoint never published.
+                def die(*args, **kwargs):
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+                self.checkpointer.save_optimizer = die
+            started = time.perf_counter()
+            super().save_checkpoint(epoch, step, train_loss, val_loss, best_metric_key)
+            if self.metrics is not None:
+                # Time the training loop waited for this save (with async saves: staging, and the previous save).
+                self.metrics.log({"step": done, "checkpoint_save_s": time.perf_counter() - started})
+            self.window_start += time.perf_counter() - started  # tokens_per_s measures training steps only
+            if self.dist_env.is_main:
+                val = (val_loss or {}).get("default")
+                meta = checkpoint_meta(config, done, None if val is None else _scalar(val), _scalar(train_loss))
+                meta["world_size"] = self.dist_env.world_size
+                ckpt.write_meta(ckpt.consolidated_dir(path), meta, config.tokenizer_model)
+                self.finisher.pending.append(path)
+                self.finisher.finish_published()
+
+    recipe = NemoflowPretraining(ConfigNode(cfg))
+    recipe.finisher = CheckpointFinisher(run_dir, config.save_top_k, is_checkpoint_incomplete)
+    return recipe
+
+
+def checkpoint_meta(config: TrainConfig, step: int, val_loss: float | None, train_loss: float | None) -> dict:
+    consumed = step * config.global_batch_size
+    return {
+        "step": step,
+        "val_loss": val_loss,
+        "train_loss": train_loss,
+        "consumed_samples": consumed,
+        "tokens_seen": consumed * config.seq_length,
+        "arch": config.arch,
+        "data_prefix": config.data_prefix,
+        "valid_data_prefix": config.valid_data_prefix,
+        "split": config.split,
+        "seq_length": config.seq_length,
+        "micro_batch_size": config.micro_batch_size,
+        "limit_val_batches": config.limit_val_batches,
+        "seed": config.seed,
+        "init_from": config.init_from,
+        "precision": config.precision,
+        "engine": "nemo-automodel",
+    }
+
+
+class CheckpointFinisher:
+    """Rank 0: once AutoModel has published a checkpoint, write its manifest and prune, in the background.
+
+    Hashing a multi-GB consolidated export takes seconds; a single worker thread does it
+    while training goes on (joined before the process exits), in publication order.
+    """
+
+    def __init__(self, run_dir: Path, save_top_k: int, is_incomplete):
+        self.run_dir, self.save_top_k, self.is_incomplete = run_dir, save_top_k, is_incomplete
+        self.pending: list[Path] = []
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def finish_published(self) -> None:
+        published = [p for p in self.pending if p.is_dir() and not self.is_incomplete(p)]
+        if not published:
+            return
+        self.pending = [p for p in self.pending if p not in published]
+        self.join()
+        self.thread = threading.Thread(target=self._finish, args=(published,), name="nemoflow-manifest", daemon=True)
+        self.thread.start()
+
+    def _finish(self, paths: list[Path]) -> None:
+        try:
+            for path in paths:
+                consolidated = ckpt.consolidated_dir(path)
+                ckpt.name_architecture(consolidated)
+                ckpt.write_manifest(consolidated)
+                meta = ckpt.read_meta(consolidated)
+                print(f"saved checkpoint {consolidated} (step {meta.get('step')}, val_loss {meta.get('val_loss')})")
+            latest = ckpt.latest_checkpoint(self.run_dir)
+            protect = {latest.step_dir} if latest else set()
+            for gone in ckpt.prune_checkpoints(self.run_dir, self.save_top_k, protect=protect):
+                print(f"pruned checkpoint {gone} (save_top_k={self.save_top_k})")
+            sys.stdout.flush()
+        except BaseException as exc:  # noqa: BLE001 - reported by join() in the training thread
+            self.error = exc
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+def complete_interrupted(run_dir: Path, config: TrainConfig) -> None:
+    """Rank 0 at start-up: manifest every checkpoint AutoModel published before a crash cut the finishing short."""
+    from nemo_automodel.components.checkpoint.utils import is_checkpoint_incomplete
+
+    for step_dir in ckpt.step_dirs(run_dir):
+        consolidated = ckpt.consolidated_dir(step_dir)
+        if is_checkpoint_incomplete(step_dir) or (consolidated / ckpt.MANIFEST).exists():
+            continue
+        if not (consolidated / "config.json").exists():
+            continue
+        ckpt.name_architecture(consolidated)
+        if not (consolidated / ckpt.META).exists():
+            step = int(ckpt.STEP_DIR_RE.match(step_dir.name).group(2)) + 1
+            losses = step_dir / "losses.json"
+            loss = json.loads(losses.read_text()) if losses.exists() else {}
+            ckpt.write_meta(
+                consolidated,
+                checkpoint_meta(config, step, loss.get("val_loss"), loss.get("train_loss")),
+                config.tokenizer_model,
+            )
+        ckpt.write_manifest(consolidated)
+        print(f"completed checkpoint {consolidated} (published before the last run stopped)", flush=True)
 
 
 def prepare_run_dir(config: TrainConfig) -> Path:
@@ -230,198 +548,113 @@ def prepare_run_dir(config: TrainConfig) -> Path:
     return run_dir
 
 
+def check_launch(config: TrainConfig, world_size: int, cuda: bool, device_count: int) -> None:
+    """The processes torchrun started must be the ones the configuration describes."""
+    wanted = config.world_size
+    if world_size != wanted:
+        how = (
+            f"num_nodes={config.num_nodes} x {config.procs_per_node} per node "
+            f"({'gpus_per_node' if config.gpus_per_node and not config.nproc_per_node else 'nproc_per_node'})"
+        )
+        raise LaunchError(
+            f"the configuration asks for {wanted} training processes ({how}) but {world_size} were started; "
+            f"launch with python -m torch.distributed.run --nnodes {config.num_nodes} "
+            f"--nproc-per-node {config.procs_per_node} -m workloads.train --config ..."
+        )
+    if config.gpus_per_node and not cuda:
+        raise LaunchError(f"gpus_per_node={config.gpus_per_node} but this node has no CUDA device")
+    if cuda and config.gpus_per_node and device_count < config.procs_per_node:
+        raise LaunchError(
+            f"{config.procs_per_node} processes per node need as many GPUs; this node has {device_count} "
+            "(CUDA_VISIBLE_DEVICES?)"
+        )
+
+
 def train(config: TrainConfig) -> int:
-    # ---------------------------------------------------------------- checks before any compute
-    cuda = torch.cuda.is_available()
-    # The arithmetic is about the cluster the config describes; this process trains on one device.
-    plan = check_parallelism(config)
+    rank, _, world_size = launch_world()
+    if config.init_from and not (Path(config.init_from) / "config.json").is_file():
+        raise FileNotFoundError(f"init_from {config.init_from} has no config.json: not a checkpoint directory")
     if not config.data_prefix or not config.tokenizer_model:
         raise ValueError("data_prefix and tokenizer_model must be set (the prepared dataset's blend and tokenizer)")
+
+    import torch
+
+    cuda = torch.cuda.is_available() and config.gpus_per_node > 0
+    check_launch(config, world_size, cuda, torch.cuda.device_count())
+    plan = check_parallelism(config, on_cpu=not cuda, world_size=world_size)
     run_dir = prepare_run_dir(config)
     check_prefixes(config.data_prefix)
     if config.valid_data_prefix:
         check_prefixes(config.valid_data_prefix)
-    if config.init_from and not (Path(config.init_from) / "model.safetensors").is_file():
-        raise FileNotFoundError(f"init_from {config.init_from} has no model.safetensors: not a checkpoint directory")
-    (run_dir / "train_config.json").write_text(config.model_dump_json(indent=1))
+    tokenizer = SentencePieceInfo(config.tokenizer_model)
+    vocab_size = config.vocab_size or tokenizer.vocab_size
+    if rank == 0:
+        ckpt.write_text_atomic(run_dir / "train_config.json", config.model_dump_json(indent=1))
+        complete_interrupted(run_dir, config)
 
-    device = torch.device("cuda" if cuda else "cpu")
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else _no_autocast
-    # This trainer is one process: it keeps the global batch by accumulating every micro batch itself.
-    accumulation = config.global_batch_size // config.micro_batch_size
-    total_steps = plan.total_steps
-    samples_per_step = config.global_batch_size
-    oom_at = int(os.environ.get(OOM_AT_STEP_ENV, "-1"))
-    pause_after = int(os.environ.get(PAUSE_AFTER_STEP_ENV, "-1"))
-    crash_at = int(os.environ.get(CRASH_IN_SAVE_ENV, "-1"))
+    if not cuda:
+        from workloads import automodel_shim
 
-    # ---------------------------------------------------------------- data
-    datasets = build_datasets(
-        config.data_prefix,
-        config.tokenizer_model,
-        config.seq_length,
-        config.seed,
-        train_samples=total_steps * samples_per_step,
-        valid_samples=config.limit_val_batches * config.micro_batch_size,
-        cache_dir=str(run_dir / "index-cache"),
-        split=config.split,
-        valid_data_prefix=config.valid_data_prefix,
-    )
-    vocab_size = config.vocab_size or datasets.tokenizer.vocab_size
-
-    # ---------------------------------------------------------------- model, optimizer, resume
-    model = build_model(config, vocab_size, config.seed).to(device)
-    optimizer = make_optimizer(model, config)
-    step, consumed_samples = 0, 0
-    resume_from = ckpt.latest_checkpoint(run_dir)
-    if resume_from is not None:
-        ckpt.load_weights(model, resume_from)
-        state = ckpt.load_trainer_state(resume_from)
-        optimizer.load_state_dict(state["optimizer"])
-        step, consumed_samples = state["step"], state["consumed_samples"]
-        set_rng_states(state["rng"])
-        print(f"resuming from {resume_from} at step {step} (consumed_samples={consumed_samples})", flush=True)
-    elif config.init_from:
-        ckpt.load_weights(model, config.init_from)
-        if not config.reset_optimizer:
-            optimizer.load_state_dict(ckpt.load_trainer_state(config.init_from)["optimizer"])
-        print(f"initialised weights from {config.init_from} (reset_optimizer={config.reset_optimizer})", flush=True)
-    params = sum(p.numel() for p in model.parameters())
-    print(
-        f"model {config.arch}: {params / 1e6:.2f}M parameters, device={device}, steps={total_steps}, "
-        f"global_batch_size={config.global_batch_size} micro_batch_size={config.micro_batch_size} "
-        f"accumulation={accumulation} seq_length={config.seq_length}",
-        flush=True,
-    )
-
-    metrics = MetricsLog(run_dir, config, step)
-    stop = StopSignal()
-    val_loss: float | None = None
-    last_val_step = -1
-
-    def validate() -> float | None:
-        nonlocal val_loss, last_val_step
-        if datasets.valid is None or config.limit_val_batches == 0:
-            return None
-        if last_val_step != step:
-            val_loss = evaluate(
-                model, datasets.valid, config.limit_val_batches, config.micro_batch_size, device, autocast
-            )
-            last_val_step = step
-            metrics.log({"step": step, "val_loss": val_loss})
-        return val_loss
-
-    def save(train_loss: float | None) -> Path:
-        meta = {
-            "step": step,
-            "val_loss": validate(),
-            "train_loss": train_loss,
-            "consumed_samples": consumed_samples,
-            "tokens_seen": consumed_samples * config.seq_length,
-            "arch": config.arch,
-            "data_prefix": config.data_prefix,
-            "valid_data_prefix": config.valid_data_prefix,
-            "split": config.split,
-            "seq_length": config.seq_length,
-            "micro_batch_size": config.micro_batch_size,
-            "limit_val_batches": config.limit_val_batches,
-            "seed": config.seed,
-            "init_from": config.init_from,
-        }
-        state = {
-            "optimizer": optimizer.state_dict(),
-            "step": step,
-            "consumed_samples": consumed_samples,
-            "rng": rng_states(),
-            "config": config.model_dump(),
-        }
-        hook = (lambda tmp: os.kill(os.getpid(), signal.SIGKILL)) if step == crash_at else None
-        path = ckpt.save_checkpoint(run_dir, step, model, state, meta, config.tokenizer_model, crash_hook=hook)
-        ckpt.prune_checkpoints(run_dir, config.save_top_k)
-        print(f"saved checkpoint {path} (val_loss={meta['val_loss']})", flush=True)
-        return path
-
-    # ---------------------------------------------------------------- the loop
-    model.train()
-    train_loss = None
-    t_last, tokens_since = time.perf_counter(), 0
+        automodel_shim.apply()
+    os.environ.setdefault("LOGGING_LEVEL", str(30))  # AutoModel's INFO lines (dataset indexes...) flood the log
+    if config.init_from:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory: never ask the Hugging Face hub
+    cfg = recipe_config(config, run_dir, vocab_size, world_size, cuda)
+    autocast_bf16 = cuda and world_size == 1 and config.precision == "bf16-mixed"
+    recipe = build_recipe(config, run_dir, cfg, autocast_bf16)
+    recipe.setup()
+    if config.init_from and not config.reset_optimizer:
+        source = Path(config.init_from).parent.parent
+        recipe.checkpointer.load_optimizer(recipe.optimizer, recipe.model_parts, str(source))
+    resumed = recipe.step_scheduler.step
+    recipe.start_metrics()
+    if rank == 0:
+        params = sum(p.numel() for p in recipe.model_parts[0].parameters())
+        device = f"cuda x {world_size}" if cuda else f"cpu (gloo) x {world_size}"
+        print(
+            f"NeMo AutoModel {config.arch}: {params / 1e6:.2f}M parameters (per rank), {device}, "
+            f"steps={plan.total_steps}, global_batch_size={config.global_batch_size} "
+            f"micro_batch_size={config.micro_batch_size} data_parallel={plan.data_parallel_size} "
+            f"accumulation={plan.gradient_accumulation_steps} seq_length={config.seq_length} "
+            f"precision={config.precision if cuda else '32 (cpu)'}",
+            flush=True,
+        )
+        if resumed:
+            latest = ckpt.latest_checkpoint(run_dir)
+            print(f"resuming from {latest} at step {resumed} (consumed_samples={resumed * config.global_batch_size})")
+        elif config.init_from:
+            print(f"initialised weights from {config.init_from} (reset_optimizer={config.reset_optimizer})")
+        sys.stdout.flush()
     try:
-        while step < total_steps:
-            lr = lr_at(step, config)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss_sum = 0.0
-            for micro in range(accumulation):
-                if step + 1 == oom_at:
-                    raise torch.OutOfMemoryError("simulated by " + OOM_AT_STEP_ENV)
-                start = consumed_samples + micro * config.micro_batch_size
-                tokens, labels, mask = (t.to(device) for t in get_batch(datasets.train, start, config.micro_batch_size))
-                with autocast():
-                    loss = lm_loss(model, tokens, labels, mask) / accumulation
-                loss.backward()
-                loss_sum += loss.item()
-            if config.gradient_clip_val:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.gradient_clip_val).item()
-            else:
-                grad_norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            consumed_samples += samples_per_step
-            tokens_since += samples_per_step * config.seq_length
-            train_loss = loss_sum
-            if not math.isfinite(train_loss):
-                print(f"loss is {train_loss} at step {step}: stopping (lower lr or check the data)", flush=True)
-                return 1
-
-            if step % config.log_every_n_steps == 0 or step == total_steps:
-                now = time.perf_counter()
-                metrics.log(
-                    {
-                        "step": step,
-                        "loss": train_loss,
-                        "lr": lr,
-                        "tokens_per_s": tokens_since / max(now - t_last, 1e-9),
-                        "grad_norm": grad_norm,
-                        "consumed_samples": consumed_samples,
-                    }
-                )
-                t_last, tokens_since = now, 0
-            if step % config.val_check_interval == 0 or step == total_steps:
-                validate()
-            if step == pause_after:
-                deadline = time.monotonic() + 120
-                while not stop and time.monotonic() < deadline:
-                    time.sleep(0.05)
-            if step % config.ckpt_every_n_steps == 0 or step == total_steps:
-                save(train_loss)
-            elif stop:
-                save(train_loss)
-            if stop and step < total_steps:
-                print(
-                    f"received {signal.Signals(stop.signum).name}: checkpoint saved at step {step}, exiting", flush=True
-                )
-                return EXIT_PREEMPTED
+        recipe.run_train_validation_loop()
+        recipe.finisher.finish_published()
+        recipe.finisher.join()
     except (torch.OutOfMemoryError, MemoryError):
         print(
-            f"out of memory at step {step + 1} with micro_batch_size={config.micro_batch_size}, "
-            f"seq_length={config.seq_length}: lower micro_batch_size",
+            f"out of memory at step {recipe.step_scheduler.step + 1} with micro_batch_size={config.micro_batch_size}, "
+            f"seq_length={config.seq_length}: lower micro_batch_size (or set activation_checkpointing)",
             flush=True,
         )
         return EXIT_OUT_OF_MEMORY
     finally:
-        metrics.close()
-    best = ckpt.best_checkpoint(run_dir)
-    print(f"done: {step} steps, final loss {train_loss}, best checkpoint {best.path if best else None}", flush=True)
+        if recipe.metrics is not None:
+            recipe.metrics.close()
+        _finish_wandb()
+    done = recipe.step_scheduler.step
+    if recipe.step_scheduler.sigterm_flag and done < plan.total_steps:
+        if rank == 0:
+            print(f"received a stop signal: checkpoint saved at step {done}, exiting", flush=True)
+        return EXIT_PREEMPTED
+    if rank == 0:
+        best = ckpt.best_checkpoint(run_dir)
+        print(f"done: {done} steps, best checkpoint {best.path if best else None}", flush=True)
     return 0
 
 
-class _no_autocast:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+def _finish_wandb() -> None:
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
 
 
 def _config_fields_help() -> str:
@@ -443,8 +676,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="TrainConfig as a JSON file")
     parser.add_argument("--check", action="store_true", help="only check the configuration and the data, then exit")
     args = parser.parse_args(argv)
+    rank, _, world_size = launch_world()
+    if world_size > 1:
+        sys.stdout = RankPrefixed(sys.stdout, rank)
+        sys.stderr = RankPrefixed(sys.stderr, rank)
     try:
-        config = TrainConfig.model_validate_json(Path(args.config).read_text())
+        config = load_train_config(Path(args.config).read_text())
         if args.check:
             plan = check_parallelism(config)
             check_prefixes(config.data_prefix)

@@ -2,24 +2,31 @@
 
 Field names follow NeMo / Megatron (``global_batch_size``, ``micro_batch_size``,
 ``tensor_model_parallel_size``, ``val_check_interval``, ``ckpt_every_n_steps``...)
-so a NeMo user recognises them. This module imports no torch: Prefect tasks
-import it to validate a config before they spend compute on it.
+so a NeMo user recognises them; workloads/train.py maps them onto NeMo AutoModel's
+pretraining recipe config. An unknown key is an error that names it (a typo such as
+``max_step`` must not train with defaults). This module imports no torch: Prefect
+tasks import it to validate a config before they spend compute on it.
 
     python -m workloads.train --config run.json      # run.json = TrainConfig as JSON
+    python -m torch.distributed.run --nproc-per-node 8 -m workloads.train --config run.json
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-# Exit codes of the trainer (the local backend knows 75; 76 means "stopped on a
-# pre-emption signal after saving a checkpoint: resubmit to resume").
-EXIT_OUT_OF_MEMORY = 75
-EXIT_PREEMPTED = 76
+from infra.jobs import ExitCode
+
+# The trainer's exit codes are the contract's (every backend reads them): 75 out of memory, 76 stopped
+# by a pre-emption signal after saving a checkpoint (resubmit to resume), 2 a bad configuration.
+EXIT_OUT_OF_MEMORY = ExitCode.OUT_OF_MEMORY
+EXIT_PREEMPTED = ExitCode.PREEMPTED
+EXIT_BAD_CONFIG = ExitCode.BAD_CONFIG
 
 
 class TrainConfig(BaseModel):
@@ -74,9 +81,22 @@ class TrainConfig(BaseModel):
     init_from: str | None = Field(None, description="checkpoint directory to continue pretraining from")
     reset_optimizer: bool = Field(True, description="with init_from: start a fresh optimizer and schedule")
 
-    # ---- where it runs (the arithmetic check; the local trainer is one process)
+    # ---- numerics and speed (NeMo AutoModel)
+    precision: Literal["bf16-mixed", "bf16", "32"] = Field(
+        "bf16-mixed",
+        description="GPU numerics (NeMo names): bf16-mixed = bf16 compute, fp32 master weights and optimizer "
+        "state; bf16 = bf16 weights too; 32 = fp32. CPU always trains in fp32",
+    )
+    enable_compile: bool = Field(False, description="torch.compile each decoder layer (AutoModel enable_compile)")
+    activation_checkpointing: bool = Field(False, description="recompute activations in backward (saves memory)")
+    ckpt_async_save: bool = Field(True, description="write checkpoints in the background (NeMo ckpt_async_save)")
+
+    # ---- where it runs (the arithmetic check, and how many processes torchrun starts)
     num_nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(0, ge=0, description="0 = CPU")
+    nproc_per_node: int | None = Field(
+        None, ge=1, description="processes per node (torchrun --nproc-per-node); None = gpus_per_node, or 1 on CPU"
+    )
     tensor_model_parallel_size: int = Field(1, ge=1)
     pipeline_model_parallel_size: int = Field(1, ge=1)
     context_parallel_size: int = Field(1, ge=1)
@@ -111,6 +131,15 @@ class TrainConfig(BaseModel):
         return self
 
     @property
+    def procs_per_node(self) -> int:
+        """Training processes per node: one per GPU, or nproc_per_node (CPU: gloo processes)."""
+        return self.nproc_per_node or self.gpus_per_node or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.procs_per_node
+
+    @property
     def kv_heads(self) -> int:
         return self.num_key_value_heads or self.num_attention_heads
 
@@ -126,6 +155,50 @@ class TrainConfig(BaseModel):
         if self.max_steps is not None:
             return self.max_steps
         return max(1, self.max_tokens // (self.global_batch_size * self.seq_length))
+
+
+def load_train_config(text: str) -> TrainConfig:
+    """A TrainConfig from JSON; a bad or unknown key raises ``ValueError`` with one line naming it.
+
+    >>> load_train_config('{"max_step": 10}')
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown TrainConfig key 'max_step' (did you mean 'max_steps'?)
+    """
+    try:
+        return TrainConfig.model_validate_json(text)
+    except ValidationError as exc:
+        raise ValueError(describe_validation_error(exc)) from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """Pydantic's report as one line per problem, unknown keys named with the closest valid key."""
+    unknown, other = [], []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "extra_forbidden":
+            unknown.append(where)
+        elif error["type"] == "json_invalid":
+            other.append(f"not valid JSON: {error['msg']}")
+        else:
+            other.append(f"{where or 'config'}: {error['msg']}")
+    parts = []
+    if unknown:
+        unknown.sort()
+        names = ", ".join(f"'{key}'" for key in unknown)
+        hints = {
+            key: match[0]
+            for key in unknown
+            if (match := difflib.get_close_matches(key, list(TrainConfig.model_fields), n=1, cutoff=0.6))
+        }
+        hint = ""
+        if len(unknown) == 1 and hints:
+            hint = f" (did you mean '{hints[unknown[0]]}'?)"
+        elif hints:
+            hint = " (did you mean " + ", ".join(f"'{v}' for '{k}'" for k, v in hints.items()) + "?)"
+        parts.append(f"unknown TrainConfig key{'s' if len(unknown) > 1 else ''} {names}{hint}")
+    parts += other
+    return "; ".join(parts)
 
 
 def parse_blend(blend: list) -> tuple[list[str], list[float] | None]:
@@ -179,23 +252,24 @@ class ParallelPlan:
     total_steps: int
 
 
-def check_parallelism(config: TrainConfig, on_cpu: bool | None = None) -> ParallelPlan:
+def check_parallelism(config: TrainConfig, on_cpu: bool | None = None, world_size: int | None = None) -> ParallelPlan:
     """Check the Megatron parallelism arithmetic; raise naming each broken rule.
 
-    world = num_nodes * gpus_per_node (1 on CPU); world must split into
-    tensor x pipeline x context parallel groups, the rest is data parallel;
-    the global batch must be a whole number of micro batches on every
-    data-parallel rank (the quotient is the gradient accumulation).
+    world = num_nodes x processes per node (one per GPU; nproc_per_node gloo
+    processes on CPU), or ``world_size`` when the launcher already knows it;
+    world must split into tensor x pipeline x context parallel groups, the
+    rest is data parallel; the global batch must be a whole number of micro
+    batches on every data-parallel rank (the quotient is the gradient accumulation).
     """
     cpu = config.gpus_per_node == 0 if on_cpu is None else on_cpu
-    world = 1 if cpu or config.gpus_per_node == 0 else config.num_nodes * config.gpus_per_node
+    world = world_size or config.world_size
     tp, pp, cp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size
     ep = config.expert_model_parallel_size
     errors: list[str] = []
     model_parallel = tp * pp * cp
     if world % model_parallel:
         errors.append(
-            f"world size {world} (num_nodes={config.num_nodes} x gpus_per_node={config.gpus_per_node}) is not "
+            f"world size {world} (num_nodes={config.num_nodes} x {config.procs_per_node} processes per node) is not "
             f"divisible by tensor({tp}) x pipeline({pp}) x context({cp}) parallel = {model_parallel}"
         )
         dp = max(1, world // model_parallel)
@@ -238,10 +312,11 @@ def check_parallelism(config: TrainConfig, on_cpu: bool | None = None) -> Parall
             errors.append(f"num_moe_experts={config.experts} is not divisible by expert_model_parallel_size={ep}")
         if config.moe_router_topk > config.experts:
             errors.append(f"moe_router_topk={config.moe_router_topk} exceeds num_moe_experts={config.experts}")
-        if world % ep and not cpu:
+        if world % ep:
             errors.append(f"world size {world} is not divisible by expert_model_parallel_size={ep}")
     elif ep != 1:
         errors.append(f"expert_model_parallel_size={ep} needs arch='mixtral' (a dense model has no experts)")
+    errors += _engine_limits(config, cpu)
     if config.min_lr > config.lr:
         errors.append(f"min_lr={config.min_lr} is above lr={config.lr}")
     total = config.total_steps
@@ -255,6 +330,36 @@ def check_parallelism(config: TrainConfig, on_cpu: bool | None = None) -> Parall
         gradient_accumulation_steps=config.global_batch_size // per_step,
         total_steps=total,
     )
+
+
+def _engine_limits(config: TrainConfig, cpu: bool) -> list[str]:
+    """What the training engine (NeMo AutoModel 0.7, FSDP2) cannot run, each as one sentence with the fix."""
+    errors = []
+    tp, pp, cp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size
+    ep = config.expert_model_parallel_size
+    if cpu and (tp, pp, cp, ep) != (1, 1, 1, 1):
+        errors.append(
+            f"tensor/pipeline/context/expert parallel sizes ({tp}/{pp}/{cp}/{ep}) need GPUs: on CPU only data "
+            "parallel runs (set gpus_per_node, or the sizes to 1)"
+        )
+        return errors
+    if pp > 1:
+        errors.append(
+            f"pipeline_model_parallel_size={pp} is not supported by nemoflow's AutoModel trainer (AutoModel's pipeline "
+            "schedule is not wired in); use tensor_model_parallel_size, context_parallel_size or more data parallel ranks"
+        )
+    if ep > 1:
+        errors.append(
+            f"expert_model_parallel_size={ep} is not supported: AutoModel 0.7 trains Mixtral as the Hugging Face model "
+            "(its expert parallelism covers its own MoE implementations); FSDP2 shards every expert over the ranks "
+            "instead; set it to 1"
+        )
+    if cp > 1 and config.arch == "mixtral":
+        errors.append(
+            f"context_parallel_size={cp} is not supported for arch='mixtral' by AutoModel 0.7 "
+            "(its context parallel covers dense models); set it to 1"
+        )
+    return errors
 
 
 def lr_at(step: int, config: TrainConfig) -> float:

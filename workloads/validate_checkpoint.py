@@ -1,6 +1,8 @@
 """Check that a checkpoint is complete, sound and has learned something, before anyone serves it.
 
-    python -m workloads.validate_checkpoint RUN_DIR/checkpoints/step-000050 --threshold 7.5 --output report.json
+    python -m workloads.validate_checkpoint RUN_DIR/checkpoints/epoch_0_step_49/model/consolidated --threshold 7.5
+
+The checkpoint is the consolidated directory the trainer writes (workloads/checkpoint.py).
 
 Checks, in order (a check whose input failed is reported as failed, "skipped"):
   files_complete      every file MANIFEST.json lists is there with its size
@@ -63,7 +65,6 @@ def _loss_on(model, data_prefix, tokenizer_model, seq_length, split, seed, valid
     import torch
 
     from workloads.data_loader import build_datasets
-    from workloads.train import evaluate
 
     with tempfile.TemporaryDirectory(prefix="nemoflow-val-index-") as cache_dir:
         datasets = build_datasets(
@@ -80,6 +81,33 @@ def _loss_on(model, data_prefix, tokenizer_model, seq_length, split, seed, valid
         device = next(model.parameters()).device
         autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else _NoAutocast
         return evaluate(model, datasets.valid, num_batches, batch_size, device, autocast)
+
+
+def lm_loss(model, tokens, labels, loss_mask):
+    """Mean next-token cross-entropy over unmasked positions (the trainer's objective, without MoE aux loss)."""
+    import torch.nn.functional as F
+
+    out = model(input_ids=tokens)
+    per_token = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    return (per_token * loss_mask.flatten()).sum() / loss_mask.sum().clamp(min=1)
+
+
+def evaluate(model, dataset, batches: int, batch_size: int, device, autocast) -> float:
+    """Mean loss over the first ``batches`` batches of ``dataset``: the same samples every time."""
+    import torch
+
+    from workloads.data_loader import get_batch
+
+    was_training = model.training
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for b in range(batches):
+            tokens, labels, mask = (t.to(device) for t in get_batch(dataset, b * batch_size, batch_size))
+            with autocast():
+                losses.append(lm_loss(model, tokens, labels, mask).item())
+    model.train(was_training)
+    return sum(losses) / len(losses)
 
 
 class _NoAutocast:
@@ -261,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("checkpoint", help="a checkpoint directory (RUN_DIR/checkpoints/step-NNNNNN)")
+    parser.add_argument(
+        "checkpoint", help="a checkpoint directory (RUN_DIR/checkpoints/epoch_0_step_N/model/consolidated)"
+    )
     parser.add_argument("--threshold", type=float, required=True, help="the held-out loss must be below this")
     parser.add_argument(
         "--data-prefix",

@@ -75,14 +75,26 @@ def fake_wandb(tmp_path_factory):
     root = tmp_path_factory.mktemp("fake-wandb")
     (root / "wandb").mkdir()
     calls = root / "calls.jsonl"
+    # The surface NeMo AutoModel uses: init (with Settings), the module-level run, log and finish.
     (root / "wandb" / "__init__.py").write_text(
         "import json, os\n"
         f"_LOG = {str(calls)!r}\n"
+        "run = None\n"
         "def _rec(kind, **kw):\n"
         "    with open(_LOG, 'a') as fh: fh.write(json.dumps({'call': kind, 'pid': os.getpid(), **kw}) + '\\n')\n"
+        "class Settings:\n"
+        "    def __init__(self, **kw): pass\n"
         "class _Run:\n"
-        "    def log(self, data, step=None): _rec('log', step=step, keys=sorted(data))\n"
-        "    def finish(self): _rec('finish')\n"
-        "def init(**kw): _rec('init', project=kw.get('project'), key=os.environ.get('WANDB_API_KEY')); return _Run()\n"
+        "    url = 'wandb://stand-in'\n"
+        "def init(**kw):\n"
+        "    global run\n"
+        "    _rec('init', project=kw.get('project'), id=kw.get('id'), key=os.environ.get('WANDB_API_KEY'))\n"
+        "    run = _Run()\n"
+        "    return run\n"
+        "def log(data, step=None, **kw): _rec('log', step=step, keys=sorted(data))\n"
+        "def finish(*a, **kw):\n"
+        "    global run\n"
+        "    _rec('finish')\n"
+        "    run = None\n"
     )
     return {"pythonpath": f"{root}{os.pathsep}{REPO}", "calls": calls}

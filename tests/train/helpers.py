@@ -53,9 +53,13 @@ def trainer_env(**extra) -> dict:
     return env
 
 
-def run_trainer(config_path: Path, timeout: float = 180, **env) -> subprocess.CompletedProcess:
+def run_trainer(config_path: Path, timeout: float = 300, nproc: int = 1, **env) -> subprocess.CompletedProcess:
+    """``python -m workloads.train``, or under ``torch.distributed.run --nproc-per-node nproc`` (gloo on CPU)."""
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return subprocess.run(
-        [sys.executable, "-m", "workloads.train", "--config", str(config_path)],
+        [*launcher, "-m", "workloads.train", "--config", str(config_path)],
         cwd=REPO,
         env=trainer_env(**env),
         capture_output=True,
@@ -69,6 +73,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+TIMING_ONLY = ("checkpoint_save_s", "checkpoint_finalize_s")
+
+
 def deterministic_part(metrics: list[dict]) -> list[dict]:
-    """Metrics without wall-clock fields: these must match exactly between runs."""
-    return [{k: v for k, v in m.items() if k != "tokens_per_s"} for m in metrics]
+    """Metrics without wall-clock fields or records: these must match exactly between runs."""
+    return [
+        {k: v for k, v in m.items() if k != "tokens_per_s"} for m in metrics if not any(t in m for t in TIMING_ONLY)
+    ]

@@ -13,48 +13,56 @@ from workloads import checkpoint as ckpt
 pytestmark = pytest.mark.filterwarnings("ignore:.*Transformer Engine and Apex")
 
 
-def _fake_checkpoint(run_dir: Path, step: int, val_loss: float | None) -> Path:
-    directory = ckpt.checkpoints_dir(run_dir) / ckpt.step_name(step)
-    directory.mkdir(parents=True)
-    (directory / "meta.json").write_text(json.dumps({"step": step, "val_loss": val_loss}))
-    ckpt.write_manifest(directory)
-    return directory
+def _fake_checkpoint(run_dir: Path, step: int, val_loss: float | None, complete: bool = True) -> Path:
+    """An AutoModel step directory whose consolidated export has meta.json (and a manifest when complete)."""
+    consolidated = ckpt.consolidated_dir(ckpt.checkpoints_dir(run_dir) / ckpt.step_dir_name(step))
+    consolidated.mkdir(parents=True)
+    (consolidated / "config.json").write_text("{}")
+    ckpt.write_meta(consolidated, {"step": step, "val_loss": val_loss}, None)
+    if complete:
+        ckpt.write_manifest(consolidated)
+    return consolidated
 
 
-def test_prune_keeps_best_k_plus_latest_and_ignores_partial(tmp_path):
+def test_prune_keeps_best_k_plus_latest_and_ignores_unfinished(tmp_path):
     losses = {1: 5.0, 2: 3.0, 3: 4.0, 4: 2.0, 5: 6.0}
     for step, loss in losses.items():
         _fake_checkpoint(tmp_path, step, loss)
-    (ckpt.checkpoints_dir(tmp_path) / "latest").write_text("step-000005\n")
-    partial = ckpt.checkpoints_dir(tmp_path) / ".tmp-step-000006-deadbeef"
-    partial.mkdir()
-    no_manifest = ckpt.checkpoints_dir(tmp_path) / "step-000007"
-    no_manifest.mkdir()
+    unfinished = _fake_checkpoint(tmp_path, 6, 1.0, complete=False)  # still being written or published
     assert [c.step for c in ckpt.list_checkpoints(tmp_path)] == [1, 2, 3, 4, 5]
+    assert ckpt.best_checkpoint(tmp_path).step == 4
 
     deleted = ckpt.prune_checkpoints(tmp_path, save_top_k=2)
     # Best two by val_loss are steps 4 (2.0) and 2 (3.0); step 5 stays because it is the latest.
-    assert sorted(p.name for p in deleted) == ["step-000001", "step-000003"]
+    assert sorted(p.name for p in deleted) == ["epoch_0_step_0", "epoch_0_step_2"]
     assert [c.step for c in ckpt.list_checkpoints(tmp_path)] == [2, 4, 5]
-    assert (ckpt.checkpoints_dir(tmp_path) / "best").read_text().strip() == "step-000004"
-    assert ckpt.latest_checkpoint(tmp_path).name == "step-000005"
-    assert not partial.exists()
+    assert ckpt.latest_checkpoint(tmp_path).step == 5
+    assert unfinished.exists()  # never touched: only complete checkpoints are pruned
 
+    ckpt.prune_checkpoints(tmp_path, save_top_k=0, protect={ckpt.checkpoints_dir(tmp_path) / "epoch_0_step_1"})
+    # k=0 keeps the best and the latest, and whatever the caller protects (AutoModel's LATEST target).
+    assert [c.step for c in ckpt.list_checkpoints(tmp_path)] == [2, 4, 5]
     ckpt.prune_checkpoints(tmp_path, save_top_k=0)
-    # Even k=0 keeps the latest and the best.
     assert [c.step for c in ckpt.list_checkpoints(tmp_path)] == [4, 5]
+    assert ckpt.prune_checkpoints(tmp_path, save_top_k=-1) == []
 
 
-def test_latest_falls_back_when_pointer_names_incomplete(tmp_path):
-    _fake_checkpoint(tmp_path, 3, None)
-    (ckpt.checkpoints_dir(tmp_path) / "step-000009").mkdir()
-    (ckpt.checkpoints_dir(tmp_path) / "latest").write_text("step-000009\n")
-    assert ckpt.latest_checkpoint(tmp_path).name == "step-000003"
+def test_checkpoint_info_is_the_consolidated_directory(tmp_path):
+    consolidated = _fake_checkpoint(tmp_path, 7, None)
+    info = ckpt.latest_checkpoint(tmp_path)
+    assert info.path == consolidated and info.step == 7 and info.val_loss is None
+    assert info.step_dir == ckpt.checkpoints_dir(tmp_path) / "epoch_0_step_6"
+    assert Path(info) == consolidated  # os.PathLike: usable wherever a path was
+    assert ckpt.best_checkpoint(tmp_path) == info  # no val_loss anywhere: the latest
+    assert ckpt.latest_checkpoint(tmp_path / "nowhere") is None
 
 
 @pytest.fixture(scope="module")
 def trained(reference_run):
-    return ckpt.latest_checkpoint(reference_run["run_dir"])
+    return ckpt.latest_checkpoint(reference_run["run_dir"]).path
+
+
+WEIGHTS = "model-00001-of-00001.safetensors"
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -69,38 +77,39 @@ def _by_name(report: dict) -> dict:
 def test_trained_checkpoint_passes_and_loss_matches_trainer(trained):
     from workloads.validate_checkpoint import evaluate_loss, validate
 
-    report = validate(trained, threshold=9.5, num_batches=2, micro_batch_size=4)
+    report = validate(trained, threshold=9.5, num_batches=4, micro_batch_size=4)
     assert report["passed"], report
     assert report["failed"] == []
     assert report["val_loss"] < report["untrained_loss"]
     assert report["untrained_loss"] > 10.0  # ~ln(32000): a random model knows nothing
-    assert "model.safetensors" in report["files"]
-    assert report["sizes"]["model.safetensors"] == (trained / "model.safetensors").stat().st_size
-    # The same held-out batches the trainer validated on give the trainer's number.
+    assert WEIGHTS in report["files"]
+    assert report["sizes"][WEIGHTS] == (trained / WEIGHTS).stat().st_size
+    # The validator reads the validation split with megatron-core, the trainer with AutoModel's copy of it:
+    # the same 16 held-out samples (2 global batches of 8) give the trainer's number.
     meta = json.loads((trained / "meta.json").read_text())
-    assert evaluate_loss(trained, num_batches=2, micro_batch_size=4) == pytest.approx(meta["val_loss"], abs=1e-5)
-    assert report["val_loss"] == pytest.approx(meta["val_loss"], abs=1e-5)
+    assert evaluate_loss(trained, num_batches=4, micro_batch_size=4) == pytest.approx(meta["val_loss"], abs=1e-4)
+    assert report["val_loss"] == pytest.approx(meta["val_loss"], abs=1e-4)
 
 
 def test_corrupted_file_fails_checksum(trained, tmp_path):
     from workloads.validate_checkpoint import validate
 
-    bad = _copy(trained, tmp_path / "step-000012")
-    data = bytearray((bad / "model.safetensors").read_bytes())
+    bad = _copy(trained, tmp_path / "consolidated")
+    data = bytearray((bad / WEIGHTS).read_bytes())
     data[-100] ^= 0xFF  # a flipped bit deep in the weights: same size, different content
-    (bad / "model.safetensors").write_bytes(bytes(data))
+    (bad / WEIGHTS).write_bytes(bytes(data))
     report = validate(bad, threshold=9.5, num_batches=1)
     checks = _by_name(report)
     assert not report["passed"]
     assert checks["files_complete"]["passed"]
     assert not checks["checksums"]["passed"]
-    assert "model.safetensors: sha256" in checks["checksums"]["detail"]
+    assert f"{WEIGHTS}: sha256" in checks["checksums"]["detail"]
 
 
 def test_missing_file_fails_completeness(trained, tmp_path):
     from workloads.validate_checkpoint import validate
 
-    bad = _copy(trained, tmp_path / "step-000012")
+    bad = _copy(trained, tmp_path / "consolidated")
     (bad / "tokenizer.model").unlink()
     report = validate(bad, threshold=9.5, num_batches=1)
     checks = _by_name(report)
@@ -115,10 +124,10 @@ def test_nan_poisoned_weight_fails(trained, tmp_path):
 
     from workloads.validate_checkpoint import validate
 
-    bad = _copy(trained, tmp_path / "step-000012")
-    tensors = load_file(bad / "model.safetensors")
+    bad = _copy(trained, tmp_path / "consolidated")
+    tensors = load_file(bad / WEIGHTS)
     tensors["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
-    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    save_file(tensors, bad / WEIGHTS, metadata={"format": "pt"})
     ckpt.write_manifest(bad)  # the manifest agrees: only the NaN check can catch it
     report = validate(bad, threshold=9.5, num_batches=1)
     checks = _by_name(report)

@@ -49,7 +49,8 @@ def test_pretrain_then_validate_flow(prefect_server, work_dir, train_dataset, tm
 
     checkpoint, report = train_and_validate(10.2)
     assert checkpoint.step == 4 and checkpoint.val_loss is not None
-    assert checkpoint.uri.startswith(str(work_dir / "runs")) and checkpoint.uri.endswith("checkpoints/step-000004")
+    assert checkpoint.uri.startswith(str(work_dir / "runs"))
+    assert checkpoint.uri.endswith("checkpoints/epoch_0_step_3/model/consolidated")
     assert checkpoint.dataset_manifest == dataset.manifest_uri
     assert report.passed and report.val_loss < report.untrained_loss
     assert {c.name for c in report.checks} >= {"checksums", "finite_weights", "val_loss_threshold"}

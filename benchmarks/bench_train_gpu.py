@@ -1,0 +1,319 @@
+"""Training throughput, MFU, peak memory and checkpoint stall of the NeMo AutoModel trainer, against a reference loop.
+
+    python benchmarks/bench_train_gpu.py --model 134m --gpus 1            # one H200
+    python benchmarks/bench_train_gpu.py --model 1.1b --gpus 2            # two H200 (torchrun, FSDP2)
+    python benchmarks/bench_train_gpu.py --model tiny --cpu --seq 64 --steps 6 --warmup 1 --ckpt-every 3  # CPU check
+
+Each call runs, on the same synthetic Megatron dataset (uniform random tokens, Mixtral's
+32000-token vocabulary, written with workloads/indexed_dataset.py):
+
+  nemoflow   ``python -m workloads.train`` exactly as the pipeline runs it (under
+             ``torch.distributed.run --nproc-per-node G``): NeMo AutoModel, FSDP2, bf16 compute with
+             fp32 master weights and AdamW state (precision=bf16-mixed), per-layer torch.compile,
+             a checkpoint every ``--ckpt-every`` steps (consolidated safetensors + manifest, async);
+  reference  a hand-written loop with the same model, batch and numerics (transformers Llama, fp32
+             weights, bf16 autocast, SDPA, each decoder layer torch.compile'd, fused AdamW; DDP on
+             several GPUs), no data loader and no checkpoints: the ceiling the engine is measured against.
+
+Reported (JSON on stdout and in --out): tokens/s (median of the logged steps after ``--warmup``,
+excluding steps that follow a checkpoint), MFU = tokens/s x FLOPs per token / (GPUs x 989 TFLOP/s,
+the H100/H200 SXM dense bf16 peak), FLOPs per token = 6 x (parameters - input embedding)
++ 12 x layers x hidden x seq_length, peak GPU memory (max over ranks, torch allocator), and the
+checkpoint stall: the time the training loop blocked in saves (the trainer logs each one, and the
+final wait for the last asynchronous save), as a share of training + stall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# Measured with it (2026-11-30, nvidia-h200-x2, torch 2.11, CUDA_VISIBLE_DEVICES=0 for one GPU; the README has the table):
+#   1.1b 1 GPU  nemoflow 65.4k tok/s (47.8% MFU) vs reference 68.7k; 2 GPUs 115.4k (1.77x) vs DDP 115.8k
+#   134m 1 GPU  nemoflow 336k tok/s (30.0%) vs reference 410k; 2 GPUs 314k (0.94x) vs DDP 665k
+
+PEAK_BF16_TFLOPS = 989.0
+VOCAB = 32000
+
+# name: (hidden, layers, heads, kv_heads, ffn, micro_batch_size per GPU)
+MODELS = {
+    "tiny": (64, 2, 4, 2, 128, 2),
+    "134m": (768, 12, 12, 12, 2048, 8),
+    "1.1b": (2048, 16, 16, 8, 8192, 4),
+}
+
+
+def parameters(hidden: int, layers: int, heads: int, kv: int, ffn: int) -> tuple[int, int]:
+    """(all parameters, input-embedding parameters) of the untied Llama."""
+    head = hidden // heads
+    attn = hidden * hidden * 2 + 2 * hidden * kv * head
+    mlp = 3 * hidden * ffn
+    norms = 2 * hidden
+    total = 2 * VOCAB * hidden + layers * (attn + mlp + norms) + hidden
+    return total, VOCAB * hidden
+
+
+def flops_per_token(model: str, seq: int) -> float:
+    hidden, layers, heads, kv, ffn, _ = MODELS[model]
+    total, embedding = parameters(hidden, layers, heads, kv, ffn)
+    return 6 * (total - embedding) + 12 * layers * hidden * seq
+
+
+def tokenizer_model() -> str:
+    """Mixtral's sentencepiece model (any 32000-piece model would do: the tokens are random)."""
+    if os.environ.get("BENCH_TOKENIZER_MODEL"):
+        return os.environ["BENCH_TOKENIZER_MODEL"]
+    import mistral_common
+
+    return str(Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1")
+
+
+def make_dataset(root: Path, tokens: int, seq: int) -> str:
+    """Uniform random tokens as one Megatron indexed dataset of documents of ~2 sequences each."""
+    import numpy as np
+
+    from workloads.indexed_dataset import DType, IndexedDatasetWriter
+
+    prefix = str(root / "random_text_document")
+    if Path(prefix + ".idx").exists():
+        return prefix
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    doc = 2 * seq + 1
+    docs = max(8, tokens // doc)
+    data = rng.integers(3, VOCAB, size=docs * doc, dtype=np.uint16)
+    with IndexedDatasetWriter(prefix, DType.uint16) as writer:
+        writer.add_documents(data, np.full(docs, doc, dtype=np.int32), np.ones(docs, dtype=np.int64))
+    return prefix
+
+
+def run_nemoflow(args, prefix: str, out: Path) -> dict:
+    hidden, layers, heads, kv, ffn, mbs = MODELS[args.model]
+    cuda = not args.cpu
+    run_dir = out / f"run-{args.model}-{args.gpus}gpu"
+    config = {
+        "arch": "llama",
+        "hidden_size": hidden,
+        "num_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "ffn_hidden_size": ffn,
+        "seq_length": args.seq,
+        "global_batch_size": mbs * args.gpus,
+        "micro_batch_size": mbs,
+        "max_steps": args.steps,
+        "lr": 3e-4,
+        "min_lr": 3e-5,
+        "warmup_steps": 2,
+        "val_check_interval": 10_000,
+        "limit_val_batches": 0,
+        "ckpt_every_n_steps": args.ckpt_every,
+        "save_top_k": 1,
+        "log_every_n_steps": 1,
+        "data_prefix": [prefix],
+        "split": "100,0,0",
+        "tokenizer_model": tokenizer_model(),
+        "run_dir": str(run_dir),
+        "gpus_per_node": args.gpus if cuda else 0,
+        "nproc_per_node": args.gpus,
+        "precision": args.precision,
+        "enable_compile": cuda and not args.no_compile,
+        "ckpt_async_save": not args.sync_save,
+    }
+    import shutil
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    (run_dir / "bench.json").write_text(json.dumps(config))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}"]
+    command += ["-m", "workloads.train", "--config", str(run_dir / "bench.json")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    start = time.perf_counter()
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    (out / f"nemoflow-{args.model}-{args.gpus}gpu.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        raise SystemExit(f"nemoflow trainer failed (exit {proc.returncode}):\n{tail}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    # tokens_per_s of a logged step counts training time only; the trainer logs the time each save blocked.
+    saves = [r["checkpoint_save_s"] for r in records if "checkpoint_save_s" in r]
+    finalize = sum(r["checkpoint_finalize_s"] for r in records if "checkpoint_finalize_s" in r)
+    tps = statistics.median(r["tokens_per_s"] for r in steps if r["step"] > args.warmup)
+    tokens_per_step = mbs * args.gpus * args.seq
+    training = sum(tokens_per_step / r["tokens_per_s"] for r in steps)
+    stall = sum(saves) + finalize
+    from workloads import checkpoint as ckpt
+
+    latest = ckpt.latest_checkpoint(run_dir)
+    return {
+        "engine": "nemoflow (NeMo AutoModel)",
+        "tokens_per_s": tps,
+        "mfu": tps * flops_per_token(args.model, args.seq) / (args.gpus * PEAK_BF16_TFLOPS * 1e12) if cuda else None,
+        "peak_mem_gib": max((r.get("peak_mem_gib", 0.0) for r in steps), default=None),
+        "checkpoint_stall_s": stall,
+        "checkpoint_stall_share": stall / (training + stall),
+        "checkpoint_save_s": saves,
+        "checkpoint_finalize_s": finalize,
+        "checkpoints": len(saves),
+        "final_loss": steps[-1]["loss"],
+        "wall_s": wall,
+        "latest_checkpoint": str(latest.path) if latest else None,
+        "checkpoint_bytes": sum(
+            v["size"] for v in json.loads((latest.path / ckpt.MANIFEST).read_text())["files"].values()
+        )
+        if latest
+        else None,
+    }
+
+
+def reference_worker(args) -> None:
+    """The reference loop, in one process per GPU (torchrun sets RANK/LOCAL_RANK/WORLD_SIZE)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, layers, heads, kv, ffn, mbs = MODELS[args.model]
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    cuda = not args.cpu
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        use_cache=False,  # training: a KV cache would make every compiled layer recompile (and fall back to eager)
+    )
+    model = LlamaForCausalLM(config).to(device)
+    if cuda and not args.no_compile:
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = torch.compile(layer)
+    train_model = (
+        torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if cuda else None) if world > 1 else model
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
+    gen = torch.Generator(device=device).manual_seed(rank)
+    tokens = torch.randint(3, VOCAB, (mbs, args.seq + 1), device=device, generator=gen)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    times = []
+    for _ in range(args.steps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with autocast:
+            logits = train_model(input_ids=tokens[:, :-1], use_cache=False).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    tps = world * mbs * args.seq / statistics.median(times[args.warmup :])
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    if rank == 0:
+        print("REFERENCE " + json.dumps({"tokens_per_s": tps, "peak_mem_gib": peak, "final_loss": loss.item()}))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def run_reference(args, out: Path) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}"]
+    command += [str(Path(__file__).resolve()), "--reference-worker", "--model", args.model, "--gpus", str(args.gpus)]
+    command += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", str(args.seq)]
+    command += ["--cpu"] if args.cpu else []
+    command += ["--no-compile"] if args.no_compile else []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    (out / f"reference-{args.model}-{args.gpus}gpu.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"reference loop failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    line = next(x for x in proc.stdout.splitlines() if "REFERENCE " in x)
+    result = json.loads(line.split("REFERENCE ", 1)[1])
+    tps = result["tokens_per_s"]
+    flops = flops_per_token(args.model, args.seq)
+    result["mfu"] = tps * flops / (args.gpus * PEAK_BF16_TFLOPS * 1e12) if not args.cpu else None
+    result["engine"] = "reference loop (compiled layers, fused AdamW, SDPA" + (", DDP)" if args.gpus > 1 else ")")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="134m")
+    parser.add_argument("--gpus", type=int, default=1, help="processes (GPUs); on --cpu, gloo processes")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the medians (compile, allocator)")
+    parser.add_argument("--ckpt-every", type=int, default=10)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "bf16", "32"])
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--sync-save", action="store_true", help="synchronous checkpoints (default: async)")
+    parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument("--skip-nemoflow", action="store_true")
+    parser.add_argument("--cpu", action="store_true", help="no GPU: check the code path with --model tiny")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "train_gpu"))
+    parser.add_argument("--reference-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.reference_worker:
+        reference_worker(args)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _, _, _, _, _, mbs = MODELS[args.model]
+    prefix = make_dataset(out / "data", tokens=(args.steps + 4) * mbs * args.gpus * (args.seq + 1) * 2, seq=args.seq)
+    result = {
+        "model": args.model,
+        "parameters": parameters(*MODELS[args.model][:5])[0],
+        "gpus": args.gpus,
+        "seq_length": args.seq,
+        "micro_batch_size": mbs,
+        "global_batch_size": mbs * args.gpus,
+        "steps": args.steps,
+        "flops_per_token": flops_per_token(args.model, args.seq),
+        "device": _device(),
+    }
+    if not args.skip_nemoflow:
+        result["nemoflow"] = run_nemoflow(args, prefix, out)
+    if not args.skip_reference:
+        result["reference"] = run_reference(args, out)
+    text = json.dumps(result, indent=1)
+    (out / f"bench_train_gpu-{args.model}-{args.gpus}gpu.json").write_text(text)
+    print(text, flush=True)
+
+
+def _device() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+        return f"cpu, torch {torch.__version__}"
+    except ImportError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()
