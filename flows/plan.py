@@ -92,7 +92,9 @@ def planned_specs(config: EndToEndConfig) -> list[tuple[str, JobSpec | ServiceSp
     best = ckpt.best_checkpoint(train_config.run_dir) if storage.exists(train_config.run_dir) else None
     step = best.step if best else train_config.total_steps
     checkpoint = CheckpointRef(
-        uri=str(best.path) if best else str(ckpt.checkpoints_dir(train_config.run_dir) / ckpt.step_name(step)),
+        uri=str(best.path)
+        if best
+        else str(ckpt.consolidated_dir(ckpt.checkpoints_dir(train_config.run_dir) / ckpt.step_dir_name(step))),
         step=step,
         val_loss=best.val_loss if best else None,
         run_dir=train_config.run_dir,

@@ -19,6 +19,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q -c constraints.txt -e ".${extras}"
   echo "$want" > "$stamp"
 fi
+# NeMo AutoModel compiles its Megatron dataset helper (C++, g++ + ninja) at first use: build it once
+# here rather than inside the first training run (cached per user under /tmp; quick when cached).
+if ! .venv/bin/python -c "from nemo_automodel.components.datasets.llm.megatron.megatron_utils import compile_helper; compile_helper()" >/tmp/nemoflow-compile-helper.log 2>&1; then
+  echo "warning: AutoModel's dataset helper did not compile (training will try again): see /tmp/nemoflow-compile-helper.log" >&2
+fi
 if [ -n "$extras" ] && [ -f scripts/debian-packages.txt ]; then
   missing=$(grep -v '^#' scripts/debian-packages.txt | xargs -r -n1 sh -c 'dpkg -s "$0" >/dev/null 2>&1 || echo "$0"')
   if [ -n "$missing" ]; then

@@ -46,8 +46,6 @@ from tasks.refs import CheckpointRef, EndpointRef
 DEFAULT_PORT = 8000
 DEFAULT_MODEL_NAME = "nemoflow-model"
 SERVER_MODULES = ("workloads.serve", "workloads.serve_http", "workloads.serve_engines", "infra.services", "tasks.serve")
-CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.model", "generation_config.json")
-OPTIONAL_CHECKPOINT_FILES = ("generation_config.json",)
 DEFAULT_RESOURCES = Resources(cpus_per_task=1)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -174,8 +172,9 @@ def build_serve_spec(
 def local_checkpoint(uri: str) -> str:
     """A local directory holding the checkpoint: the path itself, or a verified copy of a remote one.
 
-    Remote (gs://) checkpoints are copied once into ``<work_dir>/cache/checkpoints/``;
-    a copy is reused only while every file's fingerprint (md5/crc32c on GCS) is unchanged.
+    Remote (gs://) checkpoints are copied once into ``<work_dir>/cache/checkpoints/``: every file
+    its ``MANIFEST.json`` lists (sharded safetensors, tokenizer files, ...), the manifest last; a
+    copy is reused only while every file's fingerprint (md5/crc32c on GCS) is unchanged.
     """
     if storage.is_local(uri):
         return storage.local_path(uri)
@@ -183,21 +182,21 @@ def local_checkpoint(uri: str) -> str:
     dest = services.local_state_dir() / "cache" / "checkpoints" / digest
     manifest_path = dest / ".nemoflow-source.json"
     try:
-        manifest = json.loads(manifest_path.read_text())
+        seen = json.loads(manifest_path.read_text())
     except (FileNotFoundError, ValueError):
-        manifest = {}
-    for name in CHECKPOINT_FILES:
+        seen = {}
+    listing = storage.join(uri, "MANIFEST.json")
+    if not storage.exists(listing):
+        raise FileNotFoundError(f"checkpoint {uri} has no MANIFEST.json (it is incomplete, or not a checkpoint)")
+    names = sorted(storage.read_json(listing).get("files", {})) + ["MANIFEST.json"]
+    for name in names:
         source = storage.join(uri, name)
-        if not storage.exists(source):
-            if name in OPTIONAL_CHECKPOINT_FILES:
-                continue
-            raise FileNotFoundError(f"checkpoint {uri} has no {name}")
         fingerprint = storage.fingerprint(source)
-        if manifest.get(name) == fingerprint and (dest / name).exists():
+        if seen.get(name) == fingerprint and (dest / name).exists():
             continue
         storage.get_file(source, str(dest / name))  # atomic: never a half file under its name
-        manifest[name] = fingerprint
-        storage.write_json(str(manifest_path), manifest)
+        seen[name] = fingerprint
+        storage.write_json(str(manifest_path), seen)
     return str(dest)
 
 

@@ -32,6 +32,7 @@ from workloads.train_config import ParallelismError, TrainConfig, check_parallel
 
 TRAIN_MODULES = (
     "workloads.train",
+    "workloads.automodel_shim",
     "workloads.train_config",
     "workloads.checkpoint",
     "workloads.data_loader",
@@ -76,11 +77,6 @@ def data_dirs(config: TrainConfig) -> list[str]:
     return sorted(set(paths))
 
 
-def processes_per_node(config: TrainConfig) -> int:
-    """One process per GPU; on CPU, ``nproc_per_node`` of the config when it has one (default 1)."""
-    return config.gpus_per_node or getattr(config, "nproc_per_node", None) or 1
-
-
 def config_path(config: TrainConfig) -> str:
     """Where the trainer reads its configuration: ``<run_dir>/train_config.request.json``."""
     if not config.run_dir:
@@ -99,7 +95,6 @@ def build_train_job(config: TrainConfig, image: ImageRef | None = None) -> JobSp
     """The job that runs the trainer on ``config`` (which :func:`write_config` puts where the job reads it)."""
     run_dir = storage.local_path(config.run_dir or "")
     path = config_path(config)
-    nproc = processes_per_node(config)
     return workload_job(
         "train-" + hashlib.sha256(run_dir.encode()).hexdigest()[:10],
         "workloads.train",
@@ -117,7 +112,8 @@ def build_train_job(config: TrainConfig, image: ImageRef | None = None) -> JobSp
         read_only=data_dirs(config),
         # W&B only with a key; HF_TOKEN for models and tokenizers named by their hub id
         secret_env=[name for name in ("WANDB_API_KEY", "HF_TOKEN") if name in get_settings().secret_env()],
-        nproc_per_node=nproc if nproc * config.num_nodes > 1 else None,
+        # several processes: torchrun on every node (the backend gives the rendezvous)
+        nproc_per_node=config.procs_per_node if config.world_size > 1 else None,
         log_dir=os.path.join(run_dir, "logs"),
     )
 
