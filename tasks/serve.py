@@ -173,8 +173,9 @@ def local_checkpoint(uri: str) -> str:
     """A local directory holding the checkpoint: the path itself, or a verified copy of a remote one.
 
     Remote (gs://) checkpoints are copied once into ``<work_dir>/cache/checkpoints/``: every file
-    its ``MANIFEST.json`` lists (sharded safetensors, tokenizer files, ...), the manifest last; a
-    copy is reused only while every file's fingerprint (md5/crc32c on GCS) is unchanged.
+    its ``MANIFEST.json`` lists (sharded safetensors, tokenizer files, ...), the manifest last (without
+    a manifest: every file of the directory); a copy is reused only while every file's fingerprint
+    (md5/crc32c on GCS) is unchanged.
     """
     if storage.is_local(uri):
         return storage.local_path(uri)
@@ -186,11 +187,16 @@ def local_checkpoint(uri: str) -> str:
     except (FileNotFoundError, ValueError):
         seen = {}
     listing = storage.join(uri, "MANIFEST.json")
-    if not storage.exists(listing):
-        raise FileNotFoundError(f"checkpoint {uri} has no MANIFEST.json (it is incomplete, or not a checkpoint)")
-    names = sorted(storage.read_json(listing).get("files", {})) + ["MANIFEST.json"]
+    if storage.exists(listing):
+        names = sorted(storage.read_json(listing).get("files", {})) + ["MANIFEST.json"]
+    else:  # a checkpoint nemoflow did not write: every file of the directory
+        names = sorted(storage.basename(p) for p in storage.listdir(uri))
+    if "config.json" not in names:
+        raise FileNotFoundError(f"checkpoint {uri} has no config.json (not a Hugging Face checkpoint directory)")
     for name in names:
         source = storage.join(uri, name)
+        if not storage.exists(source):
+            raise FileNotFoundError(f"checkpoint {uri} has no {name} (listed in its MANIFEST.json)")
         fingerprint = storage.fingerprint(source)
         if seen.get(name) == fingerprint and (dest / name).exists():
             continue

@@ -72,9 +72,14 @@ def test_help_explains(capsys):
     assert "--checkpoint" in out and "/health" in out
 
 
-def test_gs_checkpoint_is_copied_once_and_refreshed_on_change(work_dir, gcs_bucket, tiny_checkpoint):
+def test_gs_checkpoint_is_copied_once_and_refreshed_on_change(work_dir, gcs_bucket, tiny_checkpoint, tmp_path):
+    from workloads.checkpoint import write_manifest
+
+    source = tmp_path / "step-1"
+    shutil.copytree(tiny_checkpoint, source)
+    write_manifest(source)  # the trainer's checkpoints list their files; the copy follows the list
     uri = f"{gcs_bucket}/runs/tiny/step-1"
-    for path in tiny_checkpoint.iterdir():
+    for path in source.iterdir():
         storage.put_file(str(path), storage.join(uri, path.name))
     local = local_checkpoint(uri)
     assert str(work_dir) in local
@@ -85,7 +90,7 @@ def test_gs_checkpoint_is_copied_once_and_refreshed_on_change(work_dir, gcs_buck
     storage.write_text(storage.join(uri, "config.json"), json.dumps(config))
     assert local_checkpoint(uri) == local
     assert json.loads(open(f"{local}/config.json").read())["use_cache"] == config["use_cache"]
-    with pytest.raises(FileNotFoundError, match="has no tokenizer.model"):
+    with pytest.raises(FileNotFoundError, match="has no tokenizer.model .listed in its MANIFEST.json"):
         storage.remove(storage.join(uri, "tokenizer.model"))
         local_checkpoint(uri)
 
