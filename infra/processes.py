@@ -1,6 +1,6 @@
 """Processes on this machine, read from ``/proc``: identity, liveness, groups, port owners, stopping.
 
-One copy of what the service registry (infra/services.py), the demo's control plane
+One copy of what the service table (infra/services.py), the demo's control plane
 (devtools/prefect_local.py) and the local Slurm cluster (devtools/slurm_cluster.py)
 need to know about a process they started earlier, possibly from another process:
 

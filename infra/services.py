@@ -15,14 +15,15 @@ checks the port before spawning anything, and if the server exits, never
 answers 200 on its health path in time, or the caller is interrupted (Ctrl-C,
 a Prefect cancellation, which raises in the task), the group is killed before
 the error propagates. Against a SIGKILL of the caller, which no code can
-catch, the registry entry is written as ``starting`` before the wait: the next
+catch, the table entry is written as ``starting`` before the wait: the next
 deploy of the same name, or ``nemoflow serve stop NAME``, finds and stops it.
 
-The registry is one JSON file, ``<work_dir>/services/registry.json`` (or
+The service table is one JSON file, ``<work_dir>/services/table.json`` (or
 ``~/.nemoflow/services/`` when the work dir is remote: it lists local
 processes), updated under an ``flock`` and replaced atomically. Each entry
 records the process start time, so a recycled pid is never mistaken for the
-server; entries whose process is gone are dropped whenever the registry is read.
+server; entries whose process is gone are dropped whenever the table is read. (The *model*
+registry is infra/registry.py; container registries are the images'.)
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
     raise PortInUseError(f"port {port} is already in use{who}; choose another with --port")
 
 
-# ---------------------------------------------------------------- the registry
+# ---------------------------------------------------------------- the service table
 
 
 def local_state_dir() -> Path:
@@ -120,14 +121,19 @@ def local_state_dir() -> Path:
     return Path(storage.local_path(work_dir)) if storage.is_local(work_dir) else Path(DEFAULT_HOME)
 
 
-def registry_path() -> Path:
-    return local_state_dir() / "services" / "registry.json"
+def table_path() -> Path:
+    path = local_state_dir() / "services" / "table.json"
+    legacy = path.with_name("registry.json")  # its name before 0.2: servers started then stay known
+    if legacy.exists() and not path.exists():
+        with contextlib.suppress(OSError):
+            os.replace(legacy, path)
+    return path
 
 
 @contextlib.contextmanager
-def _registry() -> Iterator[dict[str, ServiceHandle]]:
-    """The registry, locked; changes to the yielded dict are written back atomically."""
-    path = registry_path()
+def _table() -> Iterator[dict[str, ServiceHandle]]:
+    """The service table, locked; changes to the yielded dict are written back atomically."""
+    path = table_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -136,7 +142,7 @@ def _registry() -> Iterator[dict[str, ServiceHandle]]:
             try:
                 raw = json.loads(path.read_text() or "{}")
             except ValueError as exc:
-                raise ServiceError(f"service registry {path} is not valid JSON ({exc}); remove it") from exc
+                raise ServiceError(f"service table {path} is not valid JSON ({exc}); remove it") from exc
             entries = {name: ServiceHandle.model_validate(value) for name, value in raw.items()}
         before = {name: entry.model_dump(mode="json") for name, entry in entries.items()}
         for name, entry in list(entries.items()):
@@ -152,22 +158,22 @@ def _registry() -> Iterator[dict[str, ServiceHandle]]:
 
 def list_services() -> list[ServiceHandle]:
     """Running services (entries of dead processes are cleaned on the way)."""
-    with _registry() as entries:
+    with _table() as entries:
         return sorted(entries.values(), key=lambda e: e.name)
 
 
 def get_service(name: str) -> ServiceHandle | None:
-    with _registry() as entries:
+    with _table() as entries:
         return entries.get(name)
 
 
 def _register(handle: ServiceHandle) -> None:
-    with _registry() as entries:
+    with _table() as entries:
         entries[handle.name] = handle
 
 
 def _unregister(name: str, pid: int) -> None:
-    with _registry() as entries:
+    with _table() as entries:
         if name in entries and entries[name].pid == pid:
             del entries[name]
 

@@ -140,7 +140,7 @@ def resolve_api_key(env_name: str | None, environ: dict[str, str] | None = None)
 
     The key travels by reference (a variable name on the command line, the value in the
     environment: a Kubernetes Secret, a Slurm job's exported environment), so it never shows in
-    ``ps``, the job script or the service registry.
+    ``ps``, the job script or the service table.
     """
     if not env_name:
         return None

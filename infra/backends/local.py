@@ -238,7 +238,7 @@ class LocalBackend(Backend):
     # ------------------------------------------------------------------ services
 
     def _log_dir(self, spec: ServiceSpec) -> str:
-        return spec.log_dir or str(services.registry_path().parent / "logs")
+        return spec.log_dir or str(services.table_path().parent / "logs")
 
     def start_service(
         self, spec: ServiceSpec, *, ready_timeout_s: float = 900.0, on_log: LogSink | None = None

@@ -133,7 +133,7 @@ def run_start(args) -> int:
     try:
         handle = services.start_service(
             spec,
-            services.registry_path().parent / "logs",
+            services.table_path().parent / "logs",
             host=args.host,
             ready_timeout_s=args.ready_timeout,
             checkpoint=args.checkpoint,

@@ -12,7 +12,9 @@ def register(sub) -> None:
     parser = sub.add_parser(
         "settings",
         help="show the effective settings (from NEMOFLOW_* variables and .env), secrets masked",
-        description="Print every setting, where it can be set, and its current value. Secret values are never printed.",
+        description="Print every setting, where it can be set, and its current value, then the Slurm and "
+        "Kubernetes executors' options as NEMOFLOW_SLURM_* / NEMOFLOW_K8S_* fill them. Secret values are never "
+        "printed.",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(func=run)
@@ -24,9 +26,11 @@ def sections() -> list[tuple[str | None, Any]]:
     Another settings model (a pydantic ``BaseSettings`` with an ``env_prefix``, such as the
     Slurm or Kubernetes executor options) is one more entry: ``("slurm", SlurmOptions())``.
     """
+    from infra.executors import K8sExecutor, SlurmExecutor
     from infra.settings import get_settings
 
-    return [(None, get_settings())]
+    # The executors' options as the environment fills them (a flow's executor adds its own values).
+    return [(None, get_settings()), ("slurm", SlurmExecutor()), ("k8s", K8sExecutor())]
 
 
 def rows(settings) -> list[tuple[str, str, Any, str]]:
@@ -34,6 +38,8 @@ def rows(settings) -> list[tuple[str, str, Any, str]]:
     prefix = settings.model_config.get("env_prefix", "")
     result = []
     for name, field in type(settings).model_fields.items():
+        if name == "kind":  # the executor's tag, not a setting
+            continue
         value = getattr(settings, name)
         if hasattr(value, "get_secret_value"):
             value = MASK

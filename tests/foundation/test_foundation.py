@@ -102,14 +102,24 @@ def test_cli_reports_an_invalid_setting_in_one_line_with_exit_2(tmp_path):
 
 
 def test_settings_command_shows_variables_and_masks_secrets(tmp_path):
-    env = dict(os.environ, NEMOFLOW_REGION="europe", HF_TOKEN="hf_shown_nowhere", NEMOFLOW_WORK_DIR=str(tmp_path))
+    env = dict(
+        os.environ,
+        NEMOFLOW_REGION="europe",
+        HF_TOKEN="hf_shown_nowhere",
+        NEMOFLOW_WORK_DIR=str(tmp_path),
+        NEMOFLOW_SLURM_PARTITION="gpu",
+        NEMOFLOW_K8S_NAMESPACE="llm",
+    )
     text = subprocess.run(
         [sys.executable, "-m", "nemoflow.cli", "settings"], env=env, cwd=tmp_path, capture_output=True, text=True
     )
     assert text.returncode == 0, text.stderr
-    lines = {line.split()[0]: line.split()[1] for line in text.stdout.splitlines() if line.strip()}
+    lines = {line.split()[0]: line.split()[1] for line in text.stdout.splitlines() if len(line.split()) > 1}
     assert lines["NEMOFLOW_REGION"] == "europe" and lines["NEMOFLOW_WORK_DIR"] == str(tmp_path)
     assert lines["NEMOFLOW_HF_TOKEN"] == "**********"
+    # the executors' options, as the environment fills them
+    assert "[slurm]" in text.stdout and lines["NEMOFLOW_SLURM_PARTITION"] == "gpu"
+    assert "[k8s]" in text.stdout and lines["NEMOFLOW_K8S_NAMESPACE"] == "llm"
     as_json = subprocess.run(
         [sys.executable, "-m", "nemoflow.cli", "settings", "--json"],
         env=env,
@@ -119,6 +129,7 @@ def test_settings_command_shows_variables_and_masks_secrets(tmp_path):
     )
     values = json.loads(as_json.stdout)
     assert values["region"] == "europe" and values["hf_token"] == "**********"
+    assert values["slurm"]["partition"] == "gpu" and values["k8s"]["namespace"] == "llm"
     assert "hf_shown_nowhere" not in text.stdout + as_json.stdout
 
 

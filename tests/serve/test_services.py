@@ -80,9 +80,9 @@ def test_stop_from_another_process_kills_the_whole_group(work_dir, cleanup, tmp_
     assert handle.state == "ready" and handle.url == f"http://127.0.0.1:{port}"
     members = services.group_members(handle.pid)
     assert len(members) == 2, members  # the server and its grandchild `sleep`
-    registry = json.loads(services.registry_path().read_text())
-    assert registry["grouped"]["pid"] == handle.pid and registry["grouped"]["state"] == "ready"
-    # `nemoflow serve stop` runs in a separate process: it finds the server through the registry
+    table = json.loads(services.table_path().read_text())
+    assert table["grouped"]["pid"] == handle.pid and table["grouped"]["state"] == "ready"
+    # `nemoflow serve stop` runs in a separate process: it finds the server through the service table
     result = subprocess.run(
         [sys.executable, "-m", "nemoflow.cli", "serve", "stop", "grouped"],
         capture_output=True,
@@ -128,7 +128,7 @@ def test_interrupted_start_kills_what_it_started(work_dir, cleanup, tmp_path):
 def test_stale_entries_are_cleaned_and_names_are_unique(work_dir, cleanup, tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    path = services.registry_path()
+    path = services.table_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     stale = services.ServiceHandle(name="ghost", url="http://127.0.0.1:1", pid=dead.pid, port=1, log_path="x")
     # a live pid with another start time is a recycled pid, not our server
