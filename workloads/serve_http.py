@@ -487,6 +487,58 @@ def listen_socket(host: str, port: int, reuse_port: bool = True):
     return sock
 
 
+# setsockopt(SOL_SOCKET, SO_ATTACH_REUSEPORT_CBPF) (asm-generic/socket.h), and the one classic BPF
+# instruction "return K" (BPF_RET | BPF_K).
+SO_ATTACH_REUSEPORT_CBPF = 51
+_BPF_RET_K = 0x06
+
+
+def steer_new_connections_to_newest(sock) -> bool:
+    """Make the kernel hand every new connection on this SO_REUSEPORT group to its second member.
+
+    Without it, a SYN is hashed onto any member, and one queued on the leaving server's socket when
+    it closes is reset (tcp_migrate_req is off by default): the rare ``Connection reset by peer``
+    during a switch. A switch has exactly two members, the serving one (index 0) and the one that
+    joined last (index 1), so the program is "return 1". Once the old one closed, index 1 no longer
+    exists and the kernel falls back to its hash over the one member left. Python has no binding for
+    a socket filter, so the sock_fprog struct is built here (nothing in the serving stack does this).
+    Returns False, and changes nothing, where the kernel refuses it.
+    """
+    import ctypes
+    import socket
+    import struct
+
+    program = ctypes.create_string_buffer(struct.pack("HBBI", _BPF_RET_K, 0, 0, 1))
+    fprog = struct.pack("HxxxxxxQ" if struct.calcsize("P") == 8 else "HxxI", 1, ctypes.addressof(program))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_REUSEPORT_CBPF, fprog)
+    except OSError as exc:
+        log.warning("could not steer new connections to this server (%s): a switch may reset a few", exc)
+        return False
+    return True
+
+
+def _await_empty_accept_queue(sock, timeout_s: float) -> None:
+    """Wait (briefly) until a listening socket holds no connection waiting for accept().
+
+    New connections already go to the successor (:func:`steer_new_connections_to_newest`); this lets
+    the event loop take the few queued before that, which closing the socket would reset. Linux
+    reports a listener's accept queue length as tcp_info.tcpi_unacked (bytes 24-27).
+    """
+    import socket
+    import struct
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 32)
+        except OSError:
+            return
+        if len(info) < 28 or struct.unpack_from("I", info, 24)[0] == 0:
+            return
+        time.sleep(0.01)
+
+
 class PortRelay:
     """Listen on ``shared_port`` (SO_REUSEPORT) and relay each connection to this server's own port."""
 
@@ -517,6 +569,7 @@ class PortRelay:
 
             threading.Thread(target=run, name="port-relay", daemon=True).start()
             ready.wait()
+        steer_new_connections_to_newest(sock)
         log.info("joined port %d (relaying to %d)", self.shared_port, self.target_port)
 
     def leave(self) -> None:
@@ -524,6 +577,10 @@ class PortRelay:
             if self._server is None or self._loop is None:
                 return
             done = threading.Event()
+
+            # Here, not in close(): the loop must go on accepting while the queue drains.
+            for sock in self._server.sockets:
+                _await_empty_accept_queue(sock, 2.0)
 
             def close() -> None:
                 self._server.close()

@@ -327,6 +327,9 @@ class LocalBackend(Backend):
             services.stop_service(handle)
             raise
         if old is not None:
+            # The joiner steered new connections to itself (workloads/serve_http.py); give the old
+            # server a moment to accept the few queued before that, which closing its socket would reset.
+            time.sleep(0.5)
             if "--join-port" in old.command:
                 # A relay (an earlier switch): close it first, so no new connection lands on a server
                 # that is about to stop; without --join-port, SIGUSR2 would kill the server outright.
