@@ -6,6 +6,7 @@ Outputs are read back with megatron-core's own reader and dataset builder.
 from __future__ import annotations
 
 import ast
+import glob
 import json
 import os
 
@@ -19,6 +20,7 @@ from tasks.data import auto_blend_text, blend_weights
 from tasks.refs import TokenizerRef
 from tests.support.fault_server import Fault, FaultServer
 from workloads.demo_data import write_slimpajama_layout
+from workloads.shard_manifest import read_manifest
 from workloads.tokenize_array import read_index_counts
 
 pytestmark = pytest.mark.prefect
@@ -113,22 +115,26 @@ def test_rerun_is_cached_and_added_shards_are_processed_alone(prefect_server, wo
     write_slimpajama_layout(source, chunks=1, shards_per_chunk=4)
     template = str(source / "train" / "chunk{chunk}" / "example_train_{shard}.jsonl.zst")
     config = PrepareConfig(name="grow", sources=template, chunks="1", shards="0-2", shards_per_file=1)
-    first, _ = _run(config)
-    mtimes = {p: os.path.getmtime(p + ".bin") for p in first.prefixes}
+    first, run_id = _run(config)
+    assert sorted(_task_states(run_id)) == ["blend grow", "download and extract 3 shard(s)", "tokenize 3 part(s)"]
+    root = config.dataset_uri()
+    kept = sorted(glob.glob(f"{root}/raw/**/*.zst", recursive=True) + glob.glob(f"{root}/tokenized/*.bin"))
+    mtimes = {p: os.path.getmtime(p) for p in kept}
 
+    # Nothing changed: no download step at all, and the two task runs a re-run makes are Cached.
     again, run_id = _run(config)
     states = _task_states(run_id)
     assert again.blend == first.blend
-    assert states and all(state == "Cached" for state in states.values()), states
+    assert states == {"tokenize 3 part(s)": "Cached", "blend grow": "Cached"}, states
 
+    # One shard added: one shard downloaded and extracted, one part tokenized; the rest untouched.
     grown, run_id = _run(config.model_copy(update={"shards": "0-3"}))
     assert len(grown.prefixes) == 4
-    for prefix, mtime in mtimes.items():
-        assert os.path.getmtime(prefix + ".bin") == mtime, f"{prefix} was tokenized again"
     states = _task_states(run_id)
-    fresh = sorted(name for name, state in states.items() if state != "Cached")
-    assert any("example_train_3" in name for name in fresh)
-    assert not any("example_train_0" in name or "example_train_1" in name for name in fresh), fresh
+    assert states["download and extract 1 shard(s)"] == "Completed", states
+    assert all(os.path.getmtime(p) == mtime for p, mtime in mtimes.items()), "a finished shard or part was redone"
+    records = read_manifest(root)
+    assert sorted(records) == [f"chunk1/example_train_{i}.jsonl.zst" for i in range(4)]
 
 
 def test_https_source_with_faults_to_gcs_output(prefect_server, work_dir, tmp_path, gcs_bucket):
