@@ -30,11 +30,11 @@ from tasks.data import (
     check_shards,
     fetch_shards,
     job_paths,
-    needed_again,
+    part_done,
     part_inputs,
-    plan_parts,
+    part_keys,
     publish_table,
-    read_manifest,
+    settle_parts,
     shards_digest,
     tokenize_parts,
     tokenized_so_far,
@@ -43,7 +43,8 @@ from tasks.data import (
 )
 from tasks.refs import DatasetRef, TokenizerRef
 from workloads.fetch_array import FetchOptions
-from workloads.shard_manifest import read_progress
+from workloads.shard_manifest import index_manifest, read_progress
+from workloads.shards import group
 
 DEMO_TEMPLATE = "train/chunk{chunk}/example_train_{shard}.jsonl.zst"
 
@@ -175,12 +176,12 @@ def prepare_dataset(
 
     # 1. sources, checked against the shard manifest in one pass (no task run per shard)
     sources = expand_sources(config.sources, chunks=config.chunks, shards=config.shards)
-    urls = {s.name: s.url for s in sources}
     check = check_shards(sources, dataset_uri, config.revalidate)
-    groups = plan_parts(check, config.shards_per_file)
-    refetch = needed_again(check, groups, config.tokenizer, config.json_keys, config.append_eod, urls)
+    groups = group(check.names, config.shards_per_file)  # N shards per part, in order; the last one smaller
+    tokenize_identity = (config.tokenizer, config.json_keys, config.append_eod)
+    done, refetch = settle_parts(check, groups, *tokenize_identity)
     log.info(
-        "%d source shard(s) -> %s: %d to download/extract (%d of them to extract again), %d recorded (%.2fs)",
+        "%d source shard(s) -> %s: %d to download/extract (%d of them again: extracted file gone), %d done (%.2fs)",
         len(sources),
         dataset_uri,
         len(check.pending),
@@ -195,35 +196,37 @@ def prepare_dataset(
 
     # 2-3. download and extract the pending shards: ONE job array where the executor says
     if check.pending:
-        plan_uri, plan = write_fetch_plan(
-            dataset_uri,
-            check.pending,
-            check.code,
-            FetchOptions(
-                threads=config.fetch_threads,
-                requests_per_second=config.requests_per_second,
-                delete_compressed=config.delete_compressed,
-                revalidate=config.revalidate,
-            ),
-            config.fetch_tasks,
+        options = FetchOptions(
+            threads=config.fetch_threads,
+            requests_per_second=config.requests_per_second,
+            delete_compressed=config.delete_compressed,
+            revalidate=config.revalidate,
         )
-        rw, ro = job_paths(dataset_uri, list(urls.values()))
+        plan_uri, plan = write_fetch_plan(check, options, config.fetch_tasks)
+        rw, ro = job_paths(dataset_uri, [s.url for s in sources])
         with progress.watch(lambda: recorded + sum(read_progress(plan.journal_dir, plan.plan_id))):
             fetch(plan_uri, len(check.pending), dataset_uri, executor, image, rw, ro)
-        check.records = read_manifest(dataset_uri)
+        check.index = index_manifest(dataset_uri)
 
     # 4-5. concatenate N shards per part and tokenize: ONE job array (a task per unfinished part)
-    parts = part_inputs(check, groups)
-    with progress.watch(lambda: len(sources) + tokenized_so_far(dataset_uri, parts, config.json_keys)):
+    keys = part_keys(check, groups)
+    unfinished = [
+        key
+        for i, key in enumerate(keys)
+        if i not in done and (key is None or not part_done(key, dataset_uri, *tokenize_identity))
+    ]
+    todo = part_inputs(check, groups, unfinished)
+    with progress.watch(lambda: len(sources) + tokenized_so_far(dataset_uri, keys, config.json_keys)):
         tokenized = tokenize(
-            parts,
+            keys,
+            todo,
             config.tokenizer,
             dataset_uri,
             config.json_keys,
             config.append_eod,
             config.workers,
             config.skip_malformed,
-            n=len(parts),
+            n=len(keys),
             executor=executor,
             image=image,
         )

@@ -44,32 +44,33 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
 from prefect import task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
-from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel
+from prefect.cache_policies import INPUTS, NO_CACHE
+from pydantic import BaseModel, Field
 
 from infra import storage
 from infra.executors import Executor
 from infra.jobs import ImageRef, JobFailed, JobSpec, Resources, workload_job
 from infra.settings import get_settings
 from infra.sources import Source
-from tasks.common import cache_policy, code_fingerprint, logger, run_job
+from tasks.common import CodeVersion, cache_policy, code_fingerprint, logger, run_job
 from tasks.refs import DatasetRef, TokenizerRef
 from workloads.fetch_array import FetchOptions, FetchPlan
 from workloads.shard_manifest import (
-    is_current,
+    ShardEntry,
+    index_manifest,
     journal_dir,
+    manifest_lines,
     merge_journals,
-    read_manifest,
+    state_key,
     url_digest,
 )
-from workloads.shards import group
 from workloads.tokenize_array import (
     PlanItem,
     TokenizedPart,
@@ -81,7 +82,7 @@ from workloads.tokenize_array import (
 
 RETRIES = 3
 # Fewer shards than this per fetch task would spend more on starting tasks than on shards.
-MIN_SHARDS_PER_FETCH_TASK = 64
+MIN_SHARDS_PER_FETCH_TASK = 256
 # At most this many failed shards are listed in the failed-shards artifact (the count is always given).
 FAILED_ROWS = 1000
 
@@ -112,13 +113,21 @@ class ShardsFailed(RuntimeError):
     """Shards could not be downloaded or extracted; the message names them (all are in the artifact)."""
 
 
-class PartInput(BaseModel):
-    """One part to tokenize: its extracted shards in order and the checksums of their downloads."""
+class PartKey(BaseModel):
+    """One part as the tokenize step's cache key sees it: the content of its shards, in order."""
 
     name: str
-    inputs: list[str]
-    checksums: list[str]
+    shards: int
+    shards_sha256: str = Field(
+        ..., description="over (extracted file, sha256 of its download) in order + extraction code"
+    )
     bytes: int
+
+
+class PartInput(PartKey):
+    """A part still to tokenize: its extracted shards too (only unfinished parts carry the list)."""
+
+    inputs: list[str]
 
 
 # ----------------------------------------------------------------------------- progress
@@ -173,131 +182,106 @@ def _scheme(url: str) -> str:
     return url.split("://", 1)[0].lower() if "://" in url else "file"
 
 
-def _listing(urls: list[str]) -> dict[str, dict]:
-    """fsspec info of every object under the folders of ``urls``: one listing per folder, not a call per file."""
-    found: dict[str, dict] = {}
-    folders = sorted({storage.parent(u) for u in urls})
-    for folder in folders:
-        fs, path = storage.url_to_fs(folder)
-        try:
-            entries = fs.ls(path, detail=True)
-        except FileNotFoundError:
-            continue
-        for entry in entries:
-            found[storage.to_uri(fs, entry["name"])] = entry
-    return found
+def _folder_listing(folder: str) -> dict[str, dict]:
+    """fsspec info of every object in ``folder``, by URI (one listing call, not one per object)."""
+    fs, path = storage.url_to_fs(folder)
+    try:
+        entries = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {storage.to_uri(fs, entry["name"]): entry for entry in entries}
 
 
-def source_identities(sources: list[Source]) -> list[dict | None]:
+def iter_identities(sources: list[Source]) -> Iterator[dict | None]:
     """What tells a changed source from a known one, per source (None: not checked, see revalidate).
 
     Local files: size and modification time (infra.fetch.probe, a stat). GCS: size, etag/generation,
-    md5, crc32c, from one listing per folder. HTTP(S): None; a HEAD per shard per run is what made
-    re-runs cost as much as the work at 59,166 shards (and a rate-limited host would refuse it).
+    md5, crc32c, from one listing per folder (sources come folder by folder). HTTP(S): None; a HEAD
+    per shard per run is what made re-runs cost as much as the work at 59,166 shards (and a
+    rate-limited host would refuse it).
     """
     from infra.fetch import NotFound, probe
 
-    out: list[dict | None] = [None] * len(sources)
-    gcs = [i for i, s in enumerate(sources) if _scheme(s.url) in ("gs", "gcs")]
-    if gcs:
-        listing = _listing([sources[i].url for i in gcs])
-        for i in gcs:
-            url = sources[i].url.replace("gcs://", "gs://", 1)
-            meta = listing.get(url.rstrip("/"))
+    folder, listing = None, {}
+    for source in sources:
+        scheme = _scheme(source.url)
+        if scheme == "file":
+            info = probe(source.url)
+            yield {"size": info.size, "last_modified": info.last_modified}
+        elif scheme in ("gs", "gcs"):
+            url = "gs://" + source.url.split("://", 1)[1]
+            if storage.parent(url) != folder:
+                folder = storage.parent(url)
+                listing = _folder_listing(folder)
+            meta = listing.get(url)
             if meta is None:
                 raise NotFound(f"not found: {url}")
-            out[i] = {
+            yield {
                 "size": int(meta["size"]) if meta.get("size") is not None else None,
                 "etag": meta.get("etag") or (str(meta["generation"]) if meta.get("generation") else None),
                 "md5": meta.get("md5Hash"),
                 "crc32c": meta.get("crc32c"),
             }
-    for i, source in enumerate(sources):
-        if _scheme(source.url) == "file":
-            info = probe(source.url)
-            out[i] = {"size": info.size, "last_modified": info.last_modified}
-    return out
+        else:
+            yield None
 
 
 @dataclasses.dataclass
 class ShardCheck:
-    """The flow's view of the sources after :func:`check_shards` (plain data in memory: validating
-    59,166 records as models would cost seconds; never a task input)."""
+    """The flow's view of the sources after :func:`check_shards` (plain data in memory, about 300 bytes
+    a shard: validating 59,166 records as models would cost seconds and KBs each; never a task input)."""
 
     dataset_uri: str
-    names: list[str]
-    records: dict[str, dict]
-    pending: list[dict]  # FetchItem fields
+    sources: list[Source]
+    index: dict[str, ShardEntry]
+    pending: list[tuple[int, dict | None]]  # (position in sources, identity the flow saw)
     code: str
     seconds: float
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.sources]
 
 
 def check_shards(sources: list[Source], dataset_uri: str, revalidate: bool = False) -> ShardCheck:
     """Which shards need downloading/extracting: one manifest read, one identity per source."""
     started = time.monotonic()
-    records = read_manifest(dataset_uri)
-    merged, _ = merge_journals(dataset_uri, records)  # what a killed run finished but did not merge
+    merged, _ = merge_journals(dataset_uri)  # what a killed run finished but did not merge
     if merged:
         logger().info("merged %d shard record(s) a previous run left in its journal", merged)
     storage.remove(storage.join(dataset_uri, "shards", "plans"), recursive=True)
-    identities = source_identities(sources)
+    index = index_manifest(dataset_uri)
     code = code_fingerprint("workloads.shards")
-    pending = []
-    for source, remote in zip(sources, identities):
-        record = records.get(source.name)
-        trusted = remote is not None or not revalidate
-        if record is not None and trusted and is_current(record, url_digest(source.url), remote, code):
-            continue
-        pending.append(_item(dataset_uri, source.name, source.url, remote))
-    return ShardCheck(
-        dataset_uri=dataset_uri,
-        names=[s.name for s in sources],
-        records=records,
-        pending=pending,
-        code=code,
-        seconds=time.monotonic() - started,
-    )
-
-
-def _item(dataset_uri: str, name: str, url: str, remote: dict | None) -> dict:
-    return {
-        "name": name,
-        "url": url,
-        "raw": raw_uri(dataset_uri, name),
-        "extracted": extracted_uri(dataset_uri, name),
-        "remote": remote,
-    }
+    pending: list[tuple[int, dict | None]] = []
+    for position, (source, remote) in enumerate(zip(sources, iter_identities(sources))):
+        entry = index.get(source.name)
+        if entry is not None:
+            digest = url_digest(source.url)
+            if remote is not None:
+                current = entry.full == state_key(digest, code, remote)
+            else:
+                current = not revalidate and entry.trusted == state_key(digest, code)
+            if current:
+                continue
+        pending.append((position, remote))
+    return ShardCheck(dataset_uri, sources, index, pending, code, time.monotonic() - started)
 
 
 def _sizes(uris: list[str]) -> dict[str, int]:
     """Sizes of the files that exist among ``uris`` (a stat each locally, one listing per folder on GCS)."""
     sizes: dict[str, int] = {}
-    local = [u for u in uris if storage.is_local(u)]
-    for uri in local:
-        with contextlib.suppress(OSError):
-            sizes[uri] = os.path.getsize(storage.local_path(uri))
-    remote = [u for u in uris if not storage.is_local(u)]
-    if remote:
-        listing = _listing(remote)
-        for uri in remote:
-            if (meta := listing.get(uri)) is not None:
-                sizes[uri] = int(meta.get("size") or 0)
+    listings: dict[str, dict[str, dict]] = {}
+    for uri in uris:
+        if storage.is_local(uri):
+            with contextlib.suppress(OSError):
+                sizes[uri] = os.path.getsize(storage.local_path(uri))
+            continue
+        folder = storage.parent(uri)
+        if folder not in listings:
+            listings[folder] = _folder_listing(folder)
+        if (meta := listings[folder].get(uri)) is not None:
+            sizes[uri] = int(meta.get("size") or 0)
     return sizes
-
-
-def _part_identity(
-    part: PartInput, dataset_uri: str, tokenizer: TokenizerRef, json_keys: list[str], append_eod: bool, code: str
-) -> dict:
-    return {
-        "input": _concat_uri(dataset_uri, part.name),
-        "inputs": list(part.inputs),
-        "source_checksums": list(part.checksums),
-        "extraction": code,
-        "tokenizer": tokenizer.fingerprint,
-        "json_keys": list(json_keys),
-        "append_eod": append_eod,
-        "code": code_fingerprint("workloads.tokenize"),
-    }
 
 
 def _concat_uri(dataset_uri: str, part_name: str) -> str:
@@ -308,73 +292,91 @@ def _output_base(dataset_uri: str, part_name: str) -> str:
     return storage.join(dataset_uri, "tokenized", part_name)
 
 
-def _part_done(
-    part: PartInput, dataset_uri: str, tokenizer: TokenizerRef, json_keys: list[str], append_eod: bool, code: str
-) -> bool:
-    identity = _part_identity(part, dataset_uri, tokenizer, json_keys, append_eod, code)
-    base = _output_base(dataset_uri, part.name)
-    return all(finished_part(f"{base}_{key}_document", identity) for key in json_keys)
-
-
-def plan_parts(check: ShardCheck, shards_per_file: int) -> list[list[str]]:
-    """Shard names per part, in the sources' order (the last part smaller)."""
-    return group(check.names, shards_per_file)
-
-
-def part_input(check: ShardCheck, index: int, names: list[str]) -> PartInput | None:
-    """The part's inputs from the records (None while one of its shards has none)."""
-    records = [check.records.get(n) for n in names]
-    if any(r is None for r in records):
-        return None
-    return PartInput(
-        name=f"part-{index:05d}",
-        inputs=[r["extracted"] for r in records],
-        checksums=[r["sha256"] for r in records],
-        bytes=sum(r["bytes"] for r in records),
-    )
-
-
-def part_inputs(check: ShardCheck, groups: list[list[str]]) -> list[PartInput]:
-    """Every part's inputs, once every shard has a record (after the fetch step)."""
-    parts = []
+def part_keys(check: ShardCheck, groups: list[list[str]]) -> list[PartKey | None]:
+    """Each part's content key from the shard records (None while one of its shards has none)."""
+    keys: list[PartKey | None] = []
     for index, names in enumerate(groups):
-        part = part_input(check, index, names)
-        if part is None:
-            missing = next(n for n in names if n not in check.records)
-            raise RuntimeError(f"shard {missing} has no record after the fetch step (see {check.dataset_uri}/shards)")
-        parts.append(part)
-    return parts
-
-
-def needed_again(
-    check: ShardCheck,
-    groups: list[list[str]],
-    tokenizer: TokenizerRef,
-    json_keys: list[str],
-    append_eod: bool,
-    urls: dict[str, str],
-) -> int:
-    """Shards whose extracted file is gone although a part that needs it is not tokenized yet.
-
-    A part already tokenized needs nothing (its extracted shards may have been deleted to save
-    space); a part still to tokenize needs every shard's extracted file, so missing ones are
-    fetched again. Costs a stat per shard of the parts left to do, nothing for finished parts.
-    Adds them to ``check.pending``; returns how many.
-    """
-    pending = {item["name"] for item in check.pending}
-    wanted: list[str] = []
-    for index, names in enumerate(groups):
-        part = part_input(check, index, names)
-        if part is not None and _part_done(part, check.dataset_uri, tokenizer, json_keys, append_eod, check.code):
+        entries = [check.index.get(n) for n in names]
+        if any(e is None for e in entries):
+            keys.append(None)
             continue
-        wanted += [n for n in names if n not in pending]
+        digest = hashlib.sha256(check.code.encode() + b"\n")
+        for name, entry in zip(names, entries):
+            digest.update(f"{extracted_uri(check.dataset_uri, name)}\0{entry.sha256}\n".encode())
+        keys.append(
+            PartKey(
+                name=f"part-{index:05d}",
+                shards=len(names),
+                shards_sha256=digest.hexdigest(),
+                bytes=sum(e.bytes for e in entries),
+            )
+        )
+    return keys
+
+
+def part_identity(
+    key: PartKey, dataset_uri: str, tokenizer: TokenizerRef, json_keys: list[str], append_eod: bool
+) -> dict:
+    """What a tokenized part's stats file must state for the part to count as done."""
+    return {
+        "input": _concat_uri(dataset_uri, key.name),
+        "shards": key.shards,
+        "shards_sha256": key.shards_sha256,
+        "tokenizer": tokenizer.fingerprint,
+        "json_keys": list(json_keys),
+        "append_eod": append_eod,
+        "code": code_fingerprint("workloads.tokenize"),
+    }
+
+
+def part_done(key: PartKey, dataset_uri: str, tokenizer: TokenizerRef, json_keys: list[str], append_eod: bool) -> bool:
+    identity = part_identity(key, dataset_uri, tokenizer, json_keys, append_eod)
+    base = _output_base(dataset_uri, key.name)
+    return all(finished_part(f"{base}_{k}_document", identity) for k in json_keys)
+
+
+def settle_parts(
+    check: ShardCheck, groups: list[list[str]], tokenizer: TokenizerRef, json_keys: list[str], append_eod: bool
+) -> tuple[set[int], int]:
+    """(parts already tokenized from the shards as recorded, shards to extract again).
+
+    A part whose shards are all current and which is tokenized with the same identity needs
+    nothing (its extracted shards may even have been deleted to save space). Any other part needs
+    every shard's extracted file, so recorded shards whose file is gone are fetched again (added to
+    ``check.pending``). Costs a stat per shard of the parts left to do, nothing for finished parts.
+    """
+    pending = {position for position, _ in check.pending}
+    done: set[int] = set()
+    wanted: list[int] = []
+    start = 0
+    for index, (key, names) in enumerate(zip(part_keys(check, groups), groups)):
+        positions = range(start, start + len(names))
+        start += len(names)
+        untouched = not any(p in pending for p in positions)
+        if key is not None and untouched and part_done(key, check.dataset_uri, tokenizer, json_keys, append_eod):
+            done.add(index)
+        else:
+            wanted += [p for p in positions if p not in pending]
     if not wanted:
-        return 0
-    sizes = _sizes([check.records[n]["extracted"] for n in wanted])
-    missing = [n for n in wanted if sizes.get(check.records[n]["extracted"]) != check.records[n]["bytes"]]
-    for name in missing:
-        check.pending.append(_item(check.dataset_uri, name, urls[name], check.records[name]["remote"]))
-    return len(missing)
+        return done, 0
+    uris = {p: extracted_uri(check.dataset_uri, check.sources[p].name) for p in wanted}
+    sizes = _sizes(list(uris.values()))
+    missing = [p for p in wanted if sizes.get(uris[p]) != check.index[check.sources[p].name].bytes]
+    identities = iter_identities([check.sources[p] for p in missing])
+    check.pending += list(zip(missing, identities))
+    return done, len(missing)
+
+
+def part_inputs(check: ShardCheck, groups: list[list[str]], keys: list[PartKey | None]) -> list[PartInput]:
+    """The parts given (by key) with their extracted shards, for the tokenize plan."""
+    out = []
+    by_name = {f"part-{i:05d}": names for i, names in enumerate(groups)}
+    for key in keys:
+        if key is None:
+            raise RuntimeError(f"a shard of the dataset has no record after the fetch step (see {check.dataset_uri})")
+        inputs = [extracted_uri(check.dataset_uri, n) for n in by_name[key.name]]
+        out.append(PartInput(**key.model_dump(), inputs=inputs))
+    return out
 
 
 # ----------------------------------------------------------------------------- download + extract
@@ -385,24 +387,34 @@ def new_plan_id() -> str:
     return datetime.now(UTC).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
-def write_fetch_plan(
-    dataset_uri: str, items: list[dict], code: str, options: FetchOptions, max_tasks: int
-) -> tuple[str, FetchPlan]:
-    """The plan and one item file per array task (every ``tasks``-th shard: chunks spread evenly)."""
+def write_fetch_plan(check: ShardCheck, options: FetchOptions, max_tasks: int) -> tuple[str, FetchPlan]:
+    """The plan and one item file per array task (every ``tasks``-th pending shard: chunks spread evenly)."""
+    dataset_uri = check.dataset_uri
     plan_id = new_plan_id()
-    tasks = max(1, min(max_tasks, math.ceil(len(items) / MIN_SHARDS_PER_FETCH_TASK)))
+    tasks = max(1, min(max_tasks, math.ceil(len(check.pending) / MIN_SHARDS_PER_FETCH_TASK)))
     base = storage.join(dataset_uri, "shards", "plans", plan_id)
     plan = FetchPlan(
         plan_id=plan_id,
         tasks=tasks,
-        shards=len(items),
+        shards=len(check.pending),
         items_prefix=storage.join(base, "task-"),
         journal_dir=journal_dir(dataset_uri),
-        code=code,
+        code=check.code,
         options=options,
     )
     for index in range(tasks):
-        storage.write_bytes(plan.items_uri(index), b"\n".join(orjson.dumps(i) for i in items[index::tasks]) + b"\n")
+        lines = []
+        for position, remote in check.pending[index::tasks]:
+            source = check.sources[position]
+            item = {
+                "name": source.name,
+                "url": source.url,
+                "raw": raw_uri(dataset_uri, source.name),
+                "extracted": extracted_uri(dataset_uri, source.name),
+                "remote": remote,
+            }
+            lines.append(orjson.dumps(item))
+        storage.write_bytes(plan.items_uri(index), b"\n".join(lines) + b"\n")
     plan_uri = storage.join(base, "plan.json")
     storage.write_json(plan_uri, plan.model_dump(mode="json"))
     return plan_uri, plan
@@ -453,11 +465,18 @@ def _failed_table(failures: dict[str, str], total: int) -> None:
     )
 
 
+def _retry_unless_shards_failed(task, task_run, state) -> bool:
+    """Each shard was already retried with backoff inside the job: retry the step only when the job
+    itself failed (a task killed, a node lost), not for shards that failed on their own."""
+    return not isinstance(state.data, ShardsFailed)
+
+
 @task(
     name="fetch-shards",
     task_run_name="download and extract {n} shard(s)",
     retries=1,
     retry_delay_seconds=30,
+    retry_condition_fn=_retry_unless_shards_failed,
     # Never cached: it is called only when shards are pending, and each shard's own record (its
     # sidecar) is the content-addressed cache a retry or a re-run consults.
     cache_policy=NO_CACHE,
@@ -481,8 +500,7 @@ def fetch_shards(
         run_job(build_fetch_job(plan_uri, plan.tasks, image, paths, read_only), executor)
     except JobFailed as exc:
         job_error = exc
-    records = read_manifest(dataset_uri)
-    merged, failures = merge_journals(dataset_uri, records)
+    merged, failures = merge_journals(dataset_uri)
     if failures:
         _failed_table(failures, plan.shards)
         named = "; ".join(f"{name}: {error}" for name, error in sorted(failures.items())[:3])
@@ -515,7 +533,12 @@ def build_tokenize_job(
 
 
 def tokenize_cache_policy():
-    return cache_policy("workloads.tokenize", "workloads.tokenize_array", "workloads.shards", "tasks.data")
+    """Inputs (the parts' content keys, tokenizer, flags) and the producing code; ``todo`` (what the
+    flow saw unfinished) is left out: it follows from the keys and the files, and a key that was
+    tokenized before is a cache hit whatever the files say now (as every cached task)."""
+    return (INPUTS - "todo") + CodeVersion(
+        modules=("workloads.tokenize", "workloads.tokenize_array", "workloads.shards", "tasks.data")
+    )
 
 
 @task(
@@ -528,7 +551,8 @@ def tokenize_cache_policy():
     persist_result=True,
 )
 def tokenize_parts(
-    parts: list[PartInput],
+    parts: list[PartKey],
+    todo: list[PartInput],
     tokenizer: TokenizerRef,
     dataset_uri: str,
     json_keys: list[str],
@@ -539,13 +563,13 @@ def tokenize_parts(
     executor: Executor | Any = None,
     image: ImageRef | None = None,
 ) -> list[TokenizedPart]:
-    """Concatenate and tokenize every part not already tokenized with the same identity, as ONE
-    array job where the executor says; parts finished by an earlier (even failed) run are reused."""
+    """Concatenate and tokenize the parts of ``todo`` not already tokenized with the same identity, as
+    ONE array job where the executor says; then read every part's result. Parts finished by an
+    earlier (even failed) run are reused."""
     log = logger()
-    code = code_fingerprint("workloads.shards")
     items: list[PlanItem] = []
-    for part in parts:
-        identity = _part_identity(part, dataset_uri, tokenizer, json_keys, append_eod, code)
+    for part in todo:
+        identity = part_identity(part, dataset_uri, tokenizer, json_keys, append_eod)
         base = _output_base(dataset_uri, part.name)
         if all(finished_part(f"{base}_{key}_document", identity) for key in json_keys):
             continue
@@ -584,7 +608,7 @@ def tokenize_parts(
         log.info("all %d part(s) already tokenized with the same tokenizer and flags", len(parts))
     out: list[TokenizedPart] = []
     for part in parts:
-        identity = _part_identity(part, dataset_uri, tokenizer, json_keys, append_eod, code)
+        identity = part_identity(part, dataset_uri, tokenizer, json_keys, append_eod)
         base = _output_base(dataset_uri, part.name)
         for key in json_keys:
             done = finished_part(f"{base}_{key}_document", identity)
@@ -594,7 +618,7 @@ def tokenize_parts(
     return out
 
 
-def tokenized_so_far(dataset_uri: str, parts: list[PartInput], json_keys: list[str]) -> int:
+def tokenized_so_far(dataset_uri: str, parts: list[PartKey], json_keys: list[str]) -> int:
     """Parts whose stats file exists (progress while the tokenize job runs; the task checks identities)."""
     key = json_keys[-1]
     return sum(storage.exists(stats_uri(f"{_output_base(dataset_uri, p.name)}_{key}_document")) for p in parts)
@@ -603,8 +627,8 @@ def tokenized_so_far(dataset_uri: str, parts: list[PartInput], json_keys: list[s
 def shards_digest(check: ShardCheck) -> str:
     """Content identity of the dataset's shards, in order (a cache key part for the blend)."""
     digest = hashlib.sha256()
-    for name in check.names:
-        digest.update(name.encode() + b"\0" + check.records[name]["sha256"].encode() + b"\n")
+    for source in check.sources:
+        digest.update(f"{source.name}\0{check.index[source.name].sha256}\n".encode())
     return digest.hexdigest()
 
 
@@ -661,24 +685,13 @@ def write_blend(
     cache by their content. Their details come from the shard manifest."""
     from tasks.refs import now
 
-    records = read_manifest(dataset_uri)
     ordered = sorted(parts, key=lambda p: p.prefix)
     blend = blend_weights([(p.prefix, p.bin_bytes) for p in ordered], alpha)
     manifest = DatasetManifest(
         name=name,
         uri=dataset_uri,
-        sources=[records[n]["url"] for n in shards],
-        shards=[
-            {
-                "name": n,
-                "url": records[n]["url"],
-                "uri": records[n]["raw"],
-                "size": records[n]["size"],
-                "sha256": records[n]["sha256"],
-                "etag": records[n]["etag"],
-            }
-            for n in shards
-        ],
+        sources=[],
+        shards=[],
         parts=ordered,
         blend=blend,
         tokenizer=tokenizer,
@@ -686,10 +699,29 @@ def write_blend(
         append_eod=append_eod,
         created=now().isoformat(),
     )
+    lines = {orjson.loads(line)["name"]: line for line in manifest_lines(dataset_uri)}
+
+    def shard_entries() -> Iterator[dict]:
+        for n in shards:
+            r = orjson.loads(lines[n])
+            yield {
+                "name": n,
+                "url": r["url"],
+                "uri": r["raw"],
+                "size": r["size"],
+                "sha256": r["sha256"],
+                "etag": r["etag"],
+            }
+
     manifest_uri = storage.join(dataset_uri, "manifest.json")
     storage.write_text(storage.join(dataset_uri, "blend.json"), json.dumps(blend) + "\n")
     storage.write_text(storage.join(dataset_uri, "data_prefix.txt"), auto_blend_text(blend) + "\n")
-    storage.write_json(manifest_uri, manifest.model_dump(mode="json"))
+    with storage.atomic_open(manifest_uri, "w") as fh:
+        write_json_streaming(
+            fh,
+            manifest.model_dump(mode="json"),
+            {"shards": shard_entries(), "sources": (orjson.loads(lines[n])["url"] for n in shards)},
+        )
     logger().info("data_prefix=%s", auto_blend_text(blend))
     return DatasetRef(
         prefixes=[p.prefix for p in ordered],
@@ -700,6 +732,28 @@ def write_blend(
         tokens=sum(p.tokens for p in ordered),
         bytes=sum(p.bytes_in for p in ordered),
     )
+
+
+def write_json_streaming(fh, obj: dict, streamed: dict[str, Iterable]) -> None:
+    """Write ``obj`` exactly as ``json.dumps(obj, indent=2, sort_keys=True) + "\\n"`` (storage.write_json's
+    format), with the lists of ``streamed`` produced item by item instead of held in memory: a
+    SlimPajama manifest lists 59,166 shards."""
+
+    def dumps(value: Any, indent: str) -> str:
+        return json.dumps(value, indent=2, sort_keys=True, default=str).replace("\n", "\n" + indent)
+
+    fh.write("{")
+    for i, key in enumerate(sorted({**obj, **streamed})):
+        fh.write(("," if i else "") + "\n  " + json.dumps(key) + ": ")
+        if key not in streamed:
+            fh.write(dumps(obj[key], "  "))
+            continue
+        empty = True
+        for item in streamed[key]:
+            fh.write(("[" if empty else ",") + "\n    " + dumps(item, "    "))
+            empty = False
+        fh.write("[]" if empty else "\n  ]")
+    fh.write("\n}\n")
 
 
 def publish_table(dataset: DatasetRef, parts: list[TokenizedPart], seconds: float) -> None:
