@@ -175,23 +175,25 @@ def prepare_dataset(
     )
 
     # 1. sources, checked against the shard manifest in one pass (no task run per shard)
-    sources = expand_sources(config.sources, chunks=config.chunks, shards=config.shards)
-    check = check_shards(sources, dataset_uri, config.revalidate)
+    check = check_shards(
+        expand_sources(config.sources, chunks=config.chunks, shards=config.shards), dataset_uri, config.revalidate
+    )
+    n_shards = len(check.names)
     groups = group(check.names, config.shards_per_file)  # N shards per part, in order; the last one smaller
     tokenize_identity = (config.tokenizer, config.json_keys, config.append_eod)
     done, refetch = settle_parts(check, groups, *tokenize_identity)
     log.info(
         "%d source shard(s) -> %s: %d to download/extract (%d of them again: extracted file gone), %d done (%.2fs)",
-        len(sources),
+        n_shards,
         dataset_uri,
         len(check.pending),
         refetch,
-        len(sources) - len(check.pending),
+        n_shards - len(check.pending),
         check.seconds,
     )
     # progress: a unit per shard downloaded and extracted, and per part tokenized
-    recorded = len(sources) - len(check.pending)
-    progress = Progress(f"Preparing {config.name}: {len(sources)} shard(s)", total=len(sources) + len(groups))
+    recorded = n_shards - len(check.pending)
+    progress = Progress(f"Preparing {config.name}: {n_shards} shard(s)", total=n_shards + len(groups))
     progress.set(recorded)
 
     # 2-3. download and extract the pending shards: ONE job array where the executor says
@@ -203,8 +205,8 @@ def prepare_dataset(
             revalidate=config.revalidate,
         )
         plan_uri, plan = write_fetch_plan(check, options, config.fetch_tasks)
-        rw, ro = job_paths(dataset_uri, [s.url for s in sources])
-        with progress.watch(lambda: recorded + sum(read_progress(plan.journal_dir, plan.plan_id))):
+        rw, ro = job_paths(dataset_uri, check.urls)
+        with progress.watch(lambda: recorded + read_progress(plan.journal_dir, plan.plan_id)[0]):
             fetch(plan_uri, len(check.pending), dataset_uri, executor, image, rw, ro)
         check.index = index_manifest(dataset_uri)
 
@@ -216,7 +218,7 @@ def prepare_dataset(
         if i not in done and (key is None or not part_done(key, dataset_uri, *tokenize_identity))
     ]
     todo = part_inputs(check, groups, unfinished)
-    with progress.watch(lambda: len(sources) + tokenized_so_far(dataset_uri, keys, config.json_keys)):
+    with progress.watch(lambda: n_shards + tokenized_so_far(dataset_uri, keys, config.json_keys)):
         tokenized = tokenize(
             keys,
             todo,

@@ -165,6 +165,8 @@ class Progress:
         finally:
             stop.set()
             thread.join(timeout=10)
+            with contextlib.suppress(Exception):
+                self.set(poll())  # where the step ended, also when it failed
 
 
 # ----------------------------------------------------------------------------- check (in the flow)
@@ -192,7 +194,7 @@ def _folder_listing(folder: str) -> dict[str, dict]:
     return {storage.to_uri(fs, entry["name"]): entry for entry in entries}
 
 
-def iter_identities(sources: list[Source]) -> Iterator[dict | None]:
+def iter_identities(urls: list[str]) -> Iterator[dict | None]:
     """What tells a changed source from a known one, per source (None: not checked, see revalidate).
 
     Local files: size and modification time (infra.fetch.probe, a stat). GCS: size, etag/generation,
@@ -203,13 +205,13 @@ def iter_identities(sources: list[Source]) -> Iterator[dict | None]:
     from infra.fetch import NotFound, probe
 
     folder, listing = None, {}
-    for source in sources:
-        scheme = _scheme(source.url)
+    for url in urls:
+        scheme = _scheme(url)
         if scheme == "file":
-            info = probe(source.url)
+            info = probe(url)
             yield {"size": info.size, "last_modified": info.last_modified}
         elif scheme in ("gs", "gcs"):
-            url = "gs://" + source.url.split("://", 1)[1]
+            url = "gs://" + url.split("://", 1)[1]
             if storage.parent(url) != folder:
                 folder = storage.parent(url)
                 listing = _folder_listing(folder)
@@ -228,43 +230,47 @@ def iter_identities(sources: list[Source]) -> Iterator[dict | None]:
 
 @dataclasses.dataclass
 class ShardCheck:
-    """The flow's view of the sources after :func:`check_shards` (plain data in memory, about 300 bytes
-    a shard: validating 59,166 records as models would cost seconds and KBs each; never a task input)."""
+    """The flow's view of the sources after :func:`check_shards`: plain data, a few hundred bytes a
+    shard (names and URLs as strings, not Source models; records as :class:`ShardEntry`; the pending
+    shards' identities as JSON bytes). Never a task input."""
 
     dataset_uri: str
-    sources: list[Source]
+    names: list[str]
+    urls: list[str]
     index: dict[str, ShardEntry]
-    pending: list[tuple[int, dict | None]]  # (position in sources, identity the flow saw)
+    pending: list[tuple[int, bytes]]  # (position in names/urls, the identity the flow saw as JSON: b"null" if none)
     code: str
     seconds: float
 
-    @property
-    def names(self) -> list[str]:
-        return [s.name for s in self.sources]
+
+def _compact_json(value: Any) -> bytes:
+    # Not orjson: each bytes object it returns keeps a ~4 KB buffer (234 MB for 59,166 kept results).
+    return json.dumps(value, separators=(",", ":")).encode()
 
 
 def check_shards(sources: list[Source], dataset_uri: str, revalidate: bool = False) -> ShardCheck:
     """Which shards need downloading/extracting: one manifest read, one identity per source."""
     started = time.monotonic()
-    merged, _ = merge_journals(dataset_uri)  # what a killed run finished but did not merge
+    merged, _ = merge_journals(dataset_uri, clean=True)  # what a killed run finished but did not merge
     if merged:
         logger().info("merged %d shard record(s) a previous run left in its journal", merged)
     storage.remove(storage.join(dataset_uri, "shards", "plans"), recursive=True)
     index = index_manifest(dataset_uri)
     code = code_fingerprint("workloads.shards")
-    pending: list[tuple[int, dict | None]] = []
-    for position, (source, remote) in enumerate(zip(sources, iter_identities(sources))):
-        entry = index.get(source.name)
+    names, urls = [s.name for s in sources], [s.url for s in sources]
+    pending: list[tuple[int, bytes]] = []
+    for position, (name, url, remote) in enumerate(zip(names, urls, iter_identities(urls))):
+        entry = index.get(name)
         if entry is not None:
-            digest = url_digest(source.url)
+            digest = url_digest(url)
             if remote is not None:
                 current = entry.full == state_key(digest, code, remote)
             else:
                 current = not revalidate and entry.trusted == state_key(digest, code)
             if current:
                 continue
-        pending.append((position, remote))
-    return ShardCheck(dataset_uri, sources, index, pending, code, time.monotonic() - started)
+        pending.append((position, _compact_json(remote)))
+    return ShardCheck(dataset_uri, names, urls, index, pending, code, time.monotonic() - started)
 
 
 def _sizes(uris: list[str]) -> dict[str, int]:
@@ -359,11 +365,11 @@ def settle_parts(
             wanted += [p for p in positions if p not in pending]
     if not wanted:
         return done, 0
-    uris = {p: extracted_uri(check.dataset_uri, check.sources[p].name) for p in wanted}
+    uris = {p: extracted_uri(check.dataset_uri, check.names[p]) for p in wanted}
     sizes = _sizes(list(uris.values()))
-    missing = [p for p in wanted if sizes.get(uris[p]) != check.index[check.sources[p].name].bytes]
-    identities = iter_identities([check.sources[p] for p in missing])
-    check.pending += list(zip(missing, identities))
+    missing = [p for p in wanted if sizes.get(uris[p]) != check.index[check.names[p]].bytes]
+    identities = iter_identities([check.urls[p] for p in missing])
+    check.pending += [(p, _compact_json(remote)) for p, remote in zip(missing, identities)]
     return done, len(missing)
 
 
@@ -403,18 +409,16 @@ def write_fetch_plan(check: ShardCheck, options: FetchOptions, max_tasks: int) -
         options=options,
     )
     for index in range(tasks):
-        lines = []
-        for position, remote in check.pending[index::tasks]:
-            source = check.sources[position]
-            item = {
-                "name": source.name,
-                "url": source.url,
-                "raw": raw_uri(dataset_uri, source.name),
-                "extracted": extracted_uri(dataset_uri, source.name),
-                "remote": remote,
-            }
-            lines.append(orjson.dumps(item))
-        storage.write_bytes(plan.items_uri(index), b"\n".join(lines) + b"\n")
+        with storage.atomic_open(plan.items_uri(index), "wb") as fh:
+            for position, remote in check.pending[index::tasks]:
+                name = check.names[position]
+                item = {
+                    "name": name,
+                    "url": check.urls[position],
+                    "raw": raw_uri(dataset_uri, name),
+                    "extracted": extracted_uri(dataset_uri, name),
+                }
+                fh.write(orjson.dumps(item)[:-1] + b',"remote":' + remote + b"}\n")  # a FetchItem
     plan_uri = storage.join(base, "plan.json")
     storage.write_json(plan_uri, plan.model_dump(mode="json"))
     return plan_uri, plan
@@ -627,8 +631,8 @@ def tokenized_so_far(dataset_uri: str, parts: list[PartKey], json_keys: list[str
 def shards_digest(check: ShardCheck) -> str:
     """Content identity of the dataset's shards, in order (a cache key part for the blend)."""
     digest = hashlib.sha256()
-    for source in check.sources:
-        digest.update(f"{source.name}\0{check.index[source.name].sha256}\n".encode())
+    for name in check.names:
+        digest.update(f"{name}\0{check.index[name].sha256}\n".encode())
     return digest.hexdigest()
 
 

@@ -255,8 +255,9 @@ def read_progress(directory: str, plan_id: str) -> tuple[int, int]:
     return done, failed
 
 
-def merge_journals(dataset_uri: str) -> tuple[int, dict[str, str]]:
-    """Fold every journal segment into the manifest, then delete the segments.
+def merge_journals(dataset_uri: str, clean: bool = False) -> tuple[int, dict[str, str]]:
+    """Fold every journal segment into the manifest, then delete the segments (``clean``: and the
+    tasks' progress and cooldown files too: at the start of a run, they belong to an older job).
 
     Returns (records merged, failures by shard name). Segments are read in name order (plan ids
     sort by time), so a shard that failed and later succeeded counts as done. The manifest is
@@ -280,6 +281,6 @@ def merge_journals(dataset_uri: str) -> tuple[int, dict[str, str]]:
                     failures.pop(entry["name"], None)
                     merged += 1
         write_manifest_lines(dataset_uri, lines)
-    for uri in files:
+    for uri in files if clean else segments:
         storage.remove(uri)
     return merged, failures
