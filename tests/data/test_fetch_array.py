@@ -320,3 +320,34 @@ def test_requests_per_second_is_shared_by_the_tasks(tmp_path, monkeypatch):
         gaps = [b - a for a, b in zip(times, times[1:])]
         # (measured at the server: one request's connection set-up can eat into the next gap)
         assert len(times) == 6 and times[-1] - times[0] >= 5 * 0.25 - 0.1 and min(gaps) >= 0.15, gaps
+
+
+def test_on_kubernetes_the_fetch_job_is_one_indexed_job(monkeypatch):
+    """The same JobSpec through the k8s backend's manifests: an Indexed Job, a completion per array task,
+    HF_TOKEN from the Secret by reference; it passes strict schema validation."""
+    import kubernetes_validate
+
+    from infra.jobs import ImageRef
+    from infra.k8s.manifests import job_objects, to_dict
+    from infra.k8s.options import K8sOptions
+    from infra.settings import reload_settings
+
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value_never_in_manifests")
+    reload_settings()
+    try:
+        image = ImageRef(kind="registry", uri="registry.example.com/nemoflow:1")
+        plan = "/nemo-workspace/nemoflow/datasets/sp/shards/plans/p/plan.json"
+        spec = build_fetch_job(plan, 16, image, paths=["/nemo-workspace/nemoflow/datasets/sp"])
+        (job,) = job_objects(spec, K8sOptions(namespace="llm"))
+        manifest = to_dict(job)
+    finally:
+        monkeypatch.delenv("HF_TOKEN")
+        reload_settings()
+    kubernetes_validate.validate(manifest, "1.37.0", strict=True)
+    assert manifest["kind"] == "Job"
+    assert manifest["spec"]["completionMode"] == "Indexed" and manifest["spec"]["completions"] == 16
+    container = manifest["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"][-4:] == ["-m", "workloads.fetch_array", "--plan", plan]
+    hf = next(e for e in container["env"] if e["name"] == "HF_TOKEN")
+    assert "secretKeyRef" in hf["valueFrom"]
+    assert "hf_secret_value_never_in_manifests" not in json.dumps(manifest)
