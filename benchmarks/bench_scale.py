@@ -1,7 +1,7 @@
 """The data stage at SlimPajama scale: cost per shard of cold, no-op and "1% new shards" runs.
 
     .venv/bin/python benchmarks/bench_scale.py [--shards 1000,2500,5000,10000] [--big 59166]
-        [--sources local,http] [--db postgres|sqlite] [--shards-per-file 1200]
+        [--sources local,http] [--big-sources local,http] [--db postgres|sqlite] [--shards-per-file 1200]
 
 For each size N and each kind of source, a synthetic SlimPajama layout of N tiny shards
 (``train/chunk{c}/example_train_{s}.jsonl.zst``, 5 JSON lines of about 400 bytes each,
@@ -16,7 +16,7 @@ server on PostgreSQL (devtools/postgres.py; ``--db sqlite`` for Prefect's defaul
 Sources: ``local`` reads the layout through a path template; ``http`` serves it over loopback
 from a separate process (uvicorn + Starlette's StaticFiles: ETag, Range, HEAD), so downloads
 are real HTTP GETs. Layouts have 100 chunks (``--big``: chunks x shards of the factorisation
-closest to it, 173 x 342 = 59,166), so +1% is whole chunks.
+closest to 100 chunks: 114 x 519 = 59,166), so +1% is whole chunks (here 0.9%).
 
 Measured per run: wall time; the flow process's CPU time and peak RSS (VmHWM, polled from
 /proc: the array tasks are other processes); task runs, log rows and events the run added and
@@ -83,7 +83,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def shape(n: int) -> tuple[int, int]:
     """(chunks, shards per chunk) with chunks x shards = n: 100 chunks when n allows, else the factor pair
-    nearest to 100 chunks (59,166 = 173 x 342)."""
+    nearest to 100 chunks (59,166 = 114 x 519)."""
     if n % 100 == 0:
         return 100, n // 100
     pairs = [(c, n // c) for c in range(1, int(math.isqrt(n)) + 1) if n % c == 0]
@@ -217,12 +217,15 @@ def _proc_stats(pid: int) -> tuple[int, float] | None:
     return hwm, (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
 
 
-def prepare(server: PrefectServer, work: Path, name: str, sources: str, chunks: int, shards: int, spf: int) -> dict:
+def prepare(
+    server: PrefectServer, work: Path, name: str, sources: str, chunks: int, shards: int, spf: int, repo: Path
+) -> dict:
     env = dict(
         os.environ,
         PREFECT_API_URL=server.api,
         NEMOFLOW_WORK_DIR=str(work),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PYTHONPATH=str(repo),  # --repo: another checkout's code (before/after comparisons)
     )
     cmd = [str(VENV_BIN / "nemoflow"), "prepare", "--name", name, "--sources", sources, "--json"]
     cmd += ["--chunks", f"1-{chunks}", "--shards", f"0-{shards - 1}", "--shards-per-file", str(spf)]
@@ -231,7 +234,7 @@ def prepare(server: PrefectServer, work: Path, name: str, sources: str, chunks: 
     log = work.parent.parent / "logs" / f"{name}-{int(time.time())}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, cwd=repo, stdout=out, stderr=subprocess.STDOUT)
         peak, cpu = 0, 0.0
         while proc.poll() is None:
             if (stats := _proc_stats(proc.pid)) is not None:
@@ -251,7 +254,9 @@ def prepare(server: PrefectServer, work: Path, name: str, sources: str, chunks: 
     }
 
 
-def scenario(server: PrefectServer, base: Path, kind: str, n: int, spf: int, http: StaticServer | None) -> dict:
+def scenario(
+    server: PrefectServer, base: Path, kind: str, n: int, spf: int, http: StaticServer | None, repo: Path
+) -> dict:
     chunks, shards = shape(n)
     src = base / "src" / f"{chunks}x{shards}"
     made = write_layout(src, chunks, shards)
@@ -269,7 +274,7 @@ def scenario(server: PrefectServer, base: Path, kind: str, n: int, spf: int, htt
     name = f"{kind}-{n}"
     out = {"kind": kind, "n": n, "chunks": chunks, "shards_per_chunk": shards}
     for label, c in (("cold", chunks), ("noop", chunks), ("plus1", chunks + extra)):
-        result = prepare(server, work, name, sources, c, shards, spf)
+        result = prepare(server, work, name, sources, c, shards, spf, repo)
         print(f"  {kind} N={n} {label}: {result}", flush=True)
         out[label] = result
     out["plus1"]["added"] = extra * shards
@@ -279,8 +284,9 @@ def scenario(server: PrefectServer, base: Path, kind: str, n: int, spf: int, htt
 
 def markdown(results: list[dict]) -> str:
     rows = [
-        "| source | N shards | cold run | per shard | no-op re-run | per shard | +1% (new) | per new shard"
-        " | flow peak RSS cold / no-op | flow CPU cold | DB growth cold / no-op / +1% | task runs per run |",
+        "| source | N shards | cold run | per shard | no-op re-run | per shard | +1% run (new shards)"
+        " | +1% minus no-op, per new shard | flow peak RSS cold / no-op | flow CPU cold | DB growth cold / no-op / +1%"
+        " | task runs per run |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -288,7 +294,8 @@ def markdown(results: list[dict]) -> str:
         rows.append(
             f"| {r['kind']} | {r['n']:,} | {cold['wall_s']:.1f} s | {1000 * cold['wall_s'] / r['n']:.2f} ms"
             f" | {noop['wall_s']:.1f} s | {1000 * noop['wall_s'] / r['n']:.2f} ms"
-            f" | {plus['wall_s']:.1f} s ({plus['added']:,}) | {1000 * plus['wall_s'] / plus['added']:.1f} ms"
+            f" | {plus['wall_s']:.1f} s ({plus['added']:,})"
+            f" | {1000 * (plus['wall_s'] - noop['wall_s']) / plus['added']:.1f} ms"
             f" | {cold['flow_peak_rss_mb']:.0f} / {noop['flow_peak_rss_mb']:.0f} MB | {cold['flow_cpu_s']:.1f} s"
             f" | {cold['db_growth_mb']:.2f} / {noop['db_growth_mb']:.2f} / {plus['db_growth_mb']:.2f} MB"
             f" | {cold['new_task_runs']} / {noop['new_task_runs']} / {plus['new_task_runs']} |"
@@ -299,27 +306,31 @@ def markdown(results: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", default="1000,2500,5000,10000", help="sizes N, comma-separated")
-    parser.add_argument("--big", type=int, default=0, help="one more size, local sources only (e.g. 59166)")
+    parser.add_argument("--big", type=int, default=0, help="one more size (e.g. 59166), for --big-sources")
+    parser.add_argument("--big-sources", default="local", help="source kinds of the --big run (default: local)")
     parser.add_argument("--sources", default="local,http", help="local, http or both")
     parser.add_argument("--db", choices=["postgres", "sqlite"], default="postgres")
     parser.add_argument("--shards-per-file", type=int, default=1200)
     parser.add_argument("--base", default=str(OUT / "bench_scale"), help="where layouts and datasets go")
+    parser.add_argument("--repo", default=str(REPO), help="the checkout whose code runs (e.g. an older one)")
+    parser.add_argument("--label", default="", help="suffix of the results file (bench_scale-LABEL.json)")
     args = parser.parse_args()
     base = Path(args.base)
     base.mkdir(parents=True, exist_ok=True)
     plan = [(kind, int(n)) for n in args.shards.split(",") if n for kind in args.sources.split(",")]
     if args.big:
-        plan.append(("local", args.big))
+        plan += [(kind, args.big) for kind in args.big_sources.split(",")]
     results = []
     with PrefectServer(args.db, base / "prefect-home") as server:
-        http = StaticServer(base / "src") if "http" in args.sources else None
+        http = StaticServer(base / "src") if any(kind == "http" for kind, _ in plan) else None
         if http is not None:
             write_layout(base / "src" / "probe", 1, 1)
             http.__enter__()
         try:
             for kind, n in plan:
                 print(f"{kind} N={n}", flush=True)
-                results.append(scenario(server, base, kind, n, args.shards_per_file, http if kind == "http" else None))
+                http_server = http if kind == "http" else None
+                results.append(scenario(server, base, kind, n, args.shards_per_file, http_server, Path(args.repo)))
         finally:
             if http is not None:
                 http.__exit__()
@@ -329,10 +340,11 @@ def main() -> int:
         "db": args.db,
         "shards_per_file": args.shards_per_file,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "repo": args.repo,
         "results": results,
     }
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "bench_scale.json").write_text(json.dumps(report, indent=2) + "\n")
+    (OUT / f"bench_scale{'-' + args.label if args.label else ''}.json").write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(results))
     print(f"\n{report['machine']}; load average at the end {report['load_average_at_end']}")
     return 0

@@ -175,9 +175,10 @@ def prepare_dataset(
     )
 
     # 1. sources, checked against the shard manifest in one pass (no task run per shard)
-    check = check_shards(
-        expand_sources(config.sources, chunks=config.chunks, shards=config.shards), dataset_uri, config.revalidate
-    )
+    sources = expand_sources(config.sources, chunks=config.chunks, shards=config.shards)
+    names, urls = [s.name for s in sources], [s.url for s in sources]
+    del sources  # plain strings from here on: a Source model costs ~700 bytes a shard
+    check = check_shards(names, urls, dataset_uri, config.revalidate)
     n_shards = len(check.names)
     groups = group(check.names, config.shards_per_file)  # N shards per part, in order; the last one smaller
     tokenize_identity = (config.tokenizer, config.json_keys, config.append_eod)

@@ -58,7 +58,6 @@ from infra import storage
 from infra.executors import Executor
 from infra.jobs import ImageRef, JobFailed, JobSpec, Resources, workload_job
 from infra.settings import get_settings
-from infra.sources import Source
 from tasks.common import CodeVersion, cache_policy, code_fingerprint, logger, run_job
 from tasks.refs import DatasetRef, TokenizerRef
 from workloads.fetch_array import FetchOptions, FetchPlan
@@ -248,16 +247,19 @@ def _compact_json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode()
 
 
-def check_shards(sources: list[Source], dataset_uri: str, revalidate: bool = False) -> ShardCheck:
-    """Which shards need downloading/extracting: one manifest read, one identity per source."""
+def check_shards(names: list[str], urls: list[str], dataset_uri: str, revalidate: bool = False) -> ShardCheck:
+    """Which shards need downloading/extracting: one manifest read, one identity per source.
+
+    ``names``/``urls``: the sources' (:func:`infra.sources.expand_sources`) as plain strings, so the
+    caller can free the Source models (~700 bytes a shard) first.
+    """
     started = time.monotonic()
     merged, _ = merge_journals(dataset_uri, clean=True)  # what a killed run finished but did not merge
     if merged:
         logger().info("merged %d shard record(s) a previous run left in its journal", merged)
     storage.remove(storage.join(dataset_uri, "shards", "plans"), recursive=True)
-    index = index_manifest(dataset_uri)
     code = code_fingerprint("workloads.shards")
-    names, urls = [s.name for s in sources], [s.url for s in sources]
+    index = index_manifest(dataset_uri)
     pending: list[tuple[int, bytes]] = []
     for position, (name, url, remote) in enumerate(zip(names, urls, iter_identities(urls))):
         entry = index.get(name)

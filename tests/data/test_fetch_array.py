@@ -18,7 +18,8 @@ from infra import storage
 from infra.backends.local import LocalBackend
 from infra.jobs import JobState
 from infra.sources import expand_sources
-from tasks.data import build_fetch_job, check_shards, write_fetch_plan, write_json_streaming
+from tasks.data import build_fetch_job, write_fetch_plan, write_json_streaming
+from tasks.data import check_shards as check_names
 from tests.support.fault_server import Fault, FaultServer
 from workloads.fetch_array import FetchOptions, FetchPlan, run_task
 from workloads.shard_manifest import (
@@ -45,6 +46,10 @@ def _layout(root, chunks: int, shards: int) -> str:
             text = "".join(json.dumps({"text": f"chunk {c} shard {s} line {i}"}) + "\n" for i in range(3))
             (folder / f"example_train_{s}.jsonl.zst").write_bytes(cctx.compress(text.encode()))
     return "train/chunk{chunk}/example_train_{shard}.jsonl.zst"
+
+
+def check_shards(sources, dataset: str, revalidate: bool = False):
+    return check_names([s.name for s in sources], [s.url for s in sources], dataset, revalidate)
 
 
 def _plan(tmp_path, template: str, chunks: int, shards: int, tasks: int = 2, **options):
@@ -211,7 +216,7 @@ def test_manifest_index_is_compact_and_state_keys_tell_identities_apart(tmp_path
             remote={"size": i},
             raw="r",
             size=1,
-            sha256="h" * 64,
+            sha256=f"{i:064x}",
             etag=None,
             extracted="e",
             bytes=i,
@@ -222,7 +227,7 @@ def test_manifest_index_is_compact_and_state_keys_tell_identities_apart(tmp_path
     }
     write_manifest(dataset, records)
     index = index_manifest(dataset)
-    assert list(index) == ["s0", "s1", "s2"] and index["s2"].bytes == 2
+    assert list(index) == ["s0", "s1", "s2"] and index["s2"].bytes == 2 and index["s2"].sha256 == f"{2:064x}"
     assert index["s1"].full == state_key("d", "c", {"size": 1}) != state_key("d", "c", {"size": 2})
     assert index["s1"].trusted == state_key("d", "c") != state_key("d", "other code")
     storage.write_text(storage.join(dataset, "shards", "manifest.jsonl"), '{"format": "something else"}\n')
@@ -351,3 +356,41 @@ def test_on_kubernetes_the_fetch_job_is_one_indexed_job(monkeypatch):
     hf = next(e for e in container["env"] if e["name"] == "HF_TOKEN")
     assert "secretKeyRef" in hf["valueFrom"]
     assert "hf_secret_value_never_in_manifests" not in json.dumps(manifest)
+
+
+def test_delete_compressed_keeps_the_record_and_a_rerun_fetches_nothing(tmp_path, monkeypatch):
+    template = _layout(tmp_path / "src", chunks=1, shards=3)
+    spec = str(tmp_path / "src" / template)
+    dataset, _, _, plan = _plan(tmp_path, spec, 1, 3, tasks=1, delete_compressed=True)
+    _run_all(plan)
+    merge_journals(dataset)
+    assert not list((tmp_path / "dataset" / "raw").rglob("*.zst*"))  # archive and its sidecar are gone
+    assert len(read_manifest(dataset)) == 3
+    assert check_shards(expand_sources(spec, chunks="1", shards="0-2"), dataset).pending == []
+
+
+@pytest.mark.gcs
+def test_gcs_sources_are_identified_by_one_listing_per_folder(tmp_path, gcs_bucket, monkeypatch):
+    cctx = zstandard.ZstdCompressor()
+    for s in range(3):
+        text = json.dumps({"text": f"gcs shard {s}"}) + "\n"
+        storage.write_bytes(f"{gcs_bucket}/raw/chunk1/example_train_{s}.jsonl.zst", cctx.compress(text.encode()))
+    spec = f"{gcs_bucket}/raw/chunk{{chunk}}/example_train_{{shard}}.jsonl.zst"
+    sources = expand_sources(spec, chunks="1", shards="0-2")
+    listings = []
+    import tasks.data
+
+    original = tasks.data._folder_listing
+    monkeypatch.setattr(tasks.data, "_folder_listing", lambda folder: listings.append(folder) or original(folder))
+    dataset = str(tmp_path / "dataset")
+    check = check_shards(sources, dataset)
+    assert listings == [f"{gcs_bucket}/raw/chunk1"]
+    remote = json.loads(check.pending[0][1])
+    assert remote["size"] > 0 and remote["md5"] and remote["crc32c"]
+    _, plan = write_fetch_plan(check, FetchOptions(), 1)
+    _run_all(plan)
+    merge_journals(dataset)
+    assert check_shards(sources, dataset).pending == []
+    storage.write_bytes(f"{gcs_bucket}/raw/chunk1/example_train_1.jsonl.zst", cctx.compress(b'{"text": "new"}\n'))
+    again = check_shards(sources, dataset)
+    assert [again.names[p] for p, _ in again.pending] == ["chunk1/example_train_1.jsonl.zst"]
