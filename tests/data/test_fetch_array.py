@@ -323,8 +323,10 @@ def test_requests_per_second_is_shared_by_the_tasks(tmp_path, monkeypatch):
         ]
         times = sorted(started[p] for p in paths)
         gaps = [b - a for a, b in zip(times, times[1:])]
-        # (measured at the server: one request's connection set-up can eat into the next gap)
-        assert len(times) == 6 and times[-1] - times[0] >= 5 * 0.25 - 0.1 and min(gaps) >= 0.15, gaps
+        # Paced, the 6 GETs span 1.25 s; measured at the server, a first request that reached it late (a
+        # loaded machine) shortens that; unpaced, 3 threads send all 6 within a few milliseconds. The exact
+        # spacing is test_pacing_spaces_requests_evenly's.
+        assert len(times) == 6 and times[-1] - times[0] >= 0.8, gaps
 
 
 def test_on_kubernetes_the_fetch_job_is_one_indexed_job(monkeypatch):
