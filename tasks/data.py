@@ -395,11 +395,17 @@ def new_plan_id() -> str:
     return datetime.now(UTC).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
+def fetch_task_count(shards: int, max_tasks: int) -> int:
+    """Array tasks for ``shards`` pending shards: ``max_tasks``, fewer when each would get under
+    MIN_SHARDS_PER_FETCH_TASK."""
+    return max(1, min(max_tasks, math.ceil(shards / MIN_SHARDS_PER_FETCH_TASK)))
+
+
 def write_fetch_plan(check: ShardCheck, options: FetchOptions, max_tasks: int) -> tuple[str, FetchPlan]:
     """The plan and one item file per array task (every ``tasks``-th pending shard: chunks spread evenly)."""
     dataset_uri = check.dataset_uri
     plan_id = new_plan_id()
-    tasks = max(1, min(max_tasks, math.ceil(len(check.pending) / MIN_SHARDS_PER_FETCH_TASK)))
+    tasks = fetch_task_count(len(check.pending), max_tasks)
     base = storage.join(dataset_uri, "shards", "plans", plan_id)
     plan = FetchPlan(
         plan_id=plan_id,
@@ -454,9 +460,18 @@ def build_fetch_job(
 def job_paths(dataset_uri: str, urls: list[str]) -> tuple[list[str], list[str]]:
     """(read-write, read-only) directories a job sees in a container: the dataset, the local sources' root."""
     rw = [storage.local_path(dataset_uri)] if storage.is_local(dataset_uri) else []
-    local = [storage.local_path(u) for u in urls if _scheme(u) == "file"]
-    ro = [os.path.commonpath([os.path.dirname(p) for p in local])] if local else []
-    return rw, ro
+    folders = sorted({os.path.dirname(storage.local_path(u)) for u in urls if _scheme(u) == "file"})
+    if not folders:
+        return rw, []
+    root = os.path.commonpath(folders)
+    return rw, [root] if root != "/" else folders  # never the whole file system
+
+
+def planned_fetch_job(dataset_uri: str, urls: list[str], max_tasks: int, image: ImageRef | None = None) -> JobSpec:
+    """The fetch job a cold run over ``urls`` submits, without writing a plan (``nemoflow render``)."""
+    rw, ro = job_paths(dataset_uri, urls)
+    plan_uri = storage.join(dataset_uri, "shards", "plans", "PLAN-ID", "plan.json")
+    return build_fetch_job(plan_uri, fetch_task_count(len(urls), max_tasks), image, rw, ro)
 
 
 def _failed_table(failures: dict[str, str], total: int) -> None:

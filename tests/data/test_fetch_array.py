@@ -396,3 +396,13 @@ def test_gcs_sources_are_identified_by_one_listing_per_folder(tmp_path, gcs_buck
     storage.write_bytes(f"{gcs_bucket}/raw/chunk1/example_train_1.jsonl.zst", cctx.compress(b'{"text": "new"}\n'))
     again = check_shards(sources, dataset)
     assert [again.names[p] for p, _ in again.pending] == ["chunk1/example_train_1.jsonl.zst"]
+
+
+def test_render_plans_the_fetch_job_a_cold_run_submits(tmp_path):
+    from tasks.data import fetch_task_count, planned_fetch_job
+
+    urls = [f"/data/sp/train/chunk{c}/example_train_{s}.jsonl.zst" for c in (1, 2) for s in range(600)]
+    spec = planned_fetch_job(str(tmp_path / "ds"), urls, max_tasks=16)
+    assert spec.array_size == fetch_task_count(1200, 16) == 5  # 1,200 shards, tasks of at least 256
+    assert spec.command[1:3] == ["-m", "workloads.fetch_array"]
+    assert fetch_task_count(59166, 16) == 16 and fetch_task_count(8, 16) == 1
