@@ -1,39 +1,49 @@
 """Flow ``prepare-dataset``: raw shards in, Megatron indexed datasets and blend weights out.
 
-    sources -> download (per shard) -> extract (per shard) -> concatenate (N shards per part)
-            -> tokenize (one job array, a task per part, where the executor says) -> blend (NeMo data_prefix + manifest)
+    sources -> check (one pass over the shard manifest) -> download + extract (one job array over the
+            pending shards) -> concatenate + tokenize (one job array, a task per unfinished part)
+            -> blend (NeMo data_prefix + manifest)
 
-Run it with ``nemoflow prepare`` (``--help`` lists the options) or as a Prefect
-deployment. The default configuration prepares the embedded demo corpus.
+The flow process only orchestrates: its work per shard is a lookup in the shard manifest, and
+the Prefect task runs are per step (at most three per run), not per shard; the jobs run where
+the executor says (local processes using every core, a Slurm job array, an Indexed Job). Run it
+with ``nemoflow prepare`` (``--help`` lists the options) or as a Prefect deployment. The default
+configuration prepares the embedded demo corpus.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from prefect import flow, unmapped
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
-from prefect.futures import as_completed
+from prefect import flow
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from infra import storage
 from infra.executors import Executor, default_executor
-from infra.fetch import probe
 from infra.jobs import ImageRef
 from infra.settings import get_settings
 from infra.sources import expand_sources
 from tasks.common import logger, result_storage
 from tasks.data import (
-    concatenate_part,
-    download_shard,
-    extract_shard,
+    Progress,
+    check_shards,
+    fetch_shards,
+    job_paths,
+    part_done,
+    part_inputs,
+    part_keys,
     publish_table,
+    settle_parts,
+    shards_digest,
     tokenize_parts,
+    tokenized_so_far,
     write_blend,
+    write_fetch_plan,
 )
 from tasks.refs import DatasetRef, TokenizerRef
+from workloads.fetch_array import FetchOptions
+from workloads.shard_manifest import index_manifest, read_progress
 from workloads.shards import group
 
 DEMO_TEMPLATE = "train/chunk{chunk}/example_train_{shard}.jsonl.zst"
@@ -84,6 +94,24 @@ class PrepareConfig(BaseModel):
     json_keys: list[str] = Field(default_factory=lambda: ["text"], min_length=1)
     append_eod: bool = True
     workers: int = Field(2, ge=1, description="tokenizer worker processes per file")
+    fetch_tasks: int = Field(
+        16,
+        ge=1,
+        description="array tasks the download + extract job is spread over (a Slurm job array, an Indexed Job; "
+        "locally, processes as many at once as cores); fewer when there are few shards",
+    )
+    fetch_threads: int = Field(4, ge=1, description="downloads in flight per fetch task")
+    requests_per_second: float | None = Field(
+        None,
+        gt=0,
+        description="cap on download requests per second for the whole fetch job (each task takes an equal "
+        "share); a 429 from a host pauses every task for it",
+    )
+    revalidate: bool = Field(
+        False,
+        description="ask every HTTP(S) source again (a request per shard) whether it changed, instead of trusting "
+        "what was recorded when it was downloaded; local files and GCS objects are always checked",
+    )
     skip_malformed: bool = Field(False, description="count and skip malformed JSON lines instead of failing")
     delete_compressed: bool = Field(False, description="delete .zst downloads after successful extraction")
     blend_alpha: float = Field(1.0, gt=0, description="weight = size**alpha / sum (NeMo auto_blend's blending_alpha)")
@@ -133,8 +161,8 @@ class PrepareConfig(BaseModel):
 def prepare_dataset(
     config: PrepareConfig | None = None, executor: Executor | None = None, image: ImageRef | None = None
 ) -> DatasetRef:
-    """``executor``: where the tokenize job array runs (default ``NEMOFLOW_EXECUTOR``, local);
-    ``image``: what its tasks run in (default: this Python environment)."""
+    """``executor``: where the fetch and tokenize job arrays run (default ``NEMOFLOW_EXECUTOR``, local);
+    ``image``: what their tasks run in (default: this Python environment)."""
     config = (config or PrepareConfig()).resolved()
     executor = executor or default_executor()
     log = logger()
@@ -142,72 +170,84 @@ def prepare_dataset(
     dataset_uri = config.dataset_uri()
     storage.ensure_writable(dataset_uri)
     results = result_storage()
-    download, extract, concat, tokenize, blend = (
-        t.with_options(result_storage=results)
-        for t in (download_shard, extract_shard, concatenate_part, tokenize_parts, write_blend)
+    fetch, tokenize, blend = (
+        t.with_options(result_storage=results) for t in (fetch_shards, tokenize_parts, write_blend)
     )
 
-    # 1. sources, and their cheap identities (etag/size/checksum) for the cache keys
+    # 1. sources, checked against the shard manifest in one pass (no task run per shard)
     sources = expand_sources(config.sources, chunks=config.chunks, shards=config.shards)
-    log.info("%d source shard(s) -> %s", len(sources), dataset_uri)
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        remotes = list(pool.map(lambda s: probe(s.url), sources))
-    steps = 2 * len(sources) + len(sources)  # download + extract per shard, tokenize weighted by shards
-    progress = create_progress_artifact(0.0, key="prepare-dataset-progress", description=f"Preparing {config.name}")
-    done = 0
-
-    def advance(n: int = 1) -> None:
-        nonlocal done
-        done += n
-        update_progress_artifact(progress, min(100.0, 100.0 * done / steps))
-
-    # 2-3. download and extract every shard (fanned out)
-    fetched_futures = download.map(sources, remotes, unmapped(dataset_uri))
-    extract_futures = extract.map(sources, fetched_futures, unmapped(dataset_uri), unmapped(config.delete_compressed))
-    for _ in as_completed(list(fetched_futures) + list(extract_futures)):
-        advance()
-    fetched = [f.result() for f in fetched_futures]
-    extracted = [f.result() for f in extract_futures]
-
-    # 4. concatenate N shards per part (deterministic order; the last part smaller)
-    groups = group(list(zip(extracted, fetched)), config.shards_per_file)
-    concat_futures = [
-        concat.submit(f"part-{i:05d}", [e for e, _ in g], dataset_uri, [f.sha256 for _, f in g])
-        for i, g in enumerate(groups)
-    ]
-    concats = [f.result() for f in concat_futures]
-    checksums = [[f.sha256 for _, f in g] for g in groups]
-
-    # 5. tokenize: ONE job array (a task per unfinished part) where the executor says
-    parts = tokenize(
-        concats,
-        checksums,
-        config.tokenizer,
+    names, urls = [s.name for s in sources], [s.url for s in sources]
+    del sources  # plain strings from here on: a Source model costs ~700 bytes a shard
+    check = check_shards(names, urls, dataset_uri, config.revalidate)
+    n_shards = len(check.names)
+    groups = group(check.names, config.shards_per_file)  # N shards per part, in order; the last one smaller
+    tokenize_identity = (config.tokenizer, config.json_keys, config.append_eod)
+    done, refetch = settle_parts(check, groups, *tokenize_identity)
+    log.info(
+        "%d source shard(s) -> %s: %d to download/extract (%d of them again: extracted file gone), %d done (%.2fs)",
+        n_shards,
         dataset_uri,
-        config.json_keys,
-        config.append_eod,
-        config.workers,
-        config.skip_malformed,
-        n=len(concats),
-        executor=executor,
-        image=image,
+        len(check.pending),
+        refetch,
+        n_shards - len(check.pending),
+        check.seconds,
     )
-    advance(len(sources))
+    # progress: a unit per shard downloaded and extracted, and per part tokenized
+    recorded = n_shards - len(check.pending)
+    progress = Progress(f"Preparing {config.name}: {n_shards} shard(s)", total=n_shards + len(groups))
+    progress.set(recorded)
+
+    # 2-3. download and extract the pending shards: ONE job array where the executor says
+    if check.pending:
+        options = FetchOptions(
+            threads=config.fetch_threads,
+            requests_per_second=config.requests_per_second,
+            delete_compressed=config.delete_compressed,
+            revalidate=config.revalidate,
+        )
+        plan_uri, plan = write_fetch_plan(check, options, config.fetch_tasks)
+        rw, ro = job_paths(dataset_uri, check.urls)
+        with progress.watch(lambda: recorded + read_progress(plan.journal_dir, plan.plan_id)[0]):
+            fetch(plan_uri, len(check.pending), dataset_uri, executor, image, rw, ro)
+        check.index = index_manifest(dataset_uri)
+
+    # 4-5. concatenate N shards per part and tokenize: ONE job array (a task per unfinished part)
+    keys = part_keys(check, groups)
+    unfinished = [
+        key
+        for i, key in enumerate(keys)
+        if i not in done and (key is None or not part_done(key, dataset_uri, *tokenize_identity))
+    ]
+    todo = part_inputs(check, groups, unfinished)
+    with progress.watch(lambda: n_shards + tokenized_so_far(dataset_uri, keys, config.json_keys)):
+        tokenized = tokenize(
+            keys,
+            todo,
+            config.tokenizer,
+            dataset_uri,
+            config.json_keys,
+            config.append_eod,
+            config.workers,
+            config.skip_malformed,
+            n=len(keys),
+            executor=executor,
+            image=image,
+        )
 
     # 6. blend weights (NeMo data_prefix) and the manifest
     dataset = blend(
         config.name,
         dataset_uri,
-        sources,
-        fetched,
-        parts,
+        check.names,
+        shards_digest(check),
+        tokenized,
         config.tokenizer,
         config.json_keys,
         config.append_eod,
         config.blend_alpha,
     )
-    update_progress_artifact(progress, 100.0)
-    publish_table(dataset, parts, time.monotonic() - started)
+    progress.set(progress.total)
+    publish_table(dataset, tokenized, time.monotonic() - started)
     log.info(
         "prepared %s: %d documents, %d tokens in %d file(s); manifest %s",
         config.name,

@@ -130,6 +130,58 @@ def prefect_server(tmp_path_factory):
     _stop(proc)
 
 
+class PostgresPrefect:
+    """A Prefect server on the local PostgreSQL: its API URL and its own database (size, SQL)."""
+
+    def __init__(self, api: str, database: str, pg):
+        self.api = api
+        self.database = database
+        self.pg = pg
+
+    def size(self) -> int:
+        return self.pg.database_size(self.database)
+
+    def sql(self, statement: str) -> str:
+        return self.pg.sql(statement, database=self.database)
+
+
+@pytest.fixture(scope="session")
+def postgres_prefect_server(tmp_path_factory):
+    """Opt-in: a real Prefect server whose database is PostgreSQL (devtools/postgres.py, which
+    scripts/services-up.sh starts), in a fresh database dropped afterwards. It does NOT become the
+    session's PREFECT_API_URL: tests point the processes they start at ``.api``."""
+    if os.geteuid() != 0:
+        pytest.skip("the local PostgreSQL is managed as root (devtools/postgres.py)")
+    from devtools.postgres import LocalPostgres, PostgresError
+
+    pg = LocalPostgres()
+    try:
+        pg.up()
+    except PostgresError as exc:
+        pytest.skip(f"the local PostgreSQL could not start: {exc}")
+    database = f"prefect_test_{os.getpid()}"
+    home = tmp_path_factory.mktemp("prefect-postgres-home")
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_API_URL=api)
+    env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = pg.create_database(database)
+    env.pop("PREFECT_API_URL", None)
+    log = home / "server.log"
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        wait_http(api + "/health", 120, proc, log)
+        yield PostgresPrefect(api, database, pg)
+    finally:
+        _stop(proc)
+        pg.drop_database(database)
+
+
 @pytest.fixture
 def work_dir(tmp_path, monkeypatch):
     """NEMOFLOW_WORK_DIR in a fresh temporary directory."""

@@ -107,11 +107,15 @@ def _decompress_frames(src, shard: str):
         raise CorruptArchive(shard, f"truncated: the last zstd frame ends early (after {produced} bytes out)")
 
 
+def shard_label(uri: str) -> str:
+    """``.../chunk1/example_train_0.jsonl.zst`` -> ``chunk1/example_train_0.jsonl.zst`` (for log lines)."""
+    folder = storage.basename(storage.parent(uri))
+    return f"{folder}/{storage.basename(uri)}" if folder else storage.basename(uri)
+
+
 def extract_zst(src_uri: str, dst_uri: str, *, delete_source: bool = False, log: Log | None = None) -> ExtractResult:
     """Decompress ``src_uri`` (zstd, one or more frames) to ``dst_uri`` in constant memory."""
     import zstandard
-
-    from infra.fetch import shard_label
 
     name = shard_label(src_uri)
     counter = _LineCounter()

@@ -3,9 +3,11 @@
 The data stage (tasks/data.py) writes a :class:`TokenizePlan` listing the parts
 still to tokenize and submits ONE array job (N local processes, a Slurm job
 array, an Indexed Kubernetes Job); each array task picks its item by
-``NEMOFLOW_ARRAY_INDEX``, tokenizes it into Megatron ``.bin/.idx`` and writes
-the ``<prefix>.stats.json`` sidecar (its identity and :class:`TokenizedPart`)
-that tells a later run the part is done.
+``NEMOFLOW_ARRAY_INDEX``, concatenates the part's extracted shards into its
+``.jsonl`` (``concatenate: true``; the flow process only orchestrates: at
+SlimPajama scale a part is 1,200 shards, tens of GB), tokenizes it into Megatron
+``.bin/.idx`` and writes the ``<prefix>.stats.json`` sidecar (its identity and
+:class:`TokenizedPart`) that tells a later run the part is done.
 
 A malformed input line is reported as the shard and line it came from (a part
 concatenates several shards) on one line, and the task exits 2.
@@ -49,7 +51,8 @@ class PlanItem(BaseModel):
     inputs: list[str] = Field(default_factory=list, description="the extracted shards it joins, in order")
     output_prefix: str = Field(..., description="'{output_prefix}_{key}_document.bin/.idx' are written")
     identity: dict = Field(..., description="what makes the output valid (inputs, tokenizer, flags, code)")
-    bytes: int
+    bytes: int = Field(..., description="size of the part's text (of the inputs, when the task concatenates them)")
+    concatenate: bool = Field(False, description="join 'inputs' into 'input' first (newline-safe, atomic)")
 
 
 class TokenizePlan(BaseModel):
@@ -112,6 +115,13 @@ def _naming_shard_line(error: Exception, item: PlanItem) -> str:
 def tokenize_item(plan: TokenizePlan, item: PlanItem, log=print) -> list[TokenizedPart]:
     from workloads.tokenize import TokenizerConfig, tokenize_file
 
+    bytes_in = item.bytes
+    if item.concatenate:
+        from workloads.shards import concatenate
+
+        joined = concatenate(item.inputs, item.input)
+        bytes_in = joined.bytes
+        log(f"{storage.basename(item.input)}: {len(item.inputs)} shard(s), {joined.lines} lines, {joined.bytes} bytes")
     started = time.monotonic()
     stats = tokenize_file(
         item.input,
@@ -132,7 +142,7 @@ def tokenize_item(plan: TokenizePlan, item: PlanItem, log=print) -> list[Tokeniz
             prefix=prefix,
             documents=documents,
             tokens=tokens,
-            bytes_in=item.bytes,
+            bytes_in=bytes_in,
             bin_bytes=storage.size(prefix + ".bin"),
             seconds=seconds,
             skipped_malformed=getattr(stats, "malformed_skipped", 0),
@@ -140,7 +150,7 @@ def tokenize_item(plan: TokenizePlan, item: PlanItem, log=print) -> list[Tokeniz
         storage.write_json(stats_uri(prefix), {"identity": item.identity, "part": part.model_dump()})
         log(
             f"{storage.basename(item.input)} -> {storage.basename(prefix)}: {documents} documents, {tokens} tokens, "
-            f"{item.bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s"
+            f"{bytes_in / 1e6 / max(seconds, 1e-9):.1f} MB/s"
         )
         parts.append(part)
     return parts

@@ -6,6 +6,8 @@ Outputs are read back with megatron-core's own reader and dataset builder.
 from __future__ import annotations
 
 import ast
+import contextlib
+import glob
 import json
 import os
 
@@ -19,6 +21,7 @@ from tasks.data import auto_blend_text, blend_weights
 from tasks.refs import TokenizerRef
 from tests.support.fault_server import Fault, FaultServer
 from workloads.demo_data import write_slimpajama_layout
+from workloads.shard_manifest import read_manifest
 from workloads.tokenize_array import read_index_counts
 
 pytestmark = pytest.mark.prefect
@@ -113,22 +116,26 @@ def test_rerun_is_cached_and_added_shards_are_processed_alone(prefect_server, wo
     write_slimpajama_layout(source, chunks=1, shards_per_chunk=4)
     template = str(source / "train" / "chunk{chunk}" / "example_train_{shard}.jsonl.zst")
     config = PrepareConfig(name="grow", sources=template, chunks="1", shards="0-2", shards_per_file=1)
-    first, _ = _run(config)
-    mtimes = {p: os.path.getmtime(p + ".bin") for p in first.prefixes}
+    first, run_id = _run(config)
+    assert sorted(_task_states(run_id)) == ["blend grow", "download and extract 3 shard(s)", "tokenize 3 part(s)"]
+    root = config.dataset_uri()
+    kept = sorted(glob.glob(f"{root}/raw/**/*.zst", recursive=True) + glob.glob(f"{root}/tokenized/*.bin"))
+    mtimes = {p: os.path.getmtime(p) for p in kept}
 
+    # Nothing changed: no download step at all, and the two task runs a re-run makes are Cached.
     again, run_id = _run(config)
     states = _task_states(run_id)
     assert again.blend == first.blend
-    assert states and all(state == "Cached" for state in states.values()), states
+    assert states == {"tokenize 3 part(s)": "Cached", "blend grow": "Cached"}, states
 
+    # One shard added: one shard downloaded and extracted, one part tokenized; the rest untouched.
     grown, run_id = _run(config.model_copy(update={"shards": "0-3"}))
     assert len(grown.prefixes) == 4
-    for prefix, mtime in mtimes.items():
-        assert os.path.getmtime(prefix + ".bin") == mtime, f"{prefix} was tokenized again"
     states = _task_states(run_id)
-    fresh = sorted(name for name, state in states.items() if state != "Cached")
-    assert any("example_train_3" in name for name in fresh)
-    assert not any("example_train_0" in name or "example_train_1" in name for name in fresh), fresh
+    assert states["download and extract 1 shard(s)"] == "Completed", states
+    assert all(os.path.getmtime(p) == mtime for p, mtime in mtimes.items()), "a finished shard or part was redone"
+    records = read_manifest(root)
+    assert sorted(records) == [f"chunk1/example_train_{i}.jsonl.zst" for i in range(4)]
 
 
 def test_https_source_with_faults_to_gcs_output(prefect_server, work_dir, tmp_path, gcs_bucket):
@@ -222,3 +229,145 @@ def test_blend_weights_follow_auto_blend():
     assert auto_blend_text([0.75, "a", 0.25, "b"]) == "[0.75,'a',0.25,'b']"
     with pytest.raises(ValueError, match="nothing to blend"):
         blend_weights([])
+
+
+# ----------------------------------------------------------------------------- at scale: batches, failures, kills
+
+
+def test_outputs_equal_the_primitives_applied_in_order(prefect_server, work_dir, tmp_path, mixtral_tokenizer_model):
+    """Parts hold the shards in source order (chunk, then shard), N per part; their bytes are what
+    extract + concatenate + tokenize give when run by hand: the batching changes no output byte."""
+    import zstandard
+
+    from workloads.tokenize import TokenizerConfig, tokenize_file
+
+    files = write_slimpajama_layout(tmp_path / "src", chunks=2, shards_per_chunk=6)
+    template = str(tmp_path / "src" / "train" / "chunk{chunk}" / "example_train_{shard}.jsonl.zst")
+    dataset, _ = _run(PrepareConfig(name="order", sources=template, chunks="1-2", shards="0-5", shards_per_file=5))
+    ordered = sorted(
+        files, key=lambda p: (int(p.parent.name.removeprefix("chunk")), int(p.stem.split("_")[-1].split(".")[0]))
+    )
+    assert len(dataset.prefixes) == 3
+    tokenizer = TokenizerConfig(type="GPTSentencePieceTokenizer", model=str(mixtral_tokenizer_model))
+    for i, prefix in enumerate(dataset.prefixes):
+        text = b""
+        for path in ordered[5 * i : 5 * i + 5]:
+            data = zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes())
+            text += data if data.endswith(b"\n") else data + b"\n"
+        reference = tmp_path / f"ref-{i}.jsonl"
+        reference.write_bytes(text)
+        assert (
+            open(storage.join(storage.parent(dataset.manifest_uri), "concat", f"part-{i:05d}.jsonl"), "rb").read()
+            == text
+        )
+        tokenize_file(str(reference), str(tmp_path / f"ref-{i}"), tokenizer=tokenizer, workers=1)
+        for ext in (".bin", ".idx"):
+            assert open(prefix + ext, "rb").read() == open(tmp_path / f"ref-{i}_text_document{ext}", "rb").read()
+
+
+def _artifacts(flow_run_id, key: str) -> list:
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+            )
+        )
+
+
+def test_failed_shards_are_shown_and_the_others_are_kept(prefect_server, work_dir, tmp_path):
+    root = tmp_path / "site"
+    write_slimpajama_layout(root, chunks=1, shards_per_chunk=4)
+    missing = "/train/chunk1/example_train_2.jsonl.zst"
+    with FaultServer(root, always={missing: Fault(status=404)}) as server:
+        config = PrepareConfig(
+            name="holes",
+            sources=server.url("/train/chunk{chunk}/example_train_{shard}.jsonl.zst"),
+            chunks="1",
+            shards="0-3",
+        )
+        state = prepare_dataset(config, return_state=True)
+        assert state.is_failed()
+        with pytest.raises(Exception, match=r"1 of 4 shard\(s\) failed: chunk1/example_train_2.jsonl.zst: not found"):
+            state.result()
+        run_id = state.state_details.flow_run_id
+        table = _artifacts(run_id, "failed-shards")
+        assert len(table) == 1 and "example_train_2" in str(table[0].data) and "not found" in str(table[0].data)
+        progress = _artifacts(run_id, "prepare-dataset-progress")
+        assert progress and 0 < float(progress[0].data) < 100
+        assert sorted(read_manifest(config.dataset_uri())) == [f"chunk1/example_train_{i}.jsonl.zst" for i in (0, 1, 3)]
+        assert server.count(missing) == 1  # a 404 is final, and the step is not retried for a shard's failure
+
+        # The file appears: the next run downloads it alone.
+        server.always.clear()
+        server.clear_log()
+        dataset, run_id = _run(config)
+    assert server.count(method="GET") == 1 and server.count(missing) == 1
+    assert len(dataset.prefixes) == 1 and dataset.documents > 0
+    assert float(_artifacts(run_id, "prepare-dataset-progress")[0].data) == 100
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_without_redoing_finished_shards(prefect_server, work_dir, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path / "site"
+    write_slimpajama_layout(root, chunks=1, shards_per_chunk=40)
+    template = "/train/chunk{chunk}/example_train_{shard}.jsonl.zst"
+    slow = {f"/train/chunk1/example_train_{s}.jsonl.zst": Fault(delay=0.4) for s in range(40)}
+    with FaultServer(root, always=slow) as server:
+        args = ["--sources", server.url(template), "--chunks", "1", "--shards", "0-39", "--shards-per-file", "10"]
+        env = dict(os.environ, PREFECT_API_URL=prefect_server, NEMOFLOW_WORK_DIR=str(work_dir))
+        flow = subprocess.Popen(
+            [sys.executable, "-m", "nemoflow.cli", "prepare", "--name", "killed", *args],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        extracted = work_dir / "datasets" / "killed" / "extracted" / "chunk1"
+        deadline = time.monotonic() + 120
+        while len(list(extracted.glob("*.shard.json"))) < 8:
+            assert flow.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+            time.sleep(0.05)
+        for pid in [*_descendants(flow.pid), flow.pid]:  # a crash: the flow process and its array tasks at once
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        flow.wait()
+        time.sleep(0.5)
+        done_before = {p.name.removesuffix(".shard.json") + ".zst" for p in extracted.glob("*.shard.json")}
+        assert 8 <= len(done_before) < 40
+        server.clear_log()
+
+        config = PrepareConfig(
+            name="killed", sources=server.url(template), chunks="1", shards="0-39", shards_per_file=10
+        )
+        resumed, _ = _run(config)
+        fetched_again = {r.path.rsplit("/", 1)[1] for r in server.requests if r.method == "GET"}
+        assert not fetched_again & done_before, "a shard finished before the kill was downloaded again"
+        assert len(fetched_again) == 40 - len(done_before)
+        clean, _ = _run(config.model_copy(update={"name": "clean"}))
+    for a, b in zip(resumed.prefixes, clean.prefixes):
+        for ext in (".bin", ".idx"):
+            assert open(a + ext, "rb").read() == open(b + ext, "rb").read()
