@@ -162,8 +162,15 @@ def reload_settings() -> Settings:
 
 
 def redact(text: str, secrets: list[str] | None = None) -> str:
-    """Replace every secret value in ``text`` with ``***``."""
-    for value in secrets if secrets is not None else get_settings().secret_values():
+    """Replace every secret value in ``text`` with ``***``.
+
+    Besides ``secrets`` (default: the settings' secrets), the values that infra.secrets resolved
+    from ``<secret:NAME>`` / ``<env:NAME>`` references in this process are hidden too.
+    """
+    from infra.secrets import resolved_values
+
+    values = list(secrets if secrets is not None else get_settings().secret_values())
+    for value in values + resolved_values():
         if value:
             text = text.replace(value, "***")
     return text

@@ -38,6 +38,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from infra.secrets import CREDENTIAL_ERROR
+
 SCALARS = (int, float, str)
 
 
@@ -254,7 +256,11 @@ class ModelOptions:
             loc = tuple(str(part) for part in error["loc"])
             flag = next((flags[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in flags), None)
             where = flag or (".".join(loc) if loc else self.model.__name__)
-            shown = f" {error['input']!r}" if flag and "input" in error and not isinstance(error["input"], dict) else ""
+            # A refused credential (infra.secrets) is never repeated: the message shows it redacted.
+            echo = (
+                flag and "input" in error and not isinstance(error["input"], dict) and error["type"] != CREDENTIAL_ERROR
+            )
+            shown = f" {error['input']!r}" if echo else ""
             message = error["msg"][:1].lower() + error["msg"][1:]
             problems.append(f"{where}{shown}: {message}")
         return "; ".join(problems)
