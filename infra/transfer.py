@@ -58,7 +58,7 @@ from contextvars import ContextVar
 from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from infra import secrets, storage
+from infra import permissions, secrets, storage
 from infra.retry import RetryPolicy, Transient, describe, is_brief, is_transient, parse_retry_after, retry_after
 from infra.settings import get_settings
 from infra.settings import redact as redact_secrets
@@ -732,13 +732,15 @@ class FileSink(Sink):
 
     def __init__(self, path: str, *, resume: bool = True):
         self.path = self.local_path = self.name = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+        permissions.makedirs(os.path.dirname(os.path.abspath(path)) or ".")
         if not resume:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
         # Unbuffered: a failed write (a full disk) leaves exactly the bytes we count.
         self._fh = open(path, "ab", buffering=0)
         self.size = os.fstat(self._fh.fileno()).st_size
+        # The mode it keeps when renamed to its final name (shared storage: infra/permissions.py).
+        permissions.secure_file(path)
 
     def write(self, block) -> int:
         view = memoryview(block)
