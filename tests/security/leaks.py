@@ -52,8 +52,13 @@ def find_leaks(
     flow_run_ids: Iterable = (),
     work_dir: str | os.PathLike | None = None,
     texts: Mapping[str, str] | None = None,
+    database: str | os.PathLike | None = None,
 ) -> list[str]:
-    """``"NAME in WHERE"`` for every secret value found; empty when none is anywhere."""
+    """``"NAME in WHERE"`` for every secret value found; empty when none is anywhere.
+
+    The Prefect API is the current settings' (``temporary_settings`` for another server);
+    ``database``: its SQLite file (default ``$PREFECT_HOME/prefect.db``).
+    """
     from prefect import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
@@ -66,7 +71,8 @@ def find_leaks(
 
     for where, text in (texts or {}).items():
         scan(where, text)
-    database = Path(os.environ["PREFECT_HOME"]) / "prefect.db"
+    database = Path(database or Path(os.environ["PREFECT_HOME"]) / "prefect.db")
+    assert database.exists(), database
     for suffix in ("", "-wal", "-journal"):
         path = database.with_name(database.name + suffix)
         if path.exists():
