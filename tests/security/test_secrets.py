@@ -11,6 +11,7 @@ import uuid
 
 import jsonschema
 import pytest
+from pydantic import BaseModel, ConfigDict
 
 from infra import secrets
 from infra.secrets import CredentialInParameter, SecretError, check_no_credentials, credential_problem, resolve
@@ -210,3 +211,28 @@ def test_a_server_enforcing_the_schema_refuses_a_literal_before_storing_it(prefe
         if os.path.exists(path):
             with open(path, "rb") as fh:
                 assert TOKEN.encode() not in fh.read()
+
+
+class _Sources(BaseModel):
+    """The shape PrepareConfig.sources / CptRefreshConfig.sources take (a spec or a list)."""
+
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+    sources: secrets.CredentialFree | list[secrets.CredentialFree] | None = None
+
+
+def test_command_line_options_take_references_and_refuse_literals_in_one_line():
+    import argparse
+
+    from nemoflow.options import ModelOptions, OptionsError
+
+    parser = argparse.ArgumentParser()
+    options = ModelOptions(_Sources)
+    options.add_to(parser)
+    refs = ["https://h/a.jsonl.zst?<secret:signed-a>", "https://h/b.jsonl.zst?X-Goog-Signature=<env:SIG_B>"]
+    assert options.build(parser.parse_args(["--sources", *refs])).sources == refs
+    for literal in (f"https://h/a.jsonl.zst?X-Goog-Signature={TOKEN}", f"https://u:{TOKEN}@h/a.jsonl.zst"):
+        with pytest.raises(OptionsError) as info:
+            options.build(parser.parse_args(["--sources", refs[0], literal]))
+        message = str(info.value)
+        assert message.startswith("--sources: ") and "<secret:NAME>" in message
+        assert TOKEN not in message and "valid list" not in message and "\n" not in message
