@@ -236,3 +236,29 @@ def test_command_line_options_take_references_and_refuse_literals_in_one_line():
         message = str(info.value)
         assert message.startswith("--sources: ") and "<secret:NAME>" in message
         assert TOKEN not in message and "valid list" not in message and "\n" not in message
+
+
+def test_an_image_is_staged_from_a_signed_url_by_reference(tmp_path, monkeypatch, work_dir):
+    """infra/images.py copies through the same transfer stack: probe and copy resolve, records keep the reference."""
+    from infra import images
+    from tests.image.conftest import make_squashfs
+
+    secrets.forget()
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "etc").mkdir(parents=True)
+    (rootfs / "etc" / "os-release").write_text('NAME="signed"\n')
+    served = tmp_path / "www"
+    served.mkdir()
+    make_squashfs(rootfs, served / "nemo.sqsh")
+    monkeypatch.setenv("NEMOFLOW_TEST_SIGNATURE", TOKEN)
+    lines: list[str] = []
+    with FaultServer(served, require_query={"X-Goog-Signature": TOKEN}, checksums=("x-goog-hash",)) as server:
+        source = server.url("/nemo.sqsh") + "?X-Goog-Signature=<env:NEMOFLOW_TEST_SIGNATURE>"
+        staged = images.copy_image(source, str(tmp_path / "images"), log=lines.append)
+        assert {r.status for r in server.requests if r.method == "GET"} == {200}
+    assert (tmp_path / "images" / "nemo.sqsh").read_bytes() == (served / "nemo.sqsh").read_bytes()
+    sidecar = (tmp_path / "images" / "nemo.sqsh.meta.json").read_text()
+    assert staged.source.endswith("/nemo.sqsh?<query hidden>")  # image records show no query at all
+    for text in (sidecar, staged.source, *lines):
+        assert TOKEN not in text
+    secrets.forget()
