@@ -19,7 +19,7 @@ import os
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_HOME = os.path.expanduser("~/.nemoflow")
@@ -49,6 +49,49 @@ class SettingsError(ValueError):
             message = error["msg"][:1].lower() + error["msg"][1:]
             problems.append(f"{variable}{shown} is invalid: {message}")
         return cls("; ".join(problems) + " (set in the environment or .env)")
+
+
+DEFAULT_UMASK = 0o027
+
+
+class PermissionPolicyError(ValueError):
+    """NEMOFLOW_UMASK / NEMOFLOW_GROUP is invalid or cannot be applied; the message is one line."""
+
+
+def parse_umask(text: str | int) -> int:
+    """``"027"`` / ``"0o027"`` / ``23`` -> 0o027; refuses a umask that leaves files world-writable.
+
+    >>> oct(parse_umask("007"))
+    '0o7'
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        digits = str(text).strip().lower().removeprefix("0o")
+        if not digits or len(digits) > 4 or any(c not in "01234567" for c in digits):
+            raise PermissionPolicyError(f"{text!r} is not an octal umask such as 027 or 007")
+        value = int(digits, 8)
+    if not 0 <= value <= 0o777:
+        raise PermissionPolicyError(f"{oct(value)} is not a umask (000 to 777)")
+    if not value & 0o002:
+        raise PermissionPolicyError(
+            f"umask {value:03o} would make files world-writable: the last digit must be 2, 3, 6 or 7 "
+            "(027: group reads; 007: group reads and writes)"
+        )
+    if value & 0o600:
+        raise PermissionPolicyError(f"umask {value:03o} would stop nemoflow from reading or writing its own files")
+    return value
+
+
+def group_id(name: str | int) -> int:
+    """The gid of a group name (or number) on this machine."""
+    import grp
+
+    text = str(name).strip()
+    try:
+        return grp.getgrgid(int(text)).gr_gid if text.isdigit() else grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise PermissionPolicyError(f"no group {text!r} on this machine") from None
 
 
 # The variable that holds the endpoints' API key, in the flow run and in the server job alike.
@@ -111,6 +154,35 @@ class Settings(BaseSettings):
         "<key>'); it reaches the server by name only (a Kubernetes Secret key, sbatch's environment).",
     )
 
+    umask: str = Field(
+        default="027",
+        description="umask of every nemoflow process and job, and the mode of the files and directories nemoflow "
+        "writes on shared storage: 027 = files 0640, directories 0750; a team sharing a work dir sets 007. "
+        "Files must stay not world-writable (infra/permissions.py).",
+    )
+    group: str | None = Field(
+        default=None,
+        description="group (name or gid) of the directories nemoflow creates, with the setgid bit so everything "
+        "written below them belongs to it; unset = the process's group.",
+    )
+
+    @field_validator("umask", mode="before")
+    @classmethod
+    def _check_umask(cls, value: object) -> str:
+        return f"{parse_umask(value if isinstance(value, int) else str(value)):03o}"
+
+    @field_validator("group")
+    @classmethod
+    def _check_group(cls, value: str | None) -> str | None:
+        if value is not None and value.strip():
+            group_id(value)
+            return value.strip()
+        return None
+
+    @property
+    def umask_value(self) -> int:
+        return int(self.umask, 8)
+
     @property
     def result_storage_uri(self) -> str:
         """``result_storage``, else ``<work_dir>/prefect-results``.
@@ -162,8 +234,15 @@ def reload_settings() -> Settings:
 
 
 def redact(text: str, secrets: list[str] | None = None) -> str:
-    """Replace every secret value in ``text`` with ``***``."""
-    for value in secrets if secrets is not None else get_settings().secret_values():
+    """Replace every secret value in ``text`` with ``***``.
+
+    Besides ``secrets`` (default: the settings' secrets), the values that infra.secrets resolved
+    from ``<secret:NAME>`` / ``<env:NAME>`` references in this process are hidden too.
+    """
+    from infra.secrets import resolved_values
+
+    values = list(secrets if secrets is not None else get_settings().secret_values())
+    for value in values + resolved_values():
         if value:
             text = text.replace(value, "***")
     return text

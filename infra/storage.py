@@ -8,6 +8,10 @@ into place only after it was written completely (``os.replace`` locally; copy
 then delete on GCS, whose emulator and real service lack a cheap rename).
 A reader therefore never sees a half-written file under its final name, and a
 crash leaves at worst a ``.tmp-*`` file that the next write ignores.
+
+Local files and directories get explicit permissions (infra/permissions.py: NEMOFLOW_UMASK,
+default files 0640 / directories 0750, NEMOFLOW_GROUP), set on the temporary file before it
+takes its name, whatever umask the process inherited. Objects on ``gs://`` have no modes.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import fsspec
 
+from infra import permissions
 from infra.settings import get_settings
 
 TMP_MARK = ".tmp-"
@@ -126,7 +131,7 @@ def makedirs(uri: str) -> None:
     fs, path = url_to_fs(uri)
     if is_local(uri):
         try:
-            os.makedirs(path, exist_ok=True)
+            permissions.makedirs(path)
         except OSError as exc:
             raise StorageError(f"cannot create directory {uri}: {exc.strerror or exc}") from exc
     # Object stores have no directories: nothing to create.
@@ -193,6 +198,8 @@ def atomic_open(uri: str, mode: str = "wb") -> Iterator[IO]:
             if is_local(uri):
                 fh.flush()
                 os.fsync(fh.fileno())
+        if is_local(uri):
+            permissions.secure_file(tmp_path)
     except BaseException:
         with contextlib.suppress(Exception):
             fs.rm(tmp_path)
@@ -243,7 +250,13 @@ def put_file(local: str, uri: str) -> None:
         tmp = _tmp_name(uri)
         import shutil
 
-        shutil.copyfile(local, local_path(tmp))
+        try:
+            shutil.copyfile(local, local_path(tmp))
+            permissions.secure_file(local_path(tmp))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(local_path(tmp))
+            raise
         commit(tmp, uri)
         return
     fs, _ = url_to_fs(uri)
@@ -260,7 +273,7 @@ def put_file(local: str, uri: str) -> None:
 
 def get_file(uri: str, local: str) -> None:
     """Download ``uri`` to a local path atomically."""
-    os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
+    permissions.makedirs(os.path.dirname(os.path.abspath(local)))
     if is_local(uri):
         put_file(local_path(uri), local)
         return
@@ -268,6 +281,7 @@ def get_file(uri: str, local: str) -> None:
     tmp = _tmp_name(local)
     try:
         fs.get_file(path, tmp)
+        permissions.secure_file(tmp)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)

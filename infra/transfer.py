@@ -30,6 +30,10 @@ What it does, and why here once:
   logged traceback per call) is switched off for the transfer's requests, so one policy decides.
 * **redaction** (:func:`redact`, :func:`public_uri`): settings secrets, URL passwords and
   query-string values (signed URLs) never reach a log line, an error or a record.
+* **credentials by reference** (infra/secrets.py): a URL may hold ``<secret:NAME>`` (a Prefect
+  Secret block) or ``<env:NAME>`` in place of a query, a query value or a password. Callers and
+  records keep that form; only the HTTP request itself is made with the values (:func:`_request_url`),
+  and the values are then hidden by :func:`redact` as well.
 * **errors** are :class:`TransferError` subclasses with one-line messages that name the source
   (``gs://bucket/object``) and the cause; callers turn them into their own error types.
 """
@@ -54,7 +58,7 @@ from contextvars import ContextVar
 from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from infra import storage
+from infra import permissions, secrets, storage
 from infra.retry import RetryPolicy, Transient, describe, is_brief, is_transient, parse_retry_after, retry_after
 from infra.settings import get_settings
 from infra.settings import redact as redact_secrets
@@ -143,7 +147,8 @@ class NoSpace(DestinationError):
 
 
 _USERINFO = re.compile(r"(://)[^/@\s]+@")
-_QUERY_VALUE = re.compile(r"([?&][^=&#\s]+=)[^&#\s'\"]*")
+# A query value, unless it is a secret reference (<env:NAME>, <secret:NAME>): a name is no secret.
+_QUERY_VALUE = re.compile(r"([?&][^=&#\s]+=)(?!<(?:env|secret):[\w.-]+>(?:[&#\s'\"]|$))[^&#\s'\"]*")
 
 
 def redact(text: object, *uris: str) -> str:
@@ -159,7 +164,9 @@ def redact(text: object, *uris: str) -> str:
     for uri in uris:
         parts = urlsplit(uri) if "://" in uri else None
         for secret in (parts.query, parts.netloc.rpartition("@")[0]) if parts else ():
-            if secret:
+            # A part holding references (<env:NAME>) is no secret; the values it resolves to are
+            # hidden below (infra.secrets remembers them), and literals around it by the patterns.
+            if secret and not secrets.has_references(secret):
                 text = text.replace(secret, "***")
     text = _USERINFO.sub(r"\1***@", text)
     text = _QUERY_VALUE.sub(r"\1***", text)
@@ -180,6 +187,17 @@ def public_uri(uri: str) -> str:
     parts = urlsplit(uri)
     netloc = parts.netloc.rsplit("@", 1)[-1]
     return urlunsplit((parts.scheme, netloc, parts.path, "<query hidden>" if parts.query else "", ""))
+
+
+def _request_url(url: str) -> str:
+    """The URL a request goes to: ``url`` with its secret references resolved (never log it).
+
+    An unresolvable reference is a :class:`TransferError` naming the reference, not retried.
+    """
+    try:
+        return secrets.resolve(url)
+    except secrets.SecretError as exc:
+        raise TransferError(f"cannot fetch {redact(url)}: {exc}", shown=redact(url), cause=str(exc)) from None
 
 
 def is_hf_host(url: str) -> bool:
@@ -609,33 +627,38 @@ def _http_status_error(url: str, resp) -> TransferError | Transient:
     return TransferError(message, shown=shown, cause=f"HTTP {code} {resp.reason}", status=code)
 
 
-def _request_failure(url: str, exc: Exception) -> BaseException:
-    """requests' exceptions: transport ones stay (the policy retries them), the rest fail at once."""
+def _request_failure(url: str, exc: Exception, resolved: str | None = None) -> BaseException:
+    """requests' exceptions: transport ones stay (the policy retries them), the rest fail at once.
+
+    ``resolved``: the URL the request went to (references resolved), whose secrets go too.
+    """
     import requests
 
     shown = redact(url)
+    hidden = (url, resolved) if resolved else (url,)
     if isinstance(exc, requests.exceptions.SSLError) and "CERTIFICATE_VERIFY_FAILED" in str(exc):
-        return TransferError(f"TLS certificate of {shown} rejected: {redact(exc, url)}", shown=shown)
+        return TransferError(f"TLS certificate of {shown} rejected: {redact(exc, *hidden)}", shown=shown)
     if isinstance(exc, (requests.Timeout, requests.ConnectionError)):
         return exc
-    return TransferError(f"cannot fetch {shown}: {redact(exc, url)}", shown=shown)  # bad URL, redirect loop
+    return TransferError(f"cannot fetch {shown}: {redact(exc, *hidden)}", shown=shown)  # bad URL, redirect loop
 
 
 def _http_probe(url: str, timeout: float, etag_md5: bool) -> Remote:
     import requests
 
     headers = {"Accept-Encoding": "identity", **auth_headers(url)}
+    target = _request_url(url)
     try:
         with requests.Session() as session:
-            resp = session.head(url, headers=headers, allow_redirects=True, timeout=timeout)
+            resp = session.head(target, headers=headers, allow_redirects=True, timeout=timeout)
             if resp.status_code in (403, 405, 501) and not is_hf_host(url):
                 # Some servers (and signed URLs, which sign the method) refuse HEAD: ask for one byte.
-                ranged = session.get(url, headers={**headers, "Range": "bytes=0-0"}, stream=True, timeout=timeout)
+                ranged = session.get(target, headers={**headers, "Range": "bytes=0-0"}, stream=True, timeout=timeout)
                 ranged.close()
                 if ranged.status_code in (200, 206):
                     resp = ranged
     except requests.RequestException as exc:
-        raise _request_failure(url, exc) from None
+        raise _request_failure(url, exc, target) from None
     if resp.status_code >= 400:
         raise _http_status_error(url, resp)
     chain = [*resp.history, resp]
@@ -709,13 +732,15 @@ class FileSink(Sink):
 
     def __init__(self, path: str, *, resume: bool = True):
         self.path = self.local_path = self.name = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+        permissions.makedirs(os.path.dirname(os.path.abspath(path)) or ".")
         if not resume:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
         # Unbuffered: a failed write (a full disk) leaves exactly the bytes we count.
         self._fh = open(path, "ab", buffering=0)
         self.size = os.fstat(self._fh.fileno()).st_size
+        # The mode it keeps when renamed to its final name (shared storage: infra/permissions.py).
+        permissions.secure_file(path)
 
     def write(self, block) -> int:
         view = memoryview(block)
@@ -1086,6 +1111,7 @@ class ResumableCopy:
         import requests
 
         url = self.remote.url
+        target = _request_url(url)
         if self._session is None:
             self._session = requests.Session()
         headers = {"Accept-Encoding": "identity", **auth_headers(url)}
@@ -1098,13 +1124,13 @@ class ResumableCopy:
             self._restart()
             offset = 0
         try:
-            resp = self._session.get(url, headers=headers, stream=True, timeout=self.timeout, allow_redirects=True)
+            resp = self._session.get(target, headers=headers, stream=True, timeout=self.timeout, allow_redirects=True)
         except requests.RequestException as exc:
-            failure = _request_failure(url, exc)
+            failure = _request_failure(url, exc, target)
             if isinstance(failure, TransferError):
                 raise failure from None
             kind = "timeout" if isinstance(exc, requests.Timeout) else "connection error"
-            raise Transient(f"{kind}: {describe(redact(exc, url))}") from None
+            raise Transient(f"{kind}: {describe(redact(exc, url, target))}") from None
         try:
             return self._http_response(resp, offset)
         except BaseException:

@@ -38,6 +38,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from infra.secrets import CREDENTIAL_ERROR
+
 SCALARS = (int, float, str)
 
 
@@ -71,8 +73,21 @@ class _Mapped:
     convert: Callable[[Any], Any] | None = None
 
 
+def _plain(annotation: Any) -> Any:
+    """``Annotated[X, ...]`` -> ``X``, inside unions and lists too: validators are pydantic's, not argparse's."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _plain(typing.get_args(annotation)[0])
+    if _is_union(annotation):
+        return typing.Union[tuple(_plain(a) for a in typing.get_args(annotation))]  # noqa: UP007 - runtime tuple
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (list, tuple, set, frozenset) and args:
+        return origin[tuple(_plain(a) for a in args)] if len(args) > 1 else origin[_plain(args[0])]
+    return annotation
+
+
 def _strip_optional(annotation: Any) -> Any:
-    """``X | None`` -> ``X`` (other unions unchanged)."""
+    """``X | None`` -> ``X`` (other unions unchanged); ``Annotated`` metadata dropped (:func:`_plain`)."""
+    annotation = _plain(annotation)
     if _is_union(annotation):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) == 1:
@@ -249,12 +264,20 @@ class ModelOptions:
 
     def _one_line(self, exc: ValidationError) -> str:
         flags = {mapped.path: mapped.flag for mapped in self._plan()}
+        errors = exc.errors()
+        # A literal credential (infra.secrets) is the problem to report, not the other branches of a
+        # union it failed too ("input should be a valid list"); and it is never repeated.
+        if any(error["type"] == CREDENTIAL_ERROR for error in errors):
+            errors = [error for error in errors if error["type"] == CREDENTIAL_ERROR]
         problems = []
-        for error in exc.errors():
+        for error in errors:
             loc = tuple(str(part) for part in error["loc"])
             flag = next((flags[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in flags), None)
             where = flag or (".".join(loc) if loc else self.model.__name__)
-            shown = f" {error['input']!r}" if flag and "input" in error and not isinstance(error["input"], dict) else ""
+            echo = (
+                flag and "input" in error and not isinstance(error["input"], dict) and error["type"] != CREDENTIAL_ERROR
+            )
+            shown = f" {error['input']!r}" if echo else ""
             message = error["msg"][:1].lower() + error["msg"][1:]
             problems.append(f"{where}{shown}: {message}")
         return "; ".join(problems)

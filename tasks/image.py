@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from infra import images, storage
 from infra.executors import Executor, as_executor, get_backend
 from infra.jobs import ImageRef, Resources
+from infra.secrets import CredentialFree
 from infra.settings import get_settings
 from tasks.common import code_fingerprint, logger
 
@@ -50,12 +51,14 @@ CODE_MODULES = ("infra.images", "infra.environment", "tasks.image")
 
 
 class ImageConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    source: str | None = Field(
+    # hide_input_in_errors: a refused source may hold a credential; errors name the field, never repeat it.
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+    source: CredentialFree | None = Field(
         None,
         description="a .sqsh (gs://, https://, file://, path; '<region>' resolved from settings) or docker://REF; "
         "'python-env' = no container, the nodes share this Python environment; unset = the executor's default "
-        "(local: this Python environment; k8s: the executor's image)",
+        "(local: this Python environment; k8s: the executor's image). A signed URL's query or a password only by "
+        "reference: https://host/nemo.sqsh?<secret:BLOCK> (a Prefect Secret block) or <env:VARIABLE>",
     )
     dest: str | None = Field(None, description="directory on shared storage for the staged .sqsh")
     convert: bool = Field(False, description="convert a docker:// reference with enroot (a Slurm job)")

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infra.permissions import secure_file, secure_tree
+
 STEP_DIR_RE = re.compile(r"^epoch_(\d+)_step_(\d+)$")
 CONSOLIDATED = Path("model") / "consolidated"
 MANIFEST = "MANIFEST.json"
@@ -83,13 +85,20 @@ def write_text_atomic(path: Path, text: str) -> None:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        secure_file(tmp)  # shared storage: the configured mode and group (infra/permissions.py)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
 
 def write_manifest(directory: Path) -> dict[str, Any]:
-    """Size and sha256 of every file in ``directory`` (MANIFEST.json itself excluded), written atomically."""
+    """Size and sha256 of every file in ``directory`` (MANIFEST.json itself excluded), written atomically.
+
+    For a consolidated directory, the whole checkpoint first gets the configured modes (infra/permissions.py):
+    the checkpoint is complete now, and AutoModel gives some files modes of its own (consolidate.sh 0755).
+    """
+    if directory.parts[-2:] == CONSOLIDATED.parts:
+        secure_tree(directory.parent.parent)
     files = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
         if path.name.startswith(TMP_PREFIX):
@@ -135,6 +144,7 @@ def write_meta(consolidated: Path, meta: dict[str, Any], tokenizer_model: str | 
     if tokenizer_model:
         tmp = consolidated / f"{TMP_PREFIX}{TOKENIZER}"
         shutil.copyfile(tokenizer_model, tmp)
+        secure_file(tmp)
         os.replace(tmp, consolidated / TOKENIZER)
     write_text_atomic(consolidated / META, json.dumps(meta, indent=1, sort_keys=True, default=str))
 

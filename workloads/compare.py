@@ -17,6 +17,8 @@ import os
 import sys
 import tempfile
 
+from infra.permissions import secure_file
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m workloads.compare", description=__doc__.split("\n")[0])
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(directory, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=directory, prefix=".tmp-", delete=False) as fh:
         json.dump(result, fh)
+    secure_file(fh.name)  # mkstemp made it 0600: the configured mode (infra/permissions.py)
     os.replace(fh.name, args.output)
     print(json.dumps(result), flush=True)
     return 0

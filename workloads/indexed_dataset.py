@@ -47,6 +47,8 @@ from enum import IntEnum
 
 import numpy as np
 
+from infra.permissions import secure_file
+
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 # Vocabularies this small fit uint16; the margin below 65,536 is megatron-core's choice.
@@ -159,6 +161,8 @@ class IndexedDatasetWriter:
 
         An older ``.idx`` is removed first so that it never pairs with the new ``.bin``.
         """
+        for tmp in (self._tmp_bin, self._tmp_idx):
+            secure_file(tmp)  # shared storage: the configured mode and group (infra/permissions.py)
         with contextlib.suppress(FileNotFoundError):
             os.remove(idx_path(self.prefix))
         os.replace(self._tmp_bin, bin_path(self.prefix))

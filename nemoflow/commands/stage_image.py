@@ -115,8 +115,14 @@ def _run_in_flow(args):
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     from prefect import flow
 
+    from infra.secrets import credential_problem
     from tasks.image import stage_image
 
+    if args.source and (problem := credential_problem(args.source)):
+        from nemoflow.cli import UserError
+
+        # The flow run would store SOURCE in Prefect's database: refuse before it exists.
+        raise UserError(f"SOURCE {problem}; or use --no-prefect (nothing is recorded then)")
     resources, executor = _job_options(args)
 
     @flow(name="stage-image", log_prints=False)

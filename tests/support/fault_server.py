@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 
 @dataclass
@@ -104,12 +104,16 @@ class FaultServer:
         checksums: tuple[str, ...] = (),
         always: dict[str, Fault] | None = None,
         head: bool = True,
+        require_query: dict[str, str] | None = None,
     ):
         """``ranges``: honour Range requests; ``checksums``: any of "x-goog-hash",
         "content-md5", "x-linked-etag"; ``always``: a fault applied to every GET of a path
         after its queued faults run out (e.g. a permanent 404 or a server without ranges);
-        ``head=False``: refuse HEAD with 405, as some object stores and signed URLs do."""
+        ``head=False``: refuse HEAD with 405, as some object stores and signed URLs do;
+        ``require_query``: query parameters every request must carry (a signed URL's
+        signature), else 403 as GCS answers a bad signature."""
         self.head = head
+        self.require_query = dict(require_query or {})
         self.root = Path(root)
         self.ranges = ranges
         self.checksums = tuple(checksums)
@@ -236,6 +240,10 @@ class _Handler(BaseHTTPRequestHandler):
         fault = srv._next(path, self.command, record) or Fault()
         if head and not srv.head:
             fault = Fault(status=405)
+        if srv.require_query:
+            given = dict(parse_qsl(urlsplit(self.path).query, keep_blank_values=True))
+            if any(given.get(name) != value for name, value in srv.require_query.items()):
+                fault = Fault(status=403)
         if fault.before is not None:
             fault.before()
         if fault.delay and srv._sleep(fault.delay):
