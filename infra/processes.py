@@ -247,6 +247,7 @@ def guard_main(argv: list[str], poll_s: float = 0.5) -> None:
             if orphaned():
                 kill_group()
     if code < 0:  # end the way the command ended, so the parent sees the same signal
-        signal.signal(-code, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL/SIGSTOP have no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     sys.exit(code)

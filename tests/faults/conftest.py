@@ -28,13 +28,25 @@ class ControlPlane:
     root: Path
     pool: str = "faults"
 
+    @contextlib.contextmanager
+    def scoped(self):
+        """This control plane's environment (its homes, no session API) around a devtools call."""
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("NEMOFLOW_HOME", str(self.root / "nemoflow"))
+            mp.setenv("PREFECT_HOME", str(self.root / "prefect"))
+            mp.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+            mp.delenv("PREFECT_API_URL", raising=False)
+            mp.delenv("PREFECT_API_AUTH_STRING", raising=False)
+            yield
+
     def restart_server(self) -> float:
         """Stop the server (SIGTERM, then SIGKILL) and start it again on the same database; seconds it took."""
         from devtools import prefect_local as pl
         from infra import processes
 
         started = time.monotonic()
-        pid = pl.running("server")
+        with self.scoped():
+            pid = pl.running("server")
         assert pid is not None, "the server is not running"
         processes.stop(pid, group=True, grace_s=5)
         assert not self.api.healthy()
@@ -46,23 +58,39 @@ class ControlPlane:
 
         from devtools import prefect_local as pl
 
-        with temporary_settings(restore_defaults={PREFECT_API_URL, PREFECT_API_AUTH_STRING}):
+        with self.scoped(), temporary_settings(restore_defaults={PREFECT_API_URL, PREFECT_API_AUTH_STRING}):
             self.api = pl.ensure_server(self.port, echo=lambda *_: None)
 
-    def worker(self) -> int:
+    def worker(self, pool: str | None = None, pool_type: str = "process") -> int:
         from devtools import prefect_local as pl
 
-        return pl.ensure_worker(self.pool, "process", self.api, echo=lambda *_: None)
+        with self.scoped():
+            return pl.ensure_worker(pool or self.pool, pool_type, self.api, echo=lambda *_: None)
+
+    def stop_all(self) -> list[str]:
+        """What `nemoflow demo --down` does after stopping the endpoint."""
+        from devtools import prefect_local as pl
+
+        with self.scoped():
+            return pl.stop_all(echo=lambda *_: None)
 
     def kill_worker(self) -> int:
         from devtools import prefect_local as pl
 
-        pid = pl.running(f"worker-{self.pool}")
+        with self.scoped():
+            pid = pl.running(f"worker-{self.pool}")
         assert pid is not None
         os.kill(pid, 9)
         return pid
 
-    def deploy(self, entrypoint: str, name: str = "local", concurrency_limit: int | None = 1) -> str:
+    def deploy(
+        self,
+        entrypoint: str,
+        name: str = "local",
+        concurrency_limit: int | None = 1,
+        pool: str | None = None,
+        job_variables: dict | None = None,
+    ) -> str:
         from prefect import flow
         from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 
@@ -75,8 +103,9 @@ class ControlPlane:
             loaded = flow.from_source(source=str(REPO), entrypoint=entrypoint)
             loaded.deploy(
                 name=name,
-                work_pool_name=self.pool,
+                work_pool_name=pool or self.pool,
                 concurrency_limit=limit,
+                job_variables=job_variables or {},
                 print_next_steps=False,
                 ignore_warnings=True,
             )
@@ -124,23 +153,17 @@ class ControlPlane:
             return client.read_deployment_by_name(deployment).global_concurrency_limit.active_slots
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def control_plane(tmp_path_factory):
-    """A Prefect server, pool and worker as ``nemoflow demo`` starts them, private to this module."""
+    """A Prefect server, pool and worker as ``nemoflow demo`` starts them, private to the fault tests."""
     from devtools import prefect_local as pl
 
-    root = tmp_path_factory.mktemp("control-plane")
-    plane = ControlPlane(api=None, port=free_port(), root=root)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NEMOFLOW_HOME", str(root / "nemoflow"))
-        mp.setenv("PREFECT_HOME", str(root / "prefect"))
-        mp.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-        mp.delenv("PREFECT_API_URL", raising=False)
-        mp.delenv("PREFECT_API_AUTH_STRING", raising=False)
-        try:
-            plane.start_server()
+    plane = ControlPlane(api=None, port=free_port(), root=tmp_path_factory.mktemp("control-plane"))
+    try:
+        plane.start_server()
+        with plane.scoped():
             pl.ensure_work_pool(plane.pool, "process", plane.api)
             pl.ensure_zombie_automation(plane.api, within_s=ZOMBIE_AFTER_S, echo=lambda *_: None)
-            yield plane
-        finally:
-            pl.stop_all(echo=lambda *_: None)
+        yield plane
+    finally:
+        plane.stop_all()

@@ -50,3 +50,38 @@ def holds_refresh_lock(directory: str, lock_timeout_s: float = 2) -> str:
             raise RuntimeError(f"stage job failed: {result.reason}")
         (d / "result.json").write_text(json.dumps({"finished": time.time()}))
         return "done"
+
+
+@flow(name="runs-a-stage-job")
+def runs_a_stage_job(directory: str) -> str:
+    """One stage job on the local backend, waiting for ``release``."""
+    d = pathlib.Path(directory)
+    run_id = os.environ.get("PREFECT__FLOW_RUN_ID", "x")
+    (d / f"flow-{run_id}.pid").write_text(str(os.getpid()))
+    spec = JobSpec(name="stage", command=[sys.executable, "-c", JOB, str(d / f"job-{run_id}.pid"), str(d / "release")])
+    result = LocalBackend().run(spec)
+    if result.exit_code != 0:
+        raise RuntimeError(f"stage job failed: {result.reason}")
+    return "done"
+
+
+# A Slurm stage job: records its job id, then sleeps (the test cancels the flow run meanwhile).
+SLURM_JOB = (
+    "import os, pathlib, sys, time\npathlib.Path(sys.argv[1]).write_text(os.environ['SLURM_JOB_ID'])\ntime.sleep(600)\n"
+)
+
+
+@flow(name="submits-a-slurm-job")
+def submits_a_slurm_job(directory: str) -> str:
+    """A stage job through the stages' own ``run_job`` (which labels it with this flow run) on Slurm."""
+    from tasks.common import run_job
+
+    d = pathlib.Path(directory)
+    spec = JobSpec(
+        name="stage-sleeps",
+        command=[sys.executable, "-c", SLURM_JOB, str(d / "stage-job-id")],
+        log_dir=str(d / "logs"),
+        workdir=str(d),
+    )
+    run_job(spec, "slurm")
+    return "done"

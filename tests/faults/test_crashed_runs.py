@@ -94,3 +94,23 @@ def test_killed_run_and_server_restart_do_not_block_the_next_run(control_plane, 
     )
     fault_ledger.record("kill -9 of the worker and the flow-run process", injected=2, survived=2)
     fault_ledger.record("Prefect server restart with a run's slots held", injected=1, survived=1)
+
+
+def test_demo_down_while_a_stage_job_runs_leaves_no_orphan(control_plane, tmp_path):
+    """`nemoflow demo --down` stops the worker and the server; the run's stage job must not keep running."""
+    plane = control_plane
+    deployment = plane.deploy("tests/faults/flows.py:runs_a_stage_job", concurrency_limit=None)
+    plane.worker()
+    run = plane.run(deployment, directory=str(tmp_path))
+    flow_pid = pid_in(tmp_path / f"flow-{run.id}.pid")
+    job_pid = pid_in(tmp_path / f"job-{run.id}.pid")
+    stopped = plane.stop_all()  # what `nemoflow demo --down` runs after the endpoint
+    assert "server" in stopped and f"worker-{plane.pool}" in stopped
+    wait_for(lambda: not processes.pid_alive(job_pid), 15, f"the end of the stage job {job_pid}")
+    wait_for(lambda: not processes.pid_alive(flow_pid), 15, f"the end of the flow-run process {flow_pid}")
+    # The next `nemoflow demo` finds the run in a final state that says what happened.
+    plane.start_server()
+    state = plane.wait_state(run.id, lambda s: s.is_final(), ZOMBIE_AFTER_S + 60, "final")
+    assert state.is_crashed() or state.is_cancelled(), state
+    print(f"after --down: {state.name}: {state.message}")
+    fault_ledger.record("`nemoflow demo --down` during a stage job", injected=1, survived=1)
