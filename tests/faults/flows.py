@@ -77,6 +77,7 @@ def submits_a_slurm_job(directory: str) -> str:
     from tasks.common import run_job
 
     d = pathlib.Path(directory)
+    (d / "flow.pid").write_text(str(os.getpid()))
     spec = JobSpec(
         name="stage-sleeps",
         command=[sys.executable, "-c", SLURM_JOB, str(d / "stage-job-id")],

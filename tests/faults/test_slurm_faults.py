@@ -6,6 +6,8 @@ runs on it, for about a second, and set back (RESUME) in a ``finally``.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -38,16 +40,11 @@ def _job_state(job_id: str) -> str:
     return next((f.split("=", 1)[1] for f in out.split() if f.startswith("JobState=")), "")
 
 
-@pytest.mark.prefect
-@pytest.mark.slow
-def test_cancelling_a_slurm_flow_run_scancels_its_stage_jobs(control_plane, slurm, tmp_path):  # noqa: F811 - fixture
-    from prefect.client.orchestration import get_client
-    from prefect.states import Cancelling
-
+def _slurm_run(plane, tmp_path):
+    """A run of tests/faults/flows.py:submits_a_slurm_job through the slurm worker; (run, stage job id)."""
     from devtools import prefect_local as pl
     from infra.slurm_worker import labelled_jobs
 
-    plane = control_plane
     pool = "faults-slurm"
     with plane.scoped():
         pl.ensure_work_pool(pool, "slurm", plane.api, "deployments/slurm/base-job-template.json")
@@ -60,11 +57,21 @@ def test_cancelling_a_slurm_flow_run_scancels_its_stage_jobs(control_plane, slur
         job_variables={"log_dir": str(tmp_path / "logs"), "poll_interval_s": 1.0},
     )
     run = plane.run(deployment, directory=str(tmp_path))
-    stage = _wait(
-        lambda: (tmp_path / "stage-job-id").exists() and (tmp_path / "stage-job-id").read_text(), 240, "the stage job"
-    )
+    marker = tmp_path / "stage-job-id"
+    stage = _wait(lambda: marker.exists() and marker.read_text(), 240, "the stage job")
     out = subprocess.run(["squeue", "-h", "-o", "%F|%k"], capture_output=True, text=True).stdout
     assert labelled_jobs(out, "flow-run", str(run.id)) == [stage], out  # run_job labelled it with this run
+    return run, stage
+
+
+@pytest.mark.prefect
+@pytest.mark.slow
+def test_cancelling_a_slurm_flow_run_scancels_its_stage_jobs(control_plane, slurm, tmp_path):  # noqa: F811 - fixture
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    plane = control_plane
+    run, stage = _slurm_run(plane, tmp_path)
     with plane.api.settings(), get_client(sync_client=True) as client:
         client.set_flow_run_state(run.id, Cancelling(), force=True)  # what the UI's Cancel does
     _wait(lambda: _job_state(stage) == "CANCELLED", 60, f"stage job {stage} CANCELLED")
@@ -72,6 +79,23 @@ def test_cancelling_a_slurm_flow_run_scancels_its_stage_jobs(control_plane, slur
     assert state.is_cancelled(), state
     _wait(lambda: jobs_under(tmp_path) == [], 30, "no job of the run left in squeue")
     fault_ledger.record("Slurm flow run cancelled during a stage job", injected=1, survived=1)
+
+
+@pytest.mark.prefect
+@pytest.mark.slow
+def test_a_slurm_flow_run_killed_hard_takes_its_stage_jobs_with_it(control_plane, slurm, tmp_path):  # noqa: F811 - fixture
+    """The flow-run process is SIGKILLed (the OOM killer, say): nothing in it can cancel its stage job."""
+    plane = control_plane
+    run, stage = _slurm_run(plane, tmp_path)
+    flow_job = plane.flow_run(run.id).infrastructure_pid
+    assert flow_job and flow_job != stage
+    os.kill(int((tmp_path / "flow.pid").read_text()), signal.SIGKILL)  # the one-machine cluster: same host
+    state = plane.wait_state(run.id, lambda s: s.is_final(), 90, "final")
+    assert state.is_crashed(), state
+    assert f"Slurm job {flow_job} ended" in state.message, state.message
+    _wait(lambda: _job_state(stage) == "CANCELLED", 60, f"stage job {stage} CANCELLED")
+    _wait(lambda: jobs_under(tmp_path) == [], 30, "no job of the run left in squeue")
+    fault_ledger.record("Slurm flow-run job SIGKILLed during a stage job", injected=1, survived=1)
 
 
 # A job that checkpoints each step (atomically), resumes from its checkpoint, and goes fast once resumed.
