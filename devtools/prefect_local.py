@@ -7,6 +7,25 @@ watched deployment run: reuse a reachable Prefect API (``PREFECT_API_URL``) or s
 record pid files (pid and start time) under ``$NEMOFLOW_HOME/prefect`` so
 ``nemoflow demo --down`` stops exactly what was started.
 
+Three things keep a crashed run from blocking the runs after it (issue #12: a killed
+``cpt-refresh`` held its concurrency slots for good, and every later refresh ended
+``Cancelled: Deployment concurrency limit reached``):
+
+- Flow runs send heartbeats (``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``, in the environment
+  of the workers started here, which their flow runs inherit), and the automation
+  :data:`ZOMBIE_AUTOMATION` marks a run ``Crashed`` when its heartbeats stop
+  (Prefect's "detect zombie flows" recipe). A Crashed run releases its deployment
+  concurrency slot.
+- The server keeps concurrency leases on disk
+  (``PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE``, the filesystem store under
+  PREFECT_HOME) instead of in memory, so a restart does not forget who holds a slot;
+  the server's repossessor frees the slots of leases nobody renews any more (the
+  global ``cpt-refresh`` slot of a killed run: flows/cpt_refresh.py takes it with a
+  short lease).
+- :func:`ensure_server` sets both on the server it starts; for a server you run
+  yourself, set :data:`SERVER_SETTINGS` in its environment and run ``nemoflow deploy``
+  (which creates the automation).
+
 Two things make the API usable from any shell and safe to share:
 
 - The API URL (and the auth string, when on) is recorded in the active Prefect
@@ -44,6 +63,13 @@ from infra import processes
 from infra.settings import DEFAULT_HOME
 
 DEFAULT_PORT = 4200
+
+# The server's settings for crash recovery (see the module docstring).
+SERVER_SETTINGS = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"}
+# Flow runs' heartbeat interval, seconds (Prefect's minimum is 30), and how long without one makes a zombie.
+HEARTBEAT_S = 30
+ZOMBIE_AFTER_S = 90
+ZOMBIE_AUTOMATION = "nemoflow: crash flow runs whose heartbeats stopped"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 AUTH_USER = "nemoflow"
 
@@ -252,7 +278,7 @@ def ensure_server(port: int = DEFAULT_PORT, timeout: float = 120.0, auth: bool =
     api = PrefectApi(local, secret if auth else None)
     if running("server") is None:
         # The UI calls the API at PREFECT_UI_API_URL, which must match the port we chose.
-        env = _env(PREFECT_UI_API_URL=local)
+        env = _env(PREFECT_UI_API_URL=local, **SERVER_SETTINGS)
         if auth:
             env["PREFECT_SERVER_API_AUTH_STRING"] = secret.get_secret_value()
         argv = [prefect_bin(), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
@@ -465,11 +491,89 @@ def ensure_worker(pool: str, pool_type: str, api: PrefectApi, echo=print) -> int
     pid = running(name)
     if pid is not None:
         return pid
-    # Poll every second instead of Prefect's 10 s: a cached re-run then starts at once.
-    env = _env(PREFECT_WORKER_QUERY_SECONDS="1", **api.client_env())
+    # Poll every second instead of Prefect's 10 s: a cached re-run then starts at once. Flow runs inherit
+    # the worker's environment: they send heartbeats, so a run whose process dies is marked Crashed.
+    env = _env(PREFECT_WORKER_QUERY_SECONDS="1", **heartbeat_env(), **api.client_env())
     pid = _start_background(name, [prefect_bin(), "worker", "start", "--pool", pool, "--type", pool_type], env)
     echo(f"started a {pool_type} worker for pool {pool!r} (pid {pid}, log: {log_path(name)})")
     return pid
+
+
+# ---------------------------------------------------------------- crashed runs
+
+
+def heartbeat_env(seconds: int = HEARTBEAT_S) -> dict[str, str]:
+    """The environment that makes flow runs send heartbeats (a worker passes it on to its runs)."""
+    return {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(seconds)}
+
+
+def zombie_automation(within_s: float = ZOMBIE_AFTER_S):
+    """Prefect's "detect zombie flows" automation: a run without a heartbeat for ``within_s`` is Crashed.
+
+    After a heartbeat, the automation expects another heartbeat or a final state within
+    ``within_s``; when neither comes (the process, its worker or its host died), it sets the run
+    Crashed, which releases the run's deployment concurrency slot.
+    """
+    from datetime import timedelta
+
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    if within_s <= HEARTBEAT_S:
+        raise ValueError(f"within_s={within_s} must exceed the heartbeat interval ({HEARTBEAT_S} s)")
+    return AutomationCore(
+        name=ZOMBIE_AUTOMATION,
+        description="Marks a flow run Crashed when its heartbeats stop (its process, worker or host died), "
+        "so it releases its concurrency slots. Created by `nemoflow deploy` / `nemoflow demo`.",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"},
+            expect={
+                "prefect.flow-run.heartbeat",
+                "prefect.flow-run.Completed",
+                "prefect.flow-run.Failed",
+                "prefect.flow-run.Cancelled",
+                "prefect.flow-run.Crashed",
+            },
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=within_s),
+        ),
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED,
+                message=f"no heartbeat for {within_s:g} s: the flow run's process, worker or host died "
+                f"(automation {ZOMBIE_AUTOMATION!r})",
+            )
+        ],
+    )
+
+
+def ensure_zombie_automation(api: PrefectApi | str, within_s: float = ZOMBIE_AFTER_S, echo=print) -> bool:
+    """Create (or bring up to date) :func:`zombie_automation` on the server; True when something changed."""
+    from prefect.client.orchestration import get_client
+
+    api = _as_api(api)
+    wanted = zombie_automation(within_s)
+    with api.settings(), get_client(sync_client=True) as client:
+        found = client.read_automations_by_name(ZOMBIE_AUTOMATION)
+        if found and _comparable(found[0]) == _comparable(wanted):
+            return False
+        if found:
+            client.update_automation(found[0].id, wanted)
+        else:
+            client.create_automation(wanted)
+    echo(f"{'updated' if found else 'created'} the automation {ZOMBIE_AUTOMATION!r} (no heartbeat for {within_s:g} s)")
+    return True
+
+
+def _comparable(automation) -> dict:
+    data = automation.model_dump(mode="json", include={"name", "description", "enabled", "trigger", "actions"})
+    data["trigger"].pop("id", None)
+    return data
 
 
 def ui_url(api: PrefectApi | str, flow_run_id: str) -> str:

@@ -21,6 +21,10 @@ sequence length. It never changes across refreshes, so losses are comparable ove
 Never two at once: the deployments have ``concurrency_limit: 1`` (CANCEL_NEW), and the flow takes
 the global concurrency limit ``cpt-refresh`` (1 slot) before it reads the registry, giving up
 after ``lock_timeout_s``; the registry commit also checks the generation it started from.
+
+A crashed refresh never blocks the next ones: its global slot is a lease of ``LOCK_LEASE_S`` that only
+a live holder renews, and a run whose process dies is marked Crashed by the heartbeat automation
+``nemoflow deploy`` creates, which frees its deployment slot (devtools/prefect_local.py).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+from collections.abc import Iterator
 from typing import Literal
 
 from prefect import flow
@@ -197,11 +202,17 @@ def _ensure_limit(name: str) -> None:
                 pass
 
 
-@flow(name="cpt-refresh", log_prints=True)
-def cpt_refresh(config: CptRefreshConfig | None = None) -> dict:
+# The global slot's lease, seconds (Prefect's minimum is 60): the holder renews it every 45 s while it
+# runs; when the holder dies (SIGKILL, a lost host) nobody renews it and the server's repossessor frees
+# the slot within about a minute, so a crashed refresh cannot block the nightly ones (issue #12).
+LOCK_LEASE_S = 60
+
+
+@contextlib.contextmanager
+def refresh_lock(timeout_s: float) -> Iterator[None]:
+    """Hold the global ``cpt-refresh`` concurrency slot; :class:`RefreshFailed` after ``timeout_s`` of waiting."""
     from prefect.concurrency.sync import concurrency
 
-    config = config or CptRefreshConfig()
     _ensure_limit(CONCURRENCY_LIMIT)
     with contextlib.ExitStack() as held:
         try:
@@ -211,7 +222,8 @@ def cpt_refresh(config: CptRefreshConfig | None = None) -> dict:
                 concurrency(
                     CONCURRENCY_LIMIT,
                     occupy=1,
-                    timeout_seconds=config.lock_timeout_s,
+                    timeout_seconds=timeout_s,
+                    lease_duration=LOCK_LEASE_S,
                     strict=True,
                     raise_on_lease_renewal_failure=False,
                 )
@@ -219,10 +231,17 @@ def cpt_refresh(config: CptRefreshConfig | None = None) -> dict:
         except TimeoutError as exc:
             message = (
                 f"another cpt-refresh holds the '{CONCURRENCY_LIMIT}' concurrency limit; this run did "
-                f"nothing (waited {config.lock_timeout_s:g}s)"
+                f"nothing (waited {timeout_s:g}s; a crashed holder's slot is freed within ~{LOCK_LEASE_S + 15} s)"
             )
             _failure_artifact(message)
             raise RefreshFailed(message) from exc
+        yield
+
+
+@flow(name="cpt-refresh", log_prints=True)
+def cpt_refresh(config: CptRefreshConfig | None = None) -> dict:
+    config = config or CptRefreshConfig()
+    with refresh_lock(config.lock_timeout_s):
         return _refresh(config)
 
 

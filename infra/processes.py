@@ -8,6 +8,7 @@ need to know about a process they started earlier, possibly from another process
     write_pidfile(path, pid)                # "PID START": the start time makes it an identity
     read_pidfile(path)                      # the pid while that same process runs, else None
     stop(pid, group=True, grace_s=10)       # SIGTERM, then SIGKILL; waits until it is gone
+    Popen(guarded(command), start_new_session=True)   # dies with this process (see guarded)
 
 A pid alone is not an identity: the kernel reuses pids. The start time (clock
 ticks since boot, field 22 of ``/proc/PID/stat``) is recorded beside it, so a
@@ -18,9 +19,11 @@ dead: they run nothing, and only their parent can collect them (:func:`reap`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -180,3 +183,71 @@ def stop(
             return True
     _signal(pid, group, signal.SIGKILL)
     return _wait_gone(pid, group, proc, kill_wait_s)
+
+
+# ---------------------------------------------------------------- dying with the parent
+
+
+def guarded(command: list[str], parent: int | None = None) -> list[str]:
+    """``command`` behind a guard that kills the command's whole process group when ``parent`` dies.
+
+    A stage job must not outlive the flow run that started it (a killed worker, a SIGKILLed flow-run
+    process, ``nemoflow demo --down``): nothing in a dead process can clean up after it. Start the
+    returned argv as a new session (``start_new_session=True``): the guard is then the group leader
+    and the command, torchrun's workers and anything else they start share its group.
+
+    Why a guard process and not ``setpriv --pdeathsig KILL`` alone: the parent-death signal reaches
+    only the direct child, and torchrun's workers (grandchildren) would keep running; Popen's
+    ``preexec_fn`` could set it without a wrapper but is unsafe in a threaded parent (Prefect runs
+    tasks in threads). The guard sets PR_SET_PDEATHSIG on itself and also polls ``getppid()``
+    (the signal follows the *thread* that forked; a poll catches every other way of losing the parent).
+    """
+    parent = os.getpid() if parent is None else parent
+    return [sys.executable, "-c", _GUARD_ENTRY, str(parent), "--", *command]
+
+
+_GUARD_ENTRY = "import sys; from infra.processes import guard_main; guard_main(sys.argv[1:])"
+PR_SET_PDEATHSIG = 1
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the getppid() poll still works
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def guard_main(argv: list[str], poll_s: float = 0.5) -> None:
+    """The guard of :func:`guarded`: ``PARENT_PID -- COMMAND...``; exits as the command did."""
+    parent = int(argv[0])
+    command = argv[2:] if argv[1:2] == ["--"] else argv[1:]
+
+    def orphaned() -> bool:
+        return os.getppid() != parent
+
+    def kill_group() -> None:
+        os.killpg(os.getpgrp(), signal.SIGKILL)  # the guard too: nothing is left to report to
+
+    def on_signal(signum, frame) -> None:
+        # A signal to the whole group (a cancel: SIGTERM, then SIGKILL) reaches the command too; the
+        # guard stays to report how it ended. The parent-death signal is the other SIGTERM.
+        if orphaned():
+            kill_group()
+
+    _set_parent_death_signal(signal.SIGTERM)
+    if orphaned():  # the parent died before the signal was armed
+        kill_group()
+    child = subprocess.Popen(command)
+    # Python-level handlers (not SIG_IGN, which the command would inherit across exec).
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, on_signal)
+    while True:
+        try:
+            code = child.wait(timeout=poll_s)
+            break
+        except subprocess.TimeoutExpired:
+            if orphaned():
+                kill_group()
+    if code < 0:  # end the way the command ended, so the parent sees the same signal
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL/SIGSTOP have no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)

@@ -20,9 +20,12 @@ extra_sbatch_flags, setup_lines, working_dir, log_dir) are the sbatch options of
 :class:`infra.slurm.options.SlurmOptions`.
 
 Cancelling a flow run (UI, API, ``prefect flow-run cancel``) ``scancel``s its job,
-pending or running. A job that ends without completing (TIMEOUT, NODE_FAIL,
-OUT_OF_MEMORY, a non-zero exit) is reported Crashed with Slurm's state, reason
-and exit code.
+pending or running, and every stage job the run submitted: those carry the label
+``flow-run=<flow run id>`` in their ``--comment`` (``tasks.common.run_job``), and
+the flow-run job itself is killed with SIGKILL, so nothing inside it could cancel
+them. A job that ends without completing (TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, a
+non-zero exit) is reported Crashed with Slurm's state, reason and exit code, and
+its stage jobs are scancelled the same way.
 
 The worker type is registered through the ``prefect.collections`` entry point of
 the nemoflow package, so ``--type slurm`` is found once nemoflow is installed.
@@ -30,6 +33,8 @@ the nemoflow package, so ``--type slurm`` is found once nemoflow is installed.
 
 from __future__ import annotations
 
+import getpass
+import logging
 import re
 import shlex
 import sys
@@ -45,7 +50,8 @@ from pydantic import Field
 
 from infra.backends.slurm import SlurmBackend
 from infra.jobs import JobSpec, JobState, Resources
-from infra.slurm.options import SlurmOptions
+from infra.slurm.commands import SlurmCLI
+from infra.slurm.options import SlurmOptions, parse_labels_comment
 
 if TYPE_CHECKING:
     from uuid import UUID
@@ -53,6 +59,42 @@ if TYPE_CHECKING:
     from prefect.client.schemas.objects import Flow as APIFlow
     from prefect.client.schemas.objects import FlowRun, WorkPool
     from prefect.client.schemas.responses import DeploymentResponse
+
+log = logging.getLogger("nemoflow.slurm_worker")
+
+# squeue -h -u USER -o <STAGE_JOBS_FORMAT>: the array job id (%F, the job id of a plain job) and the comment
+STAGE_JOBS_FORMAT = "%F|%k"
+
+
+def jobs_of_flow_run(cli: SlurmCLI, flow_run_id: str) -> list[str]:
+    """Live jobs of this user labelled ``flow-run=<flow_run_id>`` (array jobs once, by their base id)."""
+    out = cli.run(["squeue", "-h", "-u", getpass.getuser(), "-o", STAGE_JOBS_FORMAT])
+    return labelled_jobs(out, "flow-run", flow_run_id)
+
+
+def labelled_jobs(squeue_output: str, key: str, value: str) -> list[str]:
+    """Job ids of ``squeue -h -o '%F|%k'`` rows whose nemoflow comment has ``key=value``.
+
+    >>> labelled_jobs("12|nemoflow:flow-run=a\n13|nemoflow:flow-run=b\n12|nemoflow:flow-run=a\n14|", "flow-run", "a")
+    ['12']
+    """
+    found: list[str] = []
+    for line in squeue_output.splitlines():
+        job_id, _, comment = line.strip().partition("|")
+        if job_id and parse_labels_comment(comment).get(key) == value and job_id not in found:
+            found.append(job_id)
+    return found
+
+
+def cancel_jobs_of_flow_run(cli: SlurmCLI, flow_run_id: str) -> list[str]:
+    """scancel every live job labelled with the flow run; returns their ids (best effort, never raises)."""
+    try:
+        jobs = jobs_of_flow_run(cli, flow_run_id)
+        cli.scancel(jobs)
+    except Exception as exc:  # noqa: BLE001 - a cancel must not fail on a cleanup that can be redone
+        log.warning("could not scancel the stage jobs of flow run %s: %s", flow_run_id, exc)
+        return []
+    return jobs
 
 
 class SlurmJobConfiguration(BaseJobConfiguration):
@@ -190,6 +232,7 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
                     # the run to Crashed (firing crash hooks) although the user cancelled it.
                     await anyio.to_thread.run_sync(lambda: backend.cli.scancel([job_id], signal="KILL", full=True))
                     await anyio.to_thread.run_sync(backend.cancel, job_id)
+                    await self._cancel_stage_jobs(backend.cli, str(flow_run.id), logger)
                     return
 
         def on_log(line: str) -> None:
@@ -204,10 +247,13 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
                 stop.set()
 
         if cancelled or status.state is JobState.CANCELLED:
+            await self._cancel_stage_jobs(backend.cli, str(flow_run.id), logger)
             await self._ensure_cancelled(flow_run, f"Slurm job {job_id} cancelled")
             return SlurmWorkerResult(identifier=job_id, status_code=0)
         if status.state is JobState.COMPLETED:
             return SlurmWorkerResult(identifier=job_id, status_code=0)
+        # The flow run's process died (node failure, OOM, time limit): nothing in it will cancel its jobs.
+        await self._cancel_stage_jobs(backend.cli, str(flow_run.id), logger)
         message = f"Slurm job {job_id} ended {status.state.value.upper()}"
         if status.reason:
             message += f" ({status.reason})"
@@ -215,6 +261,11 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
             message += f", exit code {status.exit_code}"
         await self._propose_crashed_state(flow_run, message)
         return SlurmWorkerResult(identifier=job_id, status_code=status.exit_code or 1)
+
+    async def _cancel_stage_jobs(self, cli: SlurmCLI, flow_run_id: str, logger) -> None:
+        jobs = await anyio.to_thread.run_sync(cancel_jobs_of_flow_run, cli, flow_run_id)
+        if jobs:
+            logger.info(f"Cancelled the stage jobs of flow run {flow_run_id}: Slurm job(s) {', '.join(jobs)}")
 
     async def _ensure_cancelled(self, flow_run: FlowRun, message: str) -> None:
         # scancel's SIGTERM makes the engine in the job report Crashed; the user asked for a cancel.
@@ -238,6 +289,9 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
         # Crashed before the worker marks the run Cancelled (a race seen under load).
         await anyio.to_thread.run_sync(lambda: backend.cli.scancel([infrastructure_pid], signal="KILL", full=True))
         await anyio.to_thread.run_sync(backend.cancel, infrastructure_pid)
+        flow_run_id = configuration.env.get("PREFECT__FLOW_RUN_ID")
+        if flow_run_id:
+            await anyio.to_thread.run_sync(cancel_jobs_of_flow_run, backend.cli, flow_run_id)
 
 
 def default_base_job_template() -> dict[str, Any]:

@@ -4,7 +4,10 @@ Jobs: each process starts in its own session (process group), its merged
 stdout/stderr is streamed line by line to the caller, and any exit from
 :meth:`LocalBackend.run` other than the processes ending by themselves (an
 exception, a Prefect cancellation, Ctrl-C) kills the whole group: a cancelled
-flow run leaves no orphan processes. A job with ``nproc_per_node`` runs under
+flow run leaves no orphan processes. A process that dies without any exit
+(SIGKILL of the flow run, its worker stopped) takes its jobs with it too:
+each job runs behind :func:`infra.processes.guarded`, which kills the job's
+group when its parent is gone. A job with ``nproc_per_node`` runs under
 ``torchrun --standalone`` (one machine, gloo or NCCL as the workload chooses).
 
 Services: :mod:`infra.services` (process groups that outlive the flow run, a
@@ -29,7 +32,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from infra import environment, services
+from infra import environment, processes, services
 from infra.jobs import (
     ARRAY_INDEX_ENV,
     Backend,
@@ -129,8 +132,9 @@ class LocalBackend(Backend):
         return list(spec.command)
 
     def _start(self, spec: JobSpec, index: int | None) -> subprocess.Popen:
+        # The guard makes the job's process group die with this process (a killed flow run or worker).
         return subprocess.Popen(
-            self.command(spec),
+            processes.guarded(self.command(spec)),
             cwd=spec.workdir or None,
             env=self._env(spec, index),
             stdout=subprocess.PIPE,

@@ -32,7 +32,9 @@ Run the whole lifecycle on the embedded default and watch it:
   1. reuse the Prefect API at PREFECT_API_URL, or start a local Prefect server, and record
      its URL in the active Prefect profile (so `prefect ...` works in any shell);
   2. create the work pool and `prefect --no-prompt deploy` the deployment from prefect.yaml;
-  3. start a worker for the pool (in the background; `--down` stops it);
+  3. start a worker for the pool (in the background; `--down` stops it); its flow runs send
+     heartbeats, and an automation marks a run Crashed when they stop (its process died), which
+     frees its concurrency slots;
   4. `prefect deployment run end-to-end/<pool> --watch`;
   5. print the run's UI link, the dataset and checkpoint URIs and the smoke-test answer.
 The inference server stays up after the run (`nemoflow serve stop nemoflow-demo`, or `--down`).
@@ -93,6 +95,7 @@ def run(args) -> int:
     pl.record_in_profile(api)
     os.environ.update(api.client_env())
     pl.ensure_pools(api)
+    pl.ensure_zombie_automation(api)
     if not pl.deploy_if_changed(api):
         print("prefect.yaml is already deployed (unchanged)")
     pl.ensure_worker(pool, worker_type, api)

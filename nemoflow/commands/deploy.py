@@ -12,7 +12,11 @@ def register(sub) -> None:
         "kubernetes, from their base job templates in deployments/) unless they exist, then deploys every "
         "deployment in prefect.yaml to the Prefect API at PREFECT_API_URL (or a local server it starts, whose URL "
         "it records in the active Prefect profile). "
-        "Creating a pool starts no worker: start one with `prefect worker start --pool NAME`.",
+        "Creating a pool starts no worker: start one with `prefect worker start --pool NAME`. "
+        "It also creates the automation that marks a flow run Crashed when its heartbeats stop, freeing its "
+        "concurrency slots: start workers with PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30 so their runs send them, and run "
+        "the server with PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=prefect.server.concurrency.lease_storage.filesystem "
+        "(the server nemoflow starts has both).",
     )
     parser.add_argument("--port", type=int, default=4200, help="port of the local Prefect server if one is started")
     from nemoflow.commands.demo import AUTH_HELP
@@ -34,6 +38,7 @@ def run(args) -> int:
         raise UserError(str(exc)) from None
     pl.record_in_profile(api)
     pl.ensure_pools(api)
+    pl.ensure_zombie_automation(api)
     output = pl.deploy(None, api)
     for name in re.findall(r"Deployment '([^']+)' successfully", output):
         print(f"deployed {name}")

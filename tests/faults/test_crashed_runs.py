@@ -1,0 +1,116 @@
+"""Crashed runs never block later runs (issue #12), on the demo's own control plane.
+
+The issue's case: a ``cpt-refresh/local`` run was killed while running (its worker and flow-run
+process died), then the Prefect server restarted. The run stayed Running for good, its deployment
+slot and the global ``cpt-refresh`` slot stayed held, and every later refresh ended ``Cancelled:
+Deployment concurrency limit reached``. Here a flow of the same shape (the deployment's concurrency
+limit 1 / CANCEL_NEW, the same global lock taken by the same code, a cached step, a stage job on the
+local backend) goes through exactly that; the next run must run and reuse the finished step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.cpt_refresh import CONCURRENCY_LIMIT, LOCK_LEASE_S
+from infra import processes
+from tests.support import fault_ledger
+
+from .conftest import ZOMBIE_AFTER_S
+
+pytestmark = [pytest.mark.faults, pytest.mark.prefect, pytest.mark.slow]
+
+# The server's repossessor looks for expired leases every 15 s.
+REPOSSESSOR_S = 15
+
+
+def wait_for(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.5)
+    pytest.fail(f"{what} not seen after {timeout:.0f}s")
+
+
+def pid_in(path: Path, timeout: float = 120) -> int:
+    return int(wait_for(lambda: path.exists() and path.read_text().strip(), timeout, f"{path.name}"))
+
+
+def test_killed_run_and_server_restart_do_not_block_the_next_run(control_plane, tmp_path):
+    plane = control_plane
+    deployment = plane.deploy("tests/faults/flows.py:holds_refresh_lock")
+    plane.worker()
+
+    first = plane.run(deployment, directory=str(tmp_path))
+    flow_pid = pid_in(tmp_path / f"flow-{first.id}.pid")
+    job_pid = pid_in(tmp_path / f"job-{first.id}.pid")
+    assert plane.active_slots(CONCURRENCY_LIMIT) == 1
+    assert plane.deployment_slots(deployment) == 1
+    time.sleep(2)  # past the run's first heartbeat
+
+    # The fault: worker and flow-run process SIGKILLed (nothing in them can clean up), server restarted.
+    plane.kill_worker()
+    os.kill(flow_pid, signal.SIGKILL)
+    # The stage job dies with the flow run that started it (no orphan at 100% CPU).
+    wait_for(lambda: not processes.pid_alive(job_pid), 10, f"the end of the orphaned stage job {job_pid}")
+    restart_s = plane.restart_server()
+    plane.worker()  # a new worker, as after a reboot
+    killed = time.monotonic()
+
+    # The run ends Crashed (heartbeats stopped) instead of Running for good ...
+    state = plane.wait_state(first.id, lambda s: s.is_final(), ZOMBIE_AFTER_S + 60, "final")
+    assert state.is_crashed(), state
+    assert "no heartbeat" in state.message, state.message
+    crashed_after = time.monotonic() - killed
+    # ... and both of its slots come back: the deployment's with the Crashed state, the global one when
+    # its lease expires (the restarted server still knows the lease: it is on disk).
+    assert plane.deployment_slots(deployment) == 0
+    wait_for(
+        lambda: plane.active_slots(CONCURRENCY_LIMIT) == 0,
+        LOCK_LEASE_S + REPOSSESSOR_S + 30,
+        f"the release of the '{CONCURRENCY_LIMIT}' slot",
+    )
+    freed_after = time.monotonic() - killed
+
+    # The next run runs normally (not "Cancelled: Deployment concurrency limit reached") and does not
+    # redo the step the killed run finished.
+    second = plane.run(deployment, directory=str(tmp_path))
+    pid_in(tmp_path / f"job-{second.id}.pid")
+    (tmp_path / "release").touch()
+    state = plane.wait_state(second.id, lambda s: s.is_final(), 120, "final")
+    assert state.is_completed(), state
+    assert (tmp_path / "result.json").exists()
+    assert (tmp_path / "prepare-count").read_text() == "1", "the finished step ran again"
+    print(
+        f"server restart {restart_s:.1f}s; Crashed {crashed_after:.0f}s and global slot free "
+        f"{freed_after:.0f}s after the kill; the next run completed"
+    )
+    fault_ledger.record("kill -9 of the worker and the flow-run process", injected=2, survived=2)
+    fault_ledger.record("Prefect server restart with a run's slots held", injected=1, survived=1)
+
+
+def test_demo_down_while_a_stage_job_runs_leaves_no_orphan(control_plane, tmp_path):
+    """`nemoflow demo --down` stops the worker and the server; the run's stage job must not keep running."""
+    plane = control_plane
+    deployment = plane.deploy("tests/faults/flows.py:runs_a_stage_job", concurrency_limit=None)
+    plane.worker()
+    run = plane.run(deployment, directory=str(tmp_path))
+    flow_pid = pid_in(tmp_path / f"flow-{run.id}.pid")
+    job_pid = pid_in(tmp_path / f"job-{run.id}.pid")
+    stopped = plane.stop_all()  # what `nemoflow demo --down` runs after the endpoint
+    assert "server" in stopped and f"worker-{plane.pool}" in stopped
+    wait_for(lambda: not processes.pid_alive(job_pid), 15, f"the end of the stage job {job_pid}")
+    wait_for(lambda: not processes.pid_alive(flow_pid), 15, f"the end of the flow-run process {flow_pid}")
+    # The next `nemoflow demo` finds the run in a final state that says what happened.
+    plane.start_server()
+    state = plane.wait_state(run.id, lambda s: s.is_final(), ZOMBIE_AFTER_S + 60, "final")
+    assert state.is_crashed() or state.is_cancelled(), state
+    print(f"after --down: {state.name}: {state.message}")
+    fault_ledger.record("`nemoflow demo --down` during a stage job", injected=1, survived=1)
