@@ -62,10 +62,11 @@ class CheckpointValidationFailed(RuntimeError):
 
 
 def report_path(ckpt: CheckpointRef, threshold: float) -> str:
-    directory = storage.local_path(ckpt.uri)
-    run_dir = ckpt.run_dir or os.path.dirname(os.path.dirname(directory))
+    """``<run_dir>/validation/<checkpoint>-<tag>.json``, a path or a gs:// URI like the run directory."""
+    directory = storage.normalize(ckpt.uri)
+    run_dir = ckpt.run_dir or storage.parent(storage.parent(directory))
     tag = hashlib.sha256(f"{directory}|{threshold}".encode()).hexdigest()[:8]
-    return os.path.join(storage.local_path(run_dir), "validation", f"{os.path.basename(directory)}-{tag}.json")
+    return storage.join(storage.normalize(run_dir), "validation", f"{storage.basename(directory)}-{tag}.json")
 
 
 def build_validate_job(
@@ -77,7 +78,7 @@ def build_validate_job(
     num_batches: int = 8,
     resources: Resources | None = None,
 ) -> JobSpec:
-    ckpt_dir = storage.local_path(ckpt.uri)
+    ckpt_dir = storage.normalize(ckpt.uri)  # a gs:// checkpoint is staged in by the validator itself
     args = [
         ckpt_dir,
         "--threshold",
@@ -90,18 +91,20 @@ def build_validate_job(
         output,
         "--exit-zero",
     ]
-    data = [os.path.dirname(storage.local_path(p)) for p in parse_blend(dataset.blend)[0]]
+    data = [os.path.dirname(storage.local_path(p)) for p in parse_blend(dataset.blend)[0] if storage.is_local(p)]
     if dataset.tokenizer.model:
         args += ["--tokenizer-model", dataset.tokenizer.model]
-        data.append(os.path.dirname(storage.local_path(dataset.tokenizer.model)))
+        if storage.is_local(dataset.tokenizer.model):
+            data.append(os.path.dirname(storage.local_path(dataset.tokenizer.model)))
     return workload_job(
         "validate-" + hashlib.sha256(output.encode()).hexdigest()[:10],
         "workloads.validate_checkpoint",
         args,
         image=image,
         resources=resources or DEFAULT_RESOURCES,
-        paths=[os.path.dirname(output)],
-        read_only=sorted({ckpt_dir, *data}),
+        # what the job reads and writes on shared storage (gs:// it reaches itself)
+        paths=[os.path.dirname(output)] if storage.is_local(output) else [],
+        read_only=sorted({*([ckpt_dir] if storage.is_local(ckpt_dir) else []), *data}),
     )
 
 
@@ -140,7 +143,9 @@ def _retry_unless_checks_failed(task, task_run, state) -> bool:
     retries=1,
     retry_delay_seconds=10,
     retry_condition_fn=_retry_unless_checks_failed,
-    cache_policy=cache_policy("workloads.validate_checkpoint", "workloads.checkpoint", "tasks.checkpoint"),
+    cache_policy=cache_policy(
+        "workloads.validate_checkpoint", "workloads.checkpoint", "workloads.staging", "tasks.checkpoint"
+    ),
     persist_result=True,
 )
 def validate_checkpoint(
@@ -155,7 +160,7 @@ def validate_checkpoint(
     """Validate a checkpoint; raises :class:`CheckpointValidationFailed` naming the failed checks."""
     log = logger()
     output = report_path(ckpt, threshold)
-    storage.makedirs(os.path.dirname(output))
+    storage.makedirs(storage.parent(output))
     run_job(build_validate_job(ckpt, dataset, threshold, output, image, num_batches, resources), executor)
     report = ValidationReport.model_validate({**storage.read_json(output), "report_uri": output})
     key = "checkpoint-validation-" + hashlib.sha256(report.checkpoint.encode()).hexdigest()[:10]

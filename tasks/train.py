@@ -36,23 +36,19 @@ TRAIN_MODULES = (
     "workloads.train_config",
     "workloads.checkpoint",
     "workloads.data_loader",
+    "workloads.staging",
     "tasks.train",
 )
 
 
 def run_dir_for(config: TrainConfig, dataset: DatasetRef | None = None) -> str:
-    """The run directory: config.run_dir, else one named by the config and data (stable across retries)."""
+    """The run directory: config.run_dir, else one named by the config and data (stable across retries),
+    under the work dir: a path or ``gs://`` (the trainer then uploads its checkpoints there)."""
     if config.run_dir:
         return config.run_dir
     identity = config.model_dump_json(exclude={"run_dir"}) + (dataset.manifest_uri if dataset else "")
     name = f"{config.arch}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
-    work_dir = get_settings().work_dir
-    if not storage.is_local(work_dir):
-        raise ValueError(
-            f"work_dir {work_dir} is not a file system the trainer can write checkpoints to; "
-            "set TrainConfig.run_dir to a shared volume path (a PVC mount, Lustre, NFS)"
-        )
-    return storage.join(work_dir, "runs", name)
+    return storage.join(get_settings().work_dir, "runs", name)
 
 
 def with_dataset(config: TrainConfig, dataset: DatasetRef) -> TrainConfig:
@@ -60,19 +56,20 @@ def with_dataset(config: TrainConfig, dataset: DatasetRef) -> TrainConfig:
     if not dataset.tokenizer.model:
         raise ValueError("the dataset's tokenizer has no model file (a sentencepiece .model is needed)")
     config = config.model_copy(update={"data_prefix": dataset.blend, "tokenizer_model": dataset.tokenizer.model})
-    return config.model_copy(update={"run_dir": storage.local_path(run_dir_for(config, dataset))})
+    return config.model_copy(update={"run_dir": storage.normalize(run_dir_for(config, dataset))})
 
 
 def data_dirs(config: TrainConfig) -> list[str]:
-    """The directories a training or evaluation job reads: the blend's prefixes and the tokenizer."""
+    """The local directories a training or evaluation job reads: the blend's prefixes and the tokenizer
+    (gs:// inputs are staged in by the job itself)."""
     prefixes = []
     for blend in (config.data_prefix, config.valid_data_prefix):
         if blend:
             prefixes += parse_blend(blend)[0]
-    paths = [os.path.dirname(storage.local_path(p)) for p in prefixes]
-    if config.tokenizer_model:
+    paths = [os.path.dirname(storage.local_path(p)) for p in prefixes if storage.is_local(p)]
+    if config.tokenizer_model and storage.is_local(config.tokenizer_model):
         paths.append(os.path.dirname(storage.local_path(config.tokenizer_model)))
-    if config.init_from:
+    if config.init_from and storage.is_local(config.init_from):
         paths.append(storage.local_path(config.init_from))
     return sorted(set(paths))
 
@@ -81,19 +78,20 @@ def config_path(config: TrainConfig) -> str:
     """Where the trainer reads its configuration: ``<run_dir>/train_config.request.json``."""
     if not config.run_dir:
         raise ValueError("config.run_dir must be set (with_dataset() fills it)")
-    return os.path.join(storage.local_path(config.run_dir), "train_config.request.json")
+    return storage.join(storage.normalize(config.run_dir), "train_config.request.json")
 
 
 def write_config(config: TrainConfig) -> str:
     path = config_path(config)
-    storage.makedirs(os.path.dirname(path))
+    storage.makedirs(storage.parent(path))
     storage.write_text(path, config.model_dump_json(indent=1))
     return path
 
 
 def build_train_job(config: TrainConfig, image: ImageRef | None = None) -> JobSpec:
     """The job that runs the trainer on ``config`` (which :func:`write_config` puts where the job reads it)."""
-    run_dir = storage.local_path(config.run_dir or "")
+    run_dir = storage.normalize(config.run_dir or "")
+    local = storage.is_local(run_dir)  # else the job writes a node-local copy and uploads it
     path = config_path(config)
     return workload_job(
         "train-" + hashlib.sha256(run_dir.encode()).hexdigest()[:10],
@@ -108,22 +106,22 @@ def build_train_job(config: TrainConfig, image: ImageRef | None = None) -> JobSp
             mem=config.mem,
             time=config.time,
         ),
-        paths=[run_dir],
+        paths=[run_dir] if local else [],
         read_only=data_dirs(config),
         # W&B only with a key; HF_TOKEN for models and tokenizers named by their hub id
         secret_env=[name for name in ("WANDB_API_KEY", "HF_TOKEN") if name in get_settings().secret_env()],
         # several processes: torchrun on every node (the backend gives the rendezvous)
         nproc_per_node=config.procs_per_node if config.world_size > 1 else None,
-        log_dir=os.path.join(run_dir, "logs"),
+        log_dir=os.path.join(run_dir, "logs") if local else None,
     )
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    path = os.path.join(storage.local_path(run_dir), "metrics.jsonl")
-    if not os.path.exists(path):
+    path = storage.join(storage.normalize(run_dir), "metrics.jsonl")
+    storage.url_to_fs(path)[0].invalidate_cache()  # the job wrote it: no listing cached before counts
+    if not storage.exists(path):
         return []
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    return [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
 
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -276,19 +274,19 @@ def pretrain(
     write_config(config)
     run_job(build_train_job(config, image), executor)
 
-    best = ckpt.best_checkpoint(config.run_dir)
-    latest = ckpt.latest_checkpoint(config.run_dir)
+    complete = ckpt.stored_checkpoints(config.run_dir)
+    best, latest = ckpt.best_of(complete), (complete[-1] if complete else None)
     if best is None or latest is None:
         raise RuntimeError(f"the trainer finished but {config.run_dir}/checkpoints holds no complete checkpoint")
     result = CheckpointRef(
-        uri=str(best.path),
+        uri=best.uri,
         step=best.step,
         val_loss=best.val_loss,
         run_dir=config.run_dir,
         image=image,
         dataset_manifest=dataset.manifest_uri,
     )
-    log.info("latest checkpoint %s; best %s (val_loss %s)", latest, best.path, best.val_loss)
+    log.info("latest checkpoint %s; best %s (val_loss %s)", latest.uri, best.uri, best.val_loss)
     metrics = read_metrics(config.run_dir)
     key = _artifact_key(config.run_dir)
     create_markdown_artifact(

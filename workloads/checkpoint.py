@@ -18,6 +18,10 @@ refresh read the consolidated directory, which is the checkpoint they are handed
                                                 AutoModel's resume state (sharded per rank; resume is automatic)
         LATEST, LOWEST_VAL                      AutoModel's pointers (symlinks)
 
+The run directory may also be a ``gs://`` URI: the trainer then works in a node-local copy and
+uploads each complete checkpoint (workloads/staging.py), and :func:`stored_checkpoints` reads the
+checkpoints of a run directory wherever it is.
+
 A checkpoint is *complete* once MANIFEST.json is in its consolidated directory.
 AutoModel writes each checkpoint under an ``.incomplete`` marker and publishes it
 (marker removed, LATEST moved) only when every rank's files are written; rank 0
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infra import storage
 from infra.permissions import secure_file, secure_tree
 
 STEP_DIR_RE = re.compile(r"^epoch_(\d+)_step_(\d+)$")
@@ -239,11 +244,7 @@ def prune_checkpoints(run_dir: str | os.PathLike, save_top_k: int, protect: set[
     complete = list_checkpoints(run_dir)
     if save_top_k < 0 or not complete:
         return []
-    scored = sorted((c for c in complete if c.val_loss is not None), key=lambda c: (c.val_loss, -c.step))
-    unscored = sorted((c for c in complete if c.val_loss is None), key=lambda c: -c.step)
-    keep = {c.step_dir for c in (scored + unscored)[: max(save_top_k, 1)]}
-    keep.add(complete[-1].step_dir)
-    keep |= {Path(p) for p in (protect or set())}
+    keep = kept(complete, save_top_k) | {Path(p) for p in (protect or set())}
     deleted = []
     for info in complete:
         if info.step_dir not in keep:
@@ -252,3 +253,63 @@ def prune_checkpoints(run_dir: str | os.PathLike, save_top_k: int, protect: set[
             shutil.rmtree(info.step_dir, ignore_errors=True)
             deleted.append(info.step_dir)
     return deleted
+
+
+def kept(complete: list, save_top_k: int) -> set:
+    """The step directories ``save_top_k`` keeps of ``complete`` (oldest first): the best by val_loss (the
+    newest without one) and the latest. Works on :class:`CheckpointInfo` and :class:`StoredCheckpoint`."""
+    if save_top_k < 0:
+        return {c.step_dir for c in complete}
+    scored = sorted((c for c in complete if c.val_loss is not None), key=lambda c: (c.val_loss, -c.step))
+    unscored = sorted((c for c in complete if c.val_loss is None), key=lambda c: -c.step)
+    keep = {c.step_dir for c in (scored + unscored)[: max(save_top_k, 1)]}
+    if complete:
+        keep.add(complete[-1].step_dir)
+    return keep
+
+
+# ------------------------------------------------------------------------ wherever the run directory is
+@dataclass(frozen=True)
+class StoredCheckpoint:
+    """A complete checkpoint in a run directory on any storage (a path or ``gs://``): ``uri`` is its
+    consolidated directory, what the later stages are handed."""
+
+    uri: str
+    step: int
+    val_loss: float | None
+    meta: dict[str, Any]
+
+    @property
+    def step_dir(self) -> str:
+        return storage.parent(storage.parent(self.uri))
+
+
+def stored_checkpoints(run_dir: str) -> list[StoredCheckpoint]:
+    """Complete checkpoints of ``run_dir`` (local or remote), oldest first."""
+    if storage.is_local(run_dir):
+        return [
+            StoredCheckpoint(str(c.path), c.step, c.val_loss, c.meta)
+            for c in list_checkpoints(storage.local_path(run_dir))
+        ]
+    # another process (the trainer) wrote them: listings this process cached earlier are stale
+    storage.url_to_fs(run_dir)[0].invalidate_cache()
+    found = []
+    pattern = storage.join(run_dir, "checkpoints", "*", *CONSOLIDATED.parts, MANIFEST)
+    for marker in storage.glob(pattern):
+        consolidated = storage.parent(marker)
+        match = STEP_DIR_RE.match(storage.basename(storage.parent(storage.parent(consolidated))))
+        if not match:
+            continue
+        meta_uri = storage.join(consolidated, META)
+        meta = storage.read_json(meta_uri) if storage.exists(meta_uri) else {}
+        step = int(meta.get("step", int(match.group(2)) + 1))
+        found.append(StoredCheckpoint(consolidated, step, meta.get("val_loss"), meta))
+    return sorted(found, key=lambda c: c.step)
+
+
+def best_of(complete: list[StoredCheckpoint]) -> StoredCheckpoint | None:
+    """The lowest val_loss (the latest when none has one), as :func:`best_checkpoint` chooses."""
+    if not complete:
+        return None
+    scored = [c for c in complete if c.val_loss is not None]
+    return min(scored, key=lambda c: (c.val_loss, -c.step)) if scored else complete[-1]

@@ -62,9 +62,11 @@ class SentencePieceInfo:
 
 
 def check_prefixes(blend: list) -> list[str]:
-    """Every prefix's .bin and .idx must exist; the error names the missing files."""
+    """Every prefix's .bin and .idx must exist (a path, or a gs:// object); the error names the missing files."""
+    from infra import storage
+
     prefixes, _ = parse_blend(blend)
-    missing = [f"{p}{ext}" for p in prefixes for ext in (".bin", ".idx") if not os.path.exists(f"{p}{ext}")]
+    missing = [f"{p}{ext}" for p in prefixes for ext in (".bin", ".idx") if not storage.exists(f"{p}{ext}")]
     if missing:
         raise DatasetMissingError(
             "dataset files missing (a prefix names '{prefix}.bin' and '{prefix}.idx'): " + ", ".join(missing)

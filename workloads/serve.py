@@ -776,7 +776,9 @@ def build_parser() -> argparse.ArgumentParser:
         "health) plus NeMo's REST shape, with the built-in CPU engine, vLLM or NeMo's Triton deploy. "
         "The port opens at once; /health answers 503 until the model is loaded.",
     )
-    parser.add_argument("--checkpoint", required=True, type=Path, help="Hugging Face checkpoint directory")
+    parser.add_argument(
+        "--checkpoint", required=True, help="Hugging Face checkpoint directory (a path, or gs:// copied here first)"
+    )
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     parser.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory name)")
@@ -881,7 +883,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    checkpoint = args.checkpoint.expanduser().resolve()
+    from workloads.staging import local_checkpoint
+
+    # gs://: a local copy of every file its MANIFEST.json lists (reused while the objects are unchanged)
+    try:
+        checkpoint = Path(local_checkpoint(args.checkpoint)).expanduser().resolve()
+    except FileNotFoundError as exc:
+        raise SystemExit(f"serve: --checkpoint {args.checkpoint}: {exc}") from None
     check_checkpoint(checkpoint)
     api_key = resolve_api_key(args.api_key_env)
     check_exposure(args.host, api_key, args.allow_unauthenticated)

@@ -25,6 +25,11 @@ AutoModel's; this module adds what the pipeline needs around them:
 * resume: started again on the same ``run_dir`` (a retry, a Slurm requeue, a
   pre-empted job) AutoModel restores weights, optimizer, schedule, RNG and the data
   loader's position from the latest checkpoint, so the data order continues exactly;
+* object storage: the blend, the tokenizer and ``init_from`` may be ``gs://`` URIs (staged
+  to local disk once per node, workloads/staging.py), and so may ``run_dir`` (one node): the
+  run then trains in a node-local copy, uploads every complete checkpoint (resume state
+  included, MANIFEST.json last), metrics.jsonl and train_config.json, and a restarted job
+  resumes from the newest uploaded checkpoint;
 * SIGTERM / SIGUSR1: a checkpoint at the next step boundary, then exit 76;
 * W&B through AutoModel when ``WANDB_API_KEY`` is set (``WANDB_PROJECT``, default nemoflow);
 * every rank's output prefixed with ``[rank N]`` when there is more than one.
@@ -54,7 +59,9 @@ from pathlib import Path
 # megatron-core / megatron-fsdp warn at import that Apex / Transformer Engine are absent; neither is used.
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
-from workloads import checkpoint as ckpt  # noqa: E402 - after the warnings filter
+from infra import storage  # noqa: E402 - after the warnings filter
+from workloads import checkpoint as ckpt  # noqa: E402 - see above
+from workloads import staging  # noqa: E402 - see above
 from workloads.data_loader import DatasetMissingError, SentencePieceInfo, check_prefixes  # noqa: E402 - see above
 from workloads.train_config import (  # noqa: E402 - see above
     EXIT_BAD_CONFIG,
@@ -243,7 +250,10 @@ def recipe_config(config: TrainConfig, run_dir: Path, vocab_size: int, world_siz
         cfg["wandb"] = {
             "project": os.environ.get("WANDB_PROJECT", "nemoflow"),
             "name": run_dir.name,
-            "id": hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12],
+            # the run's identity: its URI when it lives in object storage (the local copy differs by node)
+            "id": hashlib.sha256(
+                (config.run_dir if staging.is_remote(config.run_dir) else str(run_dir.resolve())).encode()
+            ).hexdigest()[:12],
             "resume": "allow",
             "dir": str(run_dir),
         }
@@ -319,8 +329,21 @@ def _scalar(value):
 
 
 # ----------------------------------------------------------------------------------------------- the recipe
-def build_recipe(config: TrainConfig, run_dir: Path, cfg: dict, autocast_bf16: bool):
-    """AutoModel's pretraining recipe with nemoflow's metrics, checkpoint completion and test hooks."""
+def build_recipe(
+    config: TrainConfig,
+    run_dir: Path,
+    cfg: dict,
+    autocast_bf16: bool,
+    recorded: TrainConfig | None = None,
+    mirror: staging.RunMirror | None = None,
+):
+    """AutoModel's pretraining recipe with nemoflow's metrics, checkpoint completion and test hooks.
+
+    ``config`` has its inputs on local disk (:func:`localize`); ``recorded`` is the configuration as
+    given (gs:// URIs), which the checkpoints' meta.json records; ``mirror`` uploads the checkpoints of
+    a remote run directory.
+    """
+    recorded = recorded or config
     import torch
     from nemo_automodel.components.checkpoint.utils import is_checkpoint_incomplete
     from nemo_automodel.components.config.loader import ConfigNode
@@ -425,14 +448,14 @@ def build_recipe(config: TrainConfig, run_dir: Path, cfg: dict, autocast_bf16: b
             self.window_start += time.perf_counter() - started  # tokens_per_s measures training steps only
             if self.dist_env.is_main:
                 val = (val_loss or {}).get("default")
-                meta = checkpoint_meta(config, done, None if val is None else _scalar(val), _scalar(train_loss))
+                meta = checkpoint_meta(recorded, done, None if val is None else _scalar(val), _scalar(train_loss))
                 meta["world_size"] = self.dist_env.world_size
                 ckpt.write_meta(ckpt.consolidated_dir(path), meta, config.tokenizer_model)
                 self.finisher.pending.append(path)
                 self.finisher.finish_published()
 
     recipe = NemoflowPretraining(ConfigNode(cfg))
-    recipe.finisher = CheckpointFinisher(run_dir, config.save_top_k, is_checkpoint_incomplete)
+    recipe.finisher = CheckpointFinisher(run_dir, config.save_top_k, is_checkpoint_incomplete, mirror)
     return recipe
 
 
@@ -465,8 +488,9 @@ class CheckpointFinisher:
     while training goes on (joined before the process exits), in publication order.
     """
 
-    def __init__(self, run_dir: Path, save_top_k: int, is_incomplete):
+    def __init__(self, run_dir: Path, save_top_k: int, is_incomplete, mirror: staging.RunMirror | None = None):
         self.run_dir, self.save_top_k, self.is_incomplete = run_dir, save_top_k, is_incomplete
+        self.mirror = mirror
         self.pending: list[Path] = []
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -488,10 +512,18 @@ class CheckpointFinisher:
                 ckpt.write_manifest(consolidated)
                 meta = ckpt.read_meta(consolidated)
                 print(f"saved checkpoint {consolidated} (step {meta.get('step')}, val_loss {meta.get('val_loss')})")
+                if self.mirror is not None:
+                    uri = self.mirror.push_checkpoint(path)
+                    self.mirror.push_file("metrics.jsonl")
+                    print(f"uploaded checkpoint {uri}")
             latest = ckpt.latest_checkpoint(self.run_dir)
             protect = {latest.step_dir} if latest else set()
             for gone in ckpt.prune_checkpoints(self.run_dir, self.save_top_k, protect=protect):
                 print(f"pruned checkpoint {gone} (save_top_k={self.save_top_k})")
+            if self.mirror is not None:
+                names = {latest.step_dir.name} if latest else set()
+                for gone in self.mirror.prune(self.save_top_k, protect=names):
+                    print(f"pruned checkpoint {gone} (save_top_k={self.save_top_k})")
             sys.stdout.flush()
         except BaseException as exc:  # noqa: BLE001 - reported by join() in the training thread
             self.error = exc
@@ -505,8 +537,11 @@ class CheckpointFinisher:
             raise error
 
 
-def complete_interrupted(run_dir: Path, config: TrainConfig) -> None:
-    """Rank 0 at start-up: manifest every checkpoint AutoModel published before a crash cut the finishing short."""
+def complete_interrupted(
+    run_dir: Path, config: TrainConfig, tokenizer_model: str | None = None, mirror: staging.RunMirror | None = None
+) -> None:
+    """Rank 0 at start-up: manifest (and upload) every checkpoint AutoModel published before a crash cut the
+    finishing short. ``tokenizer_model``: the local copy of ``config.tokenizer_model``."""
     from nemo_automodel.components.checkpoint.utils import is_checkpoint_incomplete
 
     for step_dir in ckpt.step_dirs(run_dir):
@@ -523,18 +558,54 @@ def complete_interrupted(run_dir: Path, config: TrainConfig) -> None:
             ckpt.write_meta(
                 consolidated,
                 checkpoint_meta(config, step, loss.get("val_loss"), loss.get("train_loss")),
-                config.tokenizer_model,
+                tokenizer_model or config.tokenizer_model,
             )
         ckpt.write_manifest(consolidated)
         print(f"completed checkpoint {consolidated} (published before the last run stopped)", flush=True)
+        if mirror is not None:
+            print(f"uploaded checkpoint {mirror.push_checkpoint(step_dir)}", flush=True)
 
 
-def prepare_run_dir(config: TrainConfig) -> Path:
+def run_mirror(config: TrainConfig) -> staging.RunMirror | None:
+    """The node-local copy of a run directory in object storage (None for a path)."""
     if not config.run_dir:
         raise ValueError("run_dir is not set: where should checkpoints and metrics go?")
-    if "://" in config.run_dir and not config.run_dir.startswith("file://"):
-        raise ValueError(f"run_dir {config.run_dir} must be a local path or a shared volume mounted on the node")
-    run_dir = Path(config.run_dir.removeprefix("file://"))
+    if not staging.is_remote(config.run_dir):
+        return None
+    if config.num_nodes > 1:
+        raise ValueError(
+            f"run_dir {config.run_dir} is in object storage, which needs the run on one node (each node writes "
+            f"only its own ranks' checkpoint shards); with num_nodes={config.num_nodes} use a run_dir on a file "
+            "system every node mounts (a PVC, Lustre, NFS)"
+        )
+    return staging.RunMirror(config.run_dir)
+
+
+def localize(config: TrainConfig) -> TrainConfig:
+    """The configuration with its inputs on this node's disk: gs:// blends, tokenizer and init_from staged in."""
+    update: dict = {
+        "data_prefix": staging.local_blend(config.data_prefix),
+        "valid_data_prefix": staging.local_blend(config.valid_data_prefix),
+    }
+    if config.tokenizer_model:
+        update["tokenizer_model"] = staging.stage_in(config.tokenizer_model)
+    if staging.is_remote(config.init_from):
+        if config.reset_optimizer:
+            update["init_from"] = staging.local_checkpoint(config.init_from)
+        else:  # the optimizer state too: the whole AutoModel step directory
+            step_dir = staging.stage_tree(storage.parent(storage.parent(config.init_from)))
+            update["init_from"] = str(ckpt.consolidated_dir(step_dir))
+    return config.model_copy(update=update)
+
+
+def prepare_run_dir(config: TrainConfig, mirror: staging.RunMirror | None = None) -> Path:
+    """The local run directory (for a remote run_dir: the node's copy, the newest remote checkpoint pulled in)."""
+    if mirror is not None:
+        run_dir = mirror.pull()
+    else:
+        if not config.run_dir:
+            raise ValueError("run_dir is not set: where should checkpoints and metrics go?")
+        run_dir = Path(config.run_dir.removeprefix("file://"))
     probe = ckpt.checkpoints_dir(run_dir) / f".tmp-probe-{os.getpid()}"
     try:
         probe.parent.mkdir(parents=True, exist_ok=True)
@@ -572,8 +643,6 @@ def check_launch(config: TrainConfig, world_size: int, cuda: bool, device_count:
 
 def train(config: TrainConfig) -> int:
     rank, _, world_size = launch_world()
-    if config.init_from and not (Path(config.init_from) / "config.json").is_file():
-        raise FileNotFoundError(f"init_from {config.init_from} has no config.json: not a checkpoint directory")
     if not config.data_prefix or not config.tokenizer_model:
         raise ValueError("data_prefix and tokenizer_model must be set (the prepared dataset's blend and tokenizer)")
 
@@ -582,15 +651,21 @@ def train(config: TrainConfig) -> int:
     cuda = torch.cuda.is_available() and config.gpus_per_node > 0
     check_launch(config, world_size, cuda, torch.cuda.device_count())
     plan = check_parallelism(config, on_cpu=not cuda, world_size=world_size)
-    run_dir = prepare_run_dir(config)
+    mirror = run_mirror(config)
+    run_dir = prepare_run_dir(config, mirror)
+    recorded, config = config, localize(config)  # meta.json records the URIs given; AutoModel reads local files
+    if config.init_from and not (Path(config.init_from) / "config.json").is_file():
+        raise FileNotFoundError(f"init_from {recorded.init_from} has no config.json: not a checkpoint directory")
     check_prefixes(config.data_prefix)
     if config.valid_data_prefix:
         check_prefixes(config.valid_data_prefix)
     tokenizer = SentencePieceInfo(config.tokenizer_model)
     vocab_size = config.vocab_size or tokenizer.vocab_size
     if rank == 0:
-        ckpt.write_text_atomic(run_dir / "train_config.json", config.model_dump_json(indent=1))
-        complete_interrupted(run_dir, config)
+        ckpt.write_text_atomic(run_dir / "train_config.json", recorded.model_dump_json(indent=1))
+        if mirror is not None:
+            mirror.push_file("train_config.json")
+        complete_interrupted(run_dir, recorded, config.tokenizer_model, mirror)
 
     if not cuda:
         from workloads import automodel_shim
@@ -601,7 +676,7 @@ def train(config: TrainConfig) -> int:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory: never ask the Hugging Face hub
     cfg = recipe_config(config, run_dir, vocab_size, world_size, cuda)
     autocast_bf16 = cuda and world_size == 1 and config.precision == "bf16-mixed"
-    recipe = build_recipe(config, run_dir, cfg, autocast_bf16)
+    recipe = build_recipe(config, run_dir, cfg, autocast_bf16, recorded, mirror)
     recipe.setup()
     if config.init_from and not config.reset_optimizer:
         source = Path(config.init_from).parent.parent
@@ -639,6 +714,8 @@ def train(config: TrainConfig) -> int:
     finally:
         if recipe.metrics is not None:
             recipe.metrics.close()
+            if mirror is not None:
+                mirror.push_file("metrics.jsonl")
         _finish_wandb()
     done = recipe.step_scheduler.step
     if recipe.step_scheduler.sigterm_flag and done < plan.total_steps:
@@ -649,6 +726,13 @@ def train(config: TrainConfig) -> int:
         best = ckpt.best_checkpoint(run_dir)
         print(f"done: {done} steps, best checkpoint {best.path if best else None}", flush=True)
     return 0
+
+
+def _read_config(path: str) -> str:
+    """The --config file: a path, or a URI in object storage (a run directory there keeps it)."""
+    if staging.is_remote(path):
+        return storage.read_text(path)
+    return Path(path).read_text()
 
 
 def _finish_wandb() -> None:
@@ -681,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = RankPrefixed(sys.stdout, rank)
         sys.stderr = RankPrefixed(sys.stderr, rank)
     try:
-        config = load_train_config(Path(args.config).read_text())
+        config = load_train_config(_read_config(args.config))
         if args.check:
             plan = check_parallelism(config)
             check_prefixes(config.data_prefix)

@@ -13,6 +13,10 @@ Checks, in order (a check whose input failed is reported as failed, "skipped"):
   better_than_untrained  that loss < the loss of the same architecture freshly initialised with the
                       trainer's seed (the model learned more than a random one knows)
 
+The checkpoint, the held-out blend and the tokenizer may be ``gs://`` URIs: they are staged to local
+disk first (workloads/staging.py; the checkpoint by its MANIFEST.json), and the checks run on the copy,
+so a file missing or damaged in the bucket fails ``files_complete`` or ``checksums``.
+
 The held-out set is the validation split of the checkpoint's own blend, split
 and seed (from meta.json) unless given: a fixed number of batches, the same
 samples every time, so two checkpoints (a candidate and the promoted one) are
@@ -36,6 +40,7 @@ from pathlib import Path
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 from workloads import checkpoint as ckpt  # noqa: E402 - after the warnings filter (megatron import)
+from workloads import staging  # noqa: E402 - see above
 
 DEFAULT_NUM_BATCHES = 8
 
@@ -67,16 +72,17 @@ def _loss_on(model, data_prefix, tokenizer_model, seq_length, split, seed, valid
     from workloads.data_loader import build_datasets
 
     with tempfile.TemporaryDirectory(prefix="nemoflow-val-index-") as cache_dir:
+        # gs:// prefixes and tokenizer: staged to local disk (Megatron maps the files)
         datasets = build_datasets(
-            data_prefix,
-            tokenizer_model,
+            staging.local_blend(data_prefix),
+            staging.stage_in(tokenizer_model),
             seq_length,
             seed,
             train_samples=0,
             valid_samples=num_batches * batch_size,
             cache_dir=cache_dir,
             split=split,
-            valid_data_prefix=valid_data_prefix,
+            valid_data_prefix=staging.local_blend(valid_data_prefix),
         )
         device = next(model.parameters()).device
         autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else _NoAutocast
@@ -158,7 +164,7 @@ def evaluate_loss(
     samples: the continued-pretraining refresh compares a candidate with the
     promoted model this way. Unset arguments come from the checkpoint's meta.json.
     """
-    checkpoint_dir = Path(checkpoint_dir)
+    checkpoint_dir = Path(staging.local_checkpoint(str(checkpoint_dir)))
     held_out = _held_out(checkpoint_dir, data_prefix, tokenizer_model, seq_length, split, seed, valid_data_prefix)
     return _loss_on(load_model(checkpoint_dir), *held_out, num_batches, micro_batch_size)
 
@@ -183,9 +189,11 @@ def validate(
     """Run every check; returns the report (``passed`` is True only when all checks passed)."""
     import torch
 
-    checkpoint_dir = Path(checkpoint_dir)
+    given = str(checkpoint_dir) if staging.is_remote(str(checkpoint_dir)) else str(Path(checkpoint_dir))
+    # a gs:// checkpoint: every file its manifest lists that is there (a missing one fails files_complete)
+    checkpoint_dir = Path(staging.local_checkpoint(given, strict=False))
     if not checkpoint_dir.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {checkpoint_dir} does not exist")
+        raise FileNotFoundError(f"checkpoint directory {given} does not exist")
     checks: list[dict] = []
     manifest_path = checkpoint_dir / ckpt.MANIFEST
     files: dict = {}
@@ -211,7 +219,7 @@ def validate(
     )
 
     report: dict = {
-        "checkpoint": str(checkpoint_dir),
+        "checkpoint": given,
         "threshold": threshold,
         "val_loss": None,
         "untrained_loss": None,

@@ -222,6 +222,20 @@ class KubernetesBackend(Backend):
     def _dict(self, obj: Any) -> dict[str, Any]:
         return obj if isinstance(obj, dict) else self.api.sanitize_for_serialization(obj)
 
+    def _raw(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """An API read as the server's JSON, not the client's models.
+
+        The models of kubernetes 37 validate strictly: one object they reject (a quantity sent as a
+        number, which an API server may hand back as it was stored; a field newer than the client)
+        would fail every list of the namespace. The backend reads only a few fields of what it
+        lists, so it reads them from the JSON.
+        """
+        resp = self._call(fn, *args, _preload_content=False, **kwargs)
+        try:
+            return json.loads(resp.data)
+        finally:
+            resp.release_conn()
+
     # --- preflight -------------------------------------------------------------------
 
     def check(self, spec: JobSpec | ServiceSpec) -> None:
@@ -323,7 +337,7 @@ class KubernetesBackend(Backend):
         except ApiException as exc:
             if exc.status != 409:
                 raise _api_error(f"creating {kind} {name} in namespace {self.ns}", exc) from None
-        existing = self._dict(self._call(read))
+        existing = self._raw(read) if not custom else self._dict(self._call(read))
         labels = (existing.get("metadata") or {}).get("labels") or {}
         if run_id is not None:
             if labels.get(LABEL_RUN) == run_id:
@@ -358,8 +372,8 @@ class KubernetesBackend(Backend):
                 raise
 
     def _pods(self, label: str, value: str) -> list[dict[str, Any]]:
-        listed = self._call(self.core.list_namespaced_pod, self.ns, label_selector=f"{label}={value}")
-        pods = [self._dict(p) for p in listed.items]
+        listed = self._raw(self.core.list_namespaced_pod, self.ns, label_selector=f"{label}={value}")
+        pods = listed.get("items") or []
         # Filter again: the selector is the server's job, but an old or partial API must not mix runs.
         return [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(label) == value]
 
@@ -490,7 +504,7 @@ class KubernetesBackend(Backend):
                     _CUSTOM["PyTorchJob"][2],
                     name,
                 )
-            return self._dict(self._call(self.batch.read_namespaced_job, name, self.ns))
+            return self._raw(self.batch.read_namespaced_job, name, self.ns)
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -573,10 +587,8 @@ class KubernetesBackend(Backend):
         rv = (seen.get("metadata") or {}).get("resourceVersion")
         if rv:
             kwargs["resource_version"] = rv
-        w = watch.Watch()
+        w = _RawWatch()
         try:
-            # deserialize=False would be cheaper, but the client (37.0.1) then fails on
-            # ERROR events (410 Gone) with a KeyError: take the raw dict from a deserialized event.
             for event in w.stream(fn, *args, **kwargs):
                 obj = event.get("raw_object") or {}
                 if (obj.get("metadata") or {}).get("name") != name:
@@ -625,9 +637,11 @@ class KubernetesBackend(Backend):
         A followed log is a single long HTTP response; API server restarts and idle
         proxies cut it. Lines are requested with timestamps, so after a cut the log is
         re-requested from shortly before the last line seen and lines already emitted
-        are skipped: nothing is lost or repeated.
+        are skipped: nothing is lost or repeated. When the container has ended, the log
+        is read once more the same way (a cut and the container's end look alike).
         """
         cursor = _LogCursor()
+        final = False
         for attempt in range(self.log_reconnects + 1):
             kwargs: dict[str, Any] = dict(container=container, follow=True, timestamps=True, _preload_content=False)
             if cursor.last_time is not None:
@@ -642,32 +656,43 @@ class KubernetesBackend(Backend):
             cursor.resume()
             complete = False
             pending = b""
+            # after the container ended: lines found now were cut off before; say so before the first one
+            note = [f"[k8s] log stream of pod {pod_name} was interrupted; resuming"] if final else []
+
+            def out(text: str | None, note: list[str] = note) -> None:
+                if text is not None:
+                    while note:
+                        emit(note.pop())
+                    emit(prefix + text)
+
             try:
                 for chunk in resp.stream(8192):
                     pending += chunk
                     *lines, pending = pending.split(b"\n")
                     for line in lines:
-                        text = cursor.accept(line.decode("utf-8", "replace").rstrip("\r"))
-                        if text is not None:
-                            emit(prefix + text)
+                        out(cursor.accept(line.decode("utf-8", "replace").rstrip("\r")))
                 complete = True
             except (urllib3.exceptions.HTTPError, ConnectionError):
                 pass
             finally:
                 resp.release_conn()
             if pending:
-                text = cursor.accept(pending.decode("utf-8", "replace"))
-                if text is not None:
-                    emit(prefix + text)
-            if complete and not self._container_running(pod_name, container):
+                out(cursor.accept(pending.decode("utf-8", "replace")))
+            if final:
                 return
+            if complete and not self._container_running(pod_name, container):
+                # The stream ended and so did the container; but a stream cut just before the container
+                # ended looks the same and left lines unread: read once more from the cursor (the lines
+                # already emitted are skipped, so a log read to its end repeats nothing).
+                final = True
+                continue
             emit(f"[k8s] log stream of pod {pod_name} was interrupted; resuming")
             time.sleep(min(self.backoff_s * 2**attempt, 10.0))
         emit(f"[k8s] stopped following the log of pod {pod_name} after {self.log_reconnects} reconnects")
 
     def _container_running(self, pod_name: str, container: str) -> bool:
         try:
-            pod = self._dict(self._call(self.core.read_namespaced_pod, pod_name, self.ns))
+            pod = self._raw(self.core.read_namespaced_pod, pod_name, self.ns)
         except (ApiException, KubernetesUnavailable):
             return False
         for cs in (pod.get("status") or {}).get("containerStatuses") or []:
@@ -720,7 +745,7 @@ class KubernetesBackend(Backend):
                 )
                 url = status.get("url") or ""
             else:
-                obj = self._dict(self._call(self.apps.read_namespaced_deployment, name, self.ns))
+                obj = self._raw(self.apps.read_namespaced_deployment, name, self.ns)
                 ready = _deployment_ready(obj)
                 ports = [
                     p.get("containerPort")
@@ -831,7 +856,7 @@ class KubernetesBackend(Backend):
                 if ready and status.get("url"):
                     return status["url"]
             else:
-                dep = self._dict(self._call(self.apps.read_namespaced_deployment, spec.name, self.ns))
+                dep = self._raw(self.apps.read_namespaced_deployment, spec.name, self.ns)
                 if _deployment_ready(dep):
                     return f"http://{spec.name}.{self.ns}.svc.cluster.local:{spec.port}"
             pods = self._pods(LABEL_JOB, spec.name)
@@ -864,6 +889,19 @@ class KubernetesBackend(Backend):
 
 
 FINGERPRINT_ANNOTATION = "nemoflow.io/fingerprint"
+
+
+class _RawWatch(watch.Watch):
+    """A watch whose events carry the server's JSON only (see :meth:`KubernetesBackend._raw`).
+
+    ``stream(..., deserialize=False)`` would do the same, but the client (37.0.1) then fails on ERROR
+    events (410 Gone) with a KeyError; this keeps its event shape (``raw_object``) and its 410 handling.
+    """
+
+    def unmarshal_event(self, data, return_type):
+        return super().unmarshal_event(data, None)
+
+
 _LABEL_VALUE = re.compile(r"[^A-Za-z0-9._-]+")
 
 

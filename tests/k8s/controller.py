@@ -150,6 +150,8 @@ class FakeCluster:
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(base_url=self.url)
         self._tasks.append(asyncio.create_task(self._loop()))
+        if self.kubelet is not None:
+            self._tasks.append(await self.kubelet.start(self))
 
     async def stop(self) -> None:
         self.running.clear()  # open log streams end, so the server can shut down

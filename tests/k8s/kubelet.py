@@ -22,7 +22,13 @@ longer scripted but run the pod spec as written, the way a kubelet would:
   not emulated (a pod asking for ``nvidia.com/gpu`` runs on the CPU);
 - networking is the host's (``--network host``): a pod hostname ``<job>-<i>.<subdomain>``
   and every Service name (``svc``, ``svc.ns``, ``svc.ns.svc.cluster.local``) resolve to
-  127.0.0.1 inside the container, so torchrun's rendezvous and in-cluster URLs work;
+  127.0.0.1 inside the container, so torchrun's rendezvous and in-cluster URLs work. The
+  names are cluster DNS: a Service created after a container started is added to that
+  container's hosts file (podman's, bind-mounted at /etc/hosts) within a second;
+- the API server is reachable from every pod, as in a cluster: kmock serves plain HTTP, so
+  instead of a service-account token the kubelet mounts a kubeconfig naming it
+  (``KUBECONFIG=/var/run/nemoflow-kubelet/kubeconfig``), which infra/k8s/config.py reads
+  like any kubeconfig;
 - the container's output is the pod log (served by the controller as text/plain with
   ``follow``/``timestamps``); its exit code and OOM flag become the container's
   ``terminated`` state and the pod's phase;
@@ -66,6 +72,7 @@ INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 CGROUP_ROOT = "/sys/fs/cgroup"
 CGROUP_MEMORY = f"{CGROUP_ROOT}/memory"
 LABEL = "nemoflow.test/kubelet"
+KUBECONFIG_IN_POD = "/var/run/nemoflow-kubelet/kubeconfig"
 _FIELD_ANNOTATION = re.compile(r"^metadata\.annotations\['(.+)'\]$")
 _FIELD_LABEL = re.compile(r"^metadata\.labels\['(.+)'\]$")
 
@@ -86,9 +93,73 @@ class PodmanKubelet:
         self.containers: dict[str, str] = {}  # pod name -> container name (running or not yet removed)
         self.commands: dict[str, list[str]] = {}  # pod name -> the podman command it ran (for tests)
         self.restarts: dict[str, int] = {}  # pod name -> restartCount
+        self.kubeconfig: str | None = None  # written by start(): the API server, for pods
+        # container name -> (its /etc/hosts on the host, the names already in it): cluster DNS
+        self.hosts_files: dict[str, tuple[str, set[str]]] = {}
+        self._started_names: dict[str, set[str]] = {}
         # podman's working directory: conmon drops a file named "oom" in its current directory
         # when the container it watches is OOM-killed (outside its cgroup: --cgroups=no-conmon)
         self.workdir = tempfile.mkdtemp(prefix=f"nemoflow-kubelet-{self.id}-")
+
+    # --- what every pod of the cluster gets -------------------------------------------
+
+    async def start(self, cluster: FakeCluster) -> asyncio.Task:
+        """The API's kubeconfig for pods, and the task that publishes new Service names to running pods."""
+        self.kubeconfig = os.path.join(self.workdir, "kubeconfig")
+        with open(self.kubeconfig, "w", encoding="utf-8") as fh:
+            json.dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "kmock", "cluster": {"server": cluster.url}}],
+                    "users": [{"name": "pod", "user": {}}],
+                    "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "pod"}}],
+                    "current-context": "kmock",
+                },
+                fh,
+            )
+        return asyncio.create_task(self._cluster_dns(cluster))
+
+    @staticmethod
+    def service_names(cluster: FakeCluster) -> set[str]:
+        names: set[str] = set()
+        for service in cluster.live("v1/services"):
+            svc = service["metadata"]["name"]
+            ns = service["metadata"].get("namespace", cluster.namespace)
+            names |= {svc, f"{svc}.{ns}", f"{svc}.{ns}.svc", f"{svc}.{ns}.svc.cluster.local"}
+        return names
+
+    async def _cluster_dns(self, cluster: FakeCluster) -> None:
+        """Append the names of Services created since a container started to its hosts file."""
+        while True:
+            await asyncio.sleep(0.3)
+            names = self.service_names(cluster)
+            for container, (path, known) in list(self.hosts_files.items()):
+                new = sorted(names - known)
+                if not new:
+                    continue
+                try:
+                    with open(path, "a", encoding="ascii") as fh:
+                        fh.writelines(f"127.0.0.1\t{name}\n" for name in new)
+                except OSError:
+                    self.hosts_files.pop(container, None)  # the container is gone
+                    continue
+                known.update(new)
+
+    async def _register_hosts(self, container_name: str) -> None:
+        """Find the container's hosts file once podman has created it (for :meth:`_cluster_dns`)."""
+        for _ in range(300):
+            proc = await asyncio.create_subprocess_exec(
+                *podman.command("inspect", "--format", "{{.HostsPath}}", container_name),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+            out, _ = await proc.communicate()
+            path = out.decode().strip()
+            if proc.returncode == 0 and path:
+                self.hosts_files[container_name] = (path, set(self._started_names.get(container_name, ())))
+                return
+            await asyncio.sleep(0.1)
 
     # --- the pod spec, resolved -------------------------------------------------------
 
@@ -102,8 +173,10 @@ class PodmanKubelet:
             if "value" in item:
                 env[name] = str(item["value"])
                 continue
-            source = item.get("valueFrom") or {}
-            if "secretKeyRef" in source:
+            source = item.get("valueFrom")
+            if source is None:
+                env[name] = ""  # neither value nor valueFrom: the empty string, as Kubernetes sets it
+            elif "secretKeyRef" in source:
                 value = self._secret_value(cluster, source["secretKeyRef"])
                 if value is not None:
                     env[name] = value
@@ -179,18 +252,19 @@ class PodmanKubelet:
             args += ["--cpus", str(float(quantity(limits["cpu"], "limits.cpu")))]
         return args
 
-    @staticmethod
-    def host_args(cluster: FakeCluster, pod: dict[str, Any], job: dict[str, Any] | None) -> list[str]:
+    @classmethod
+    def host_names(cls, cluster: FakeCluster, pod: dict[str, Any], job: dict[str, Any] | None) -> set[str]:
         names: set[str] = set()
         subdomain = pod["spec"].get("subdomain")
         if subdomain and job is not None:
             owner = job["metadata"]["name"]
             for i in range(job["spec"].get("completions") or 1):
                 names |= {f"{owner}-{i}.{subdomain}", f"{owner}-{i}.{subdomain}.{cluster.namespace}.svc.cluster.local"}
-        for service in cluster.live("v1/services"):
-            svc = service["metadata"]["name"]
-            ns = service["metadata"].get("namespace", cluster.namespace)
-            names |= {svc, f"{svc}.{ns}", f"{svc}.{ns}.svc", f"{svc}.{ns}.svc.cluster.local"}
+        return names | cls.service_names(cluster)
+
+    @classmethod
+    def host_args(cls, cluster: FakeCluster, pod: dict[str, Any], job: dict[str, Any] | None) -> list[str]:
+        names = cls.host_names(cluster, pod, job)
         return [arg for name in sorted(names) for arg in ("--add-host", f"{name}:127.0.0.1")]
 
     def command(
@@ -204,6 +278,11 @@ class PodmanKubelet:
         container = pod["spec"]["containers"][0]
         env = self.resolve_env(cluster, pod, container)
         name = f"nf-{self.id}-{pod['metadata']['name']}"[:253]
+        api: list[str] = []
+        if self.kubeconfig and "KUBECONFIG" not in env:
+            env["KUBECONFIG"] = KUBECONFIG_IN_POD
+            api = ["--volume", f"{self.kubeconfig}:{KUBECONFIG_IN_POD}:ro"]
+        self._started_names[name] = self.host_names(cluster, pod, job)
         args = [
             "--name",
             name,
@@ -216,6 +295,7 @@ class PodmanKubelet:
             "host",
             *self.host_args(cluster, pod, job),
             *self.volume_args(cluster, pod, container),
+            *api,
             *self.resource_args(pod["metadata"]["name"], container),
             *[arg for key in sorted(env) for arg in ("--env", key)],
         ]
@@ -323,6 +403,7 @@ class PodmanKubelet:
             limit=2**22,
         )
         cluster.running.add(pod_name)
+        registration = asyncio.create_task(self._register_hosts(container_name))
         await self._patch_pod(
             cluster,
             pod_name,
@@ -348,6 +429,8 @@ class PodmanKubelet:
             raise
         finally:
             watcher.cancel()
+            registration.cancel()
+            self.hosts_files.pop(container_name, None)
             # cancelled or done: the container goes (a cancelled run_pod is the Job controller giving up)
             self._remove(container_name)
             self._remove_cgroup(pod_name)

@@ -347,6 +347,26 @@ async def test_log_stream_cut_midway_resumes_without_loss_or_repeats(ready, make
     assert all(r.params.get("timestamps") == "true" for r in log_requests)
 
 
+async def test_log_cut_after_the_container_ended_is_read_to_the_end(ready, make_backend):
+    """A stream cut just before the container ended looks like the log's end: it is read once more."""
+    import time
+
+    pod = "train-ab12cd-0-x7k2p"
+    ready.kmock.objects["v1/pods", ready.namespace, pod] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": pod, "namespace": ready.namespace},
+        "status": {"phase": "Succeeded", "containerStatuses": [{"name": "main", "state": {"terminated": {}}}]},
+    }
+    written = [f"step {i}" for i in range(10)]
+    ready.logs[pod] = [(time.time() - 5 + i * 0.01, line) for i, line in enumerate(written)]
+    ready.cut[pod] = 4  # the first connection drops after 4 lines; the container is not running any more
+    lines: list[str] = []
+    await asyncio.to_thread(make_backend(ready)._follow, pod, "main", "", lines.append)
+    assert [line for line in lines if not line.startswith("[k8s]")] == written, lines
+    assert lines[4] == f"[k8s] log stream of pod {pod} was interrupted; resuming", lines
+
+
 def test_get_backend_takes_executor_fields_and_rejects_unknown_ones(monkeypatch):
     from infra.executors import get_backend
 

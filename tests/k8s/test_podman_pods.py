@@ -219,3 +219,53 @@ async def test_crashing_server_fails_start_service_with_crash_loop(pods, backend
     with pytest.raises(RuntimeError, match=r"CrashLoopBackOff .*exit code 1"):
         await asyncio.to_thread(backend(pods).start_service, spec)
     assert pods.get("deployments", "crash") is None, "a service that cannot start is removed"
+
+
+IN_CLUSTER = textwrap.dedent(
+    """
+    import socket, time
+    from kubernetes import client
+    from infra.k8s.config import api_client
+    mine = [p.metadata.name for p in client.CoreV1Api(api_client()).list_namespaced_pod("team").items]
+    print("api sees", [n for n in mine if n.startswith("incluster-")], flush=True)
+    name = "late.team.svc.cluster.local"
+    try:
+        socket.gethostbyname(name)
+        print("resolved too early", flush=True)
+    except OSError:
+        print("waiting for", name, flush=True)
+    deadline = time.time() + 60
+    while True:
+        try:
+            print("resolved", name, socket.gethostbyname(name), flush=True)
+            break
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.2)
+    """
+)
+
+
+async def test_pods_reach_the_api_and_resolve_services_created_after_they_started(pods, backend):
+    """A flow-run pod submits stage Jobs through the API and calls a Service it did not see start."""
+    from kubernetes import client as k
+
+    be = backend(pods)
+    task = asyncio.ensure_future(run(be, JobSpec(name="incluster", command=["python", "-c", IN_CLUSTER])))
+    for _ in range(600):
+        if any(text.startswith("waiting for") for logged in pods.logs.values() for _, text in logged):
+            break
+        assert not task.done(), task.result()
+        await asyncio.sleep(0.1)
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "late", "namespace": NAMESPACE},
+        "spec": {"selector": {"app": "late"}, "ports": [{"port": 8080}]},
+    }
+    await asyncio.to_thread(k.CoreV1Api(be.api).create_namespaced_service, NAMESPACE, service)
+    result, lines = await asyncio.wait_for(task, 120)
+    assert result.state is JobState.COMPLETED, (result, lines)
+    assert any(line.startswith("api sees ['incluster-") for line in lines), lines
+    assert "resolved late.team.svc.cluster.local 127.0.0.1" in lines and "resolved too early" not in lines
