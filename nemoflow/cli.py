@@ -27,6 +27,7 @@ COMMANDS = [
     "local_slurm",
     "models",
     "image",
+    "interactive",
 ]
 
 DESCRIPTION = """\
