@@ -28,6 +28,7 @@ COMMANDS = [
     "models",
     "image",
     "interactive",
+    "render_dpo",
 ]
 
 DESCRIPTION = """\
