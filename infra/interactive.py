@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 from typing import Any
 
@@ -39,6 +40,7 @@ KIND = "interactive"
 K8S_KIND_LABEL = "nemoflow.dev/kind"
 JOB_NAME = "nemoflow-interactive"
 _GRANTED = re.compile(r"Granted job allocation (\d+)")
+_PENDING = re.compile(r"Pending job allocation (\d+)")
 
 
 class InteractiveError(RuntimeError):
@@ -191,19 +193,34 @@ def allocate(request: InteractiveRequest, options: SlurmOptions, timeout_s: floa
     """Take the allocation (waits until granted); returns (job id, session record)."""
     argv = salloc_argv(request, options)
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     except FileNotFoundError:
         raise InteractiveError("`salloc` is not on PATH: run on a login node of the cluster") from None
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        # SIGINT: salloc revokes its queued request itself; the scancel covers a salloc that cannot
+        proc.send_signal(signal.SIGINT)
+        try:
+            stdout, stderr = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        pending = _PENDING.search(stderr or "")
+        if pending:
+            subprocess.run(["scancel", pending.group(1)], capture_output=True)
         raise InteractiveError(
-            f"no allocation within {timeout_s:.0f}s (the request stays queued until Slurm cancels it): "
-            f"{shlex.join(argv)}; check `squeue --me`"
+            f"no allocation within {timeout_s:.0f}s, request withdrawn: {shlex.join(argv)}; "
+            "the partition is busy (`squeue -p PARTITION`): try later, another partition or a shorter --time"
         ) from None
+    except BaseException:
+        proc.send_signal(signal.SIGINT)  # interrupted while queued: withdraw the request, leave nothing behind
+        proc.wait(timeout=15)
+        raise
     if proc.returncode != 0:
-        raise InteractiveError(
-            f"salloc refused the allocation: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
-        )
-    job_id = parse_granted(proc.stderr + proc.stdout)
+        last = stderr.strip().splitlines()[-1] if stderr.strip() else f"exit {proc.returncode}"
+        raise InteractiveError(f"salloc refused the allocation: {last}")
+    job_id = parse_granted(stderr + stdout)
     preset = options.cluster_preset
     session = {
         "job_id": job_id,

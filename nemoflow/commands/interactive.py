@@ -46,6 +46,7 @@ def register(sub) -> None:
     p.add_argument("--keep", action="store_true", help="keep the allocation after the shell exits (release it later)")
     p.add_argument("--no-shell", action="store_true", help="only allocate (print the job id); attach later")
     p.add_argument("--kubeconfig", help="Kubernetes: kubeconfig file (default: in-cluster, then ~/.kube/config)")
+    p.add_argument("--wait", type=float, default=600, help="seconds to wait for the allocation (default 600)")
     p.set_defaults(func=run_interactive)
 
     a = sub.add_parser("attach", help="another shell in a held allocation: srun --jobid ID --overlap --pty")
@@ -130,7 +131,7 @@ def run_interactive(args) -> int:
 
     options = _slurm_options(args)
     print("requesting: " + " ".join(interactive.salloc_argv(request, options)), flush=True)
-    job_id, session = interactive.allocate(request, options)
+    job_id, session = interactive.allocate(request, options, timeout_s=args.wait)
     print(
         f"allocation {job_id} granted (time limit {request.time}); `nemoflow attach {job_id}` opens another shell",
         flush=True,

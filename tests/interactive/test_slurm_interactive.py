@@ -19,6 +19,8 @@ from infra.interactive import InteractiveRequest, attach_argv, container_spec, p
 from infra.slurm.options import SlurmOptions
 
 NEMOFLOW = str(Path(sys.executable).parent / "nemoflow")
+# The one-machine cluster is shared: other sessions' jobs may hold its two CPUs for a while.
+WAIT = 600
 slurm = pytest.mark.skipif(shutil.which("salloc") is None, reason="needs the local Slurm (nemoflow local-slurm up)")
 
 
@@ -82,7 +84,7 @@ def test_interactive_shell_attach_and_release_on_exit(work_dir):
     )
     job_id = None
     try:
-        shell.expect(r"allocation (\d+) granted")
+        shell.expect(r"allocation (\d+) granted", timeout=WAIT)
         job_id = shell.match.group(1)
         out = _run_in(shell, "echo JOB=$SLURM_JOB_ID GPUS=$CUDA_VISIBLE_DEVICES HOST=$(hostname)")
         assert f"JOB={job_id}" in out and re.search(r"GPUS=\d", out), out
@@ -144,7 +146,7 @@ def test_a_kept_allocation_ends_at_its_time_limit(work_dir):
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=WAIT + 60,
     )
     assert proc.returncode == 0, proc.stderr
     job_id = re.search(r"allocation (\d+) granted", proc.stdout).group(1)
@@ -157,3 +159,20 @@ def test_a_kept_allocation_ends_at_its_time_limit(work_dir):
         assert job_id not in _jobs()
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
+
+
+@slurm
+@pytest.mark.slurm
+def test_a_request_that_is_not_granted_in_time_is_withdrawn_and_an_impossible_one_is_one_line(work_dir, monkeypatch):
+    from infra.interactive import InteractiveError, allocate
+
+    monkeypatch.setenv("NEMOFLOW_WORK_DIR", str(work_dir))
+    later = SlurmOptions(extra_sbatch_flags=["--begin=now+3600"])  # queued, never granted within the wait
+    with pytest.raises(InteractiveError, match="no allocation within 3s, request withdrawn"):
+        allocate(InteractiveRequest(partition="cpu", cpus_per_task=1, time="1"), later, timeout_s=3)
+    queued = subprocess.run(
+        ["squeue", "-h", "-n", "nemoflow-interactive", "-t", "PENDING", "-o", "%i %r"], capture_output=True, text=True
+    )
+    assert "BeginTime" not in queued.stdout, "the queued request was left behind"
+    with pytest.raises(InteractiveError, match="salloc refused the allocation: .*"):
+        allocate(InteractiveRequest(partition="cpu", gpus_per_node=64, time="1"), SlurmOptions(), timeout_s=30)
