@@ -27,6 +27,8 @@ COMMANDS = [
     "local_slurm",
     "models",
     "image",
+    "interactive",
+    "render_dpo",
 ]
 
 DESCRIPTION = """\

@@ -1,0 +1,466 @@
+"""SFT stage: chat data -> fine-tune a registered model with NeMo AutoModel -> check on held-out chat -> register.
+
+    from tasks.sft import ChatDataConfig, run_sft
+    summary = run_sft(SftConfig(max_steps=40), ChatDataConfig(source="gs://bucket/chat.jsonl"),
+                      base=registry_record, registry_uri=..., executor=executor, image=image)
+
+Steps (each a cached, retried Prefect task; the flow ``sft`` and the end-to-end / CPT flows call
+:func:`run_sft`):
+
+1. :func:`prepare_chat_data` reads a JSONL of ``messages`` or ``prompt``/``response`` rows from
+   any URI (a path, ``gs://``, ``https://``; the KJV demo set when none is given), normalizes it
+   (workloads/chat_data.py) and splits off a held-out share by content hash, into
+   ``<work_dir>/sft-data/<hash>/{train,held_out}.jsonl``;
+2. :func:`fine_tune` runs ``python -m workloads.sft`` as a job where the executor says (AutoModel's
+   fine-tuning recipe, torchrun when it spans several processes); a retry resumes from the run's
+   checkpoint;
+3. :func:`validate_sft` runs ``python -m workloads.sft --validate`` as a job: held-out loss of the
+   fine-tuned model must be below the base model's, and greedy answers must end their turn;
+   a failure stops here, naming the checks;
+4. :func:`register_sft` records the model in the registry with the base as its parent (promoted only
+   when asked: a chat model is not what continued pretraining continues from).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Literal
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from pydantic import BaseModel, ConfigDict, Field
+
+from infra import registry as reg
+from infra import storage
+from infra.executors import Executor
+from infra.jobs import ExitCode, ImageRef, JobFailed, JobSpec, Resources, workload_job
+from infra.settings import get_settings
+from tasks.common import cache_policy, logger, run_job
+from tasks.refs import CheckpointRef
+from workloads import chat_data
+from workloads.sft import SftConfig
+
+SFT_MODULES = ("workloads.sft", "workloads.chat_data", "workloads.checkpoint", "workloads.automodel_shim", "tasks.sft")
+
+
+class ChatDataConfig(BaseModel):
+    """Where the chat data comes from and how much of it is held out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str | None = Field(
+        None,
+        description="JSONL (.jsonl or .jsonl.zst) of messages or prompt/response rows: a path, gs:// or https://; "
+        "None = the KJV demo set (continue the verse / which book)",
+    )
+    held_out: str | None = Field(None, description="a separate held-out JSONL (else held_out_fraction of source)")
+    held_out_fraction: float = Field(0.1, gt=0, lt=1)
+    max_examples: int | None = Field(None, ge=2, description="use at most this many rows of source")
+    demo_examples: int = Field(1200, ge=10, description="size of the KJV demo set")
+    demo_tasks: list[Literal["continue", "book"]] = Field(
+        default_factory=lambda: ["continue", "book"], description="KJV demo tasks: continue the verse, which book"
+    )
+    seed: int = 1234
+
+
+class ChatDataRef(BaseModel):
+    train: str = Field(..., description="normalized train JSONL (a path the jobs can read)")
+    held_out: str
+    train_examples: int
+    held_out_examples: int
+    source: str
+    fingerprint: str
+
+
+class SftReport(BaseModel):
+    checkpoint: str
+    base: str
+    passed: bool
+    failed: list[str] = Field(default_factory=list)
+    checks: list[dict]
+    held_out_loss: float
+    base_held_out_loss: float
+    answer_rate: float
+    exact_match_rate: float
+    generations: list[dict] = Field(default_factory=list)
+    report_uri: str | None = None
+
+
+class SftValidationFailed(RuntimeError):
+    def __init__(self, report: SftReport):
+        self.report = report
+        failed = [c for c in report.checks if not c["passed"]]
+        super().__init__(
+            f"fine-tuned checkpoint {report.checkpoint} failed {len(failed)} check(s): "
+            + "; ".join(f"{c['name']} ({c['detail']})" for c in failed)
+        )
+
+
+def demo_sft_config() -> SftConfig:
+    """Fine-tuning the demo model on the KJV chat set: a couple of minutes on 2 CPU cores."""
+    return SftConfig(max_steps=40, global_batch_size=8, micro_batch_size=8, lr=5e-4, seq_length=192)
+
+
+# ------------------------------------------------------------------ 1. data
+def _read_source(uri: str) -> bytes:
+    try:
+        return storage.read_bytes(uri)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"chat data {uri} does not exist") from None
+
+
+@task(
+    name="prepare-chat-data",
+    task_run_name="chat data",
+    cache_policy=cache_policy("workloads.chat_data", "tasks.sft"),
+    persist_result=True,
+)
+def prepare_chat_data(config: ChatDataConfig) -> ChatDataRef:
+    """Normalized, split chat JSONL under ``<work_dir>/sft-data/<hash>/`` (see the module docstring)."""
+    log = logger()
+    if config.source:
+        data = _read_source(config.source)
+        rows = chat_data.parse_jsonl(data, storage.basename(config.source))
+        identity = hashlib.sha256(data).hexdigest()
+        source = config.source
+    else:
+        rows = chat_data.kjv_chat_rows(config.demo_examples, config.seed, tuple(config.demo_tasks))
+        identity = chat_data.row_key({"demo": [chat_data.row_key(r) for r in rows]})
+        source = f"KJV demo set ({len(rows)} examples: continue the verse, which book)"
+    if config.max_examples:
+        rows = rows[: config.max_examples]
+    if config.held_out:
+        held_bytes = _read_source(config.held_out)
+        train, held = rows, chat_data.parse_jsonl(held_bytes, storage.basename(config.held_out))
+        identity += hashlib.sha256(held_bytes).hexdigest()
+    else:
+        train, held = chat_data.split_rows(rows, config.held_out_fraction, config.seed)
+    # content, not location: the same bytes from a path, gs:// or https:// are the same data set
+    fingerprint = hashlib.sha256(
+        (identity + config.model_dump_json(exclude={"source", "held_out"})).encode()
+    ).hexdigest()[:16]
+    work_dir = get_settings().work_dir
+    if not storage.is_local(work_dir):
+        raise ValueError(
+            f"work_dir {work_dir} is not a file system the fine-tuning job can read; set NEMOFLOW_WORK_DIR to a shared volume"
+        )
+    out = storage.join(work_dir, "sft-data", fingerprint)
+    train_path, held_path = (
+        os.path.join(storage.local_path(out), "train.jsonl"),
+        os.path.join(storage.local_path(out), "held_out.jsonl"),
+    )
+    chat_data.write_jsonl(train_path, train)
+    chat_data.write_jsonl(held_path, held)
+    log.info("chat data from %s: %d train, %d held-out conversations in %s", source, len(train), len(held), out)
+    create_table_artifact(
+        key="sft-data-" + fingerprint[:10],
+        table=[{"role": m["role"], "content": m["content"][:200]} for row in train[:3] for m in row["messages"]],
+        description=f"first training conversations ({len(train)} train, {len(held)} held out) from {source}",
+    )
+    return ChatDataRef(
+        train=train_path,
+        held_out=held_path,
+        train_examples=len(train),
+        held_out_examples=len(held),
+        source=source,
+        fingerprint=fingerprint,
+    )
+
+
+# ------------------------------------------------------------------ 2. fine-tuning
+def with_inputs(config: SftConfig, base_checkpoint: str, data: ChatDataRef) -> SftConfig:
+    """The config with the base model, the data and a run directory named by all of them."""
+    update = {"init_from": storage.local_path(base_checkpoint), "train_data": data.train, "valid_data": data.held_out}
+    config = config.model_copy(update=update)
+    if not config.run_dir:
+        identity = config.model_dump_json(exclude={"run_dir"})
+        name = "sft-" + hashlib.sha256(identity.encode()).hexdigest()[:12]
+        work_dir = get_settings().work_dir
+        if not storage.is_local(work_dir):
+            raise ValueError(
+                f"work_dir {work_dir} is not a file system jobs can write checkpoints to; set SftConfig.run_dir"
+            )
+        config = config.model_copy(update={"run_dir": storage.local_path(storage.join(work_dir, "runs", name))})
+    return config
+
+
+def config_path(config: SftConfig) -> str:
+    return os.path.join(storage.local_path(config.run_dir or ""), "sft_config.request.json")
+
+
+def write_config(config: SftConfig) -> str:
+    path = config_path(config)
+    storage.makedirs(os.path.dirname(path))
+    storage.write_text(path, config.model_dump_json(indent=1))
+    return path
+
+
+def _read_only_dirs(config: SftConfig) -> list[str]:
+    paths = {config.init_from or "", os.path.dirname(config.train_data or ""), os.path.dirname(config.valid_data or "")}
+    if config.tokenizer_model:
+        paths.add(os.path.dirname(config.tokenizer_model))
+    return sorted(p for p in paths if p)
+
+
+def build_sft_job(config: SftConfig, image: ImageRef | None = None, validate_to: str | None = None) -> JobSpec:
+    """The fine-tuning job (or, with ``validate_to``, the check writing its report there)."""
+    run_dir = storage.local_path(config.run_dir or "")
+    tag = hashlib.sha256(run_dir.encode()).hexdigest()[:10]
+    args = ["--config", config_path(config)]
+    if validate_to:
+        args += ["--validate", validate_to, "--exit-zero"]
+    distributed = config.world_size > 1 and not validate_to
+    return workload_job(
+        ("sft-check-" if validate_to else "sft-") + tag,
+        "workloads.sft",
+        args,
+        image=image,
+        resources=Resources(
+            nodes=1 if validate_to else config.num_nodes,
+            gpus_per_node=min(1, config.gpus_per_node) if validate_to else config.gpus_per_node,
+            cpus_per_task=config.cpus_per_task,
+            mem=config.mem,
+            time=config.time,
+        ),
+        paths=[run_dir],
+        read_only=_read_only_dirs(config),
+        secret_env=[]
+        if validate_to
+        else [n for n in ("WANDB_API_KEY", "HF_TOKEN") if n in get_settings().secret_env()],
+        nproc_per_node=config.procs_per_node if distributed else None,
+        log_dir=os.path.join(run_dir, "logs"),
+    )
+
+
+def _retry_if_resumable(task, task_run, state) -> bool:
+    """Retry (resume from the checkpoint) unless retrying cannot help: bad input, out of memory."""
+    try:
+        state.result()
+    except JobFailed as exc:
+        return exc.result.exit_code not in (ExitCode.BAD_CONFIG, ExitCode.OUT_OF_MEMORY)
+    except (ValueError, FileNotFoundError):
+        return False
+    except Exception:  # noqa: BLE001 - a crash or a lost worker: the retry resumes
+        return True
+    return True
+
+
+@task(
+    name="fine-tune",
+    task_run_name="sft of step {base.step}",
+    retries=2,
+    retry_delay_seconds=10,
+    retry_condition_fn=_retry_if_resumable,
+    cache_policy=cache_policy(*SFT_MODULES),
+    persist_result=True,
+)
+def fine_tune(
+    config: SftConfig,
+    data: ChatDataRef,
+    base: CheckpointRef,
+    image: ImageRef | None = None,
+    executor: Executor | Any = None,
+) -> CheckpointRef:
+    """Fine-tune ``base`` on ``data``; returns the run's latest checkpoint."""
+    from tasks.train import loss_curve_markdown, read_metrics
+    from workloads import checkpoint as ckpt
+
+    log = logger()
+    config = with_inputs(config, base.uri, data)
+    log.info(
+        "fine-tuning %s on %d conversations for %d steps (batch %d); run_dir %s",
+        base.uri,
+        data.train_examples,
+        config.max_steps,
+        config.global_batch_size,
+        config.run_dir,
+    )
+    write_config(config)
+    run_job(build_sft_job(config, image), executor)
+    from tasks.tracking import publish_wandb_run
+
+    publish_wandb_run(config.run_dir)
+    latest = ckpt.latest_checkpoint(config.run_dir)
+    if latest is None:
+        raise RuntimeError(
+            f"the fine-tuning job finished but {config.run_dir}/checkpoints holds no complete checkpoint"
+        )
+    result = CheckpointRef(
+        uri=str(latest.path), step=latest.step, val_loss=latest.val_loss, run_dir=config.run_dir, image=image
+    )
+    create_markdown_artifact(
+        key="sft-loss-" + hashlib.sha256(config.run_dir.encode()).hexdigest()[:10],
+        markdown=loss_curve_markdown(read_metrics(config.run_dir), result, config.run_dir).replace(
+            "# Training run", "# Fine-tuning run", 1
+        ),
+        description="SFT loss curve",
+    )
+    return result
+
+
+# ------------------------------------------------------------------ 3. the check
+def report_markdown(report: SftReport) -> str:
+    verdict = "PASSED" if report.passed else "FAILED: " + ", ".join(report.failed)
+    lines = [
+        f"# Fine-tuned model check: {verdict}",
+        "",
+        f"checkpoint `{report.checkpoint}`, base `{report.base}`",
+        "",
+        "| check | passed | detail |",
+        "|---|---|---|",
+        *[f"| {c['name']} | {'yes' if c['passed'] else '**NO**'} | {c['detail']} |" for c in report.checks],
+        "",
+        "| prompt | reference | answer | ended turn |",
+        "|---|---|---|---|",
+    ]
+    for g in report.generations:
+        cells = [str(g[k]).replace("|", "\\|").replace("\n", " ")[:120] for k in ("prompt", "reference", "answer")]
+        lines.append(f"| {cells[0]} | {cells[1]} | {cells[2]} | {'yes' if g['ended_turn'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def _retry_unless_checks_failed(task, task_run, state) -> bool:
+    try:
+        state.result()
+    except (SftValidationFailed, ValueError):
+        return False
+    except Exception:  # noqa: BLE001 - infrastructure: retry
+        return True
+    return True
+
+
+@task(
+    name="validate-sft",
+    task_run_name="check sft step {checkpoint.step}",
+    retries=1,
+    retry_delay_seconds=10,
+    retry_condition_fn=_retry_unless_checks_failed,
+    cache_policy=cache_policy(*SFT_MODULES),
+    persist_result=True,
+)
+def validate_sft(
+    config: SftConfig,
+    data: ChatDataRef,
+    base: CheckpointRef,
+    checkpoint: CheckpointRef,
+    image: ImageRef | None = None,
+    executor: Executor | Any = None,
+) -> SftReport:
+    """Held-out loss below the base's and non-empty answers that end their turn; raises :class:`SftValidationFailed`."""
+    config = with_inputs(config, base.uri, data)
+    output = os.path.join(
+        storage.local_path(config.run_dir),
+        "validation",
+        os.path.basename(os.path.dirname(os.path.dirname(checkpoint.uri))) + ".json",
+    )
+    storage.makedirs(os.path.dirname(output))
+    write_config(config)
+    spec = build_sft_job(config, image, validate_to=output)
+    spec = spec.model_copy(update={"command": [*spec.command, "--checkpoint", storage.local_path(checkpoint.uri)]})
+    run_job(spec, executor)
+    report = SftReport.model_validate({**storage.read_json(output), "report_uri": output})
+    create_markdown_artifact(
+        key="sft-check-" + hashlib.sha256(report.checkpoint.encode()).hexdigest()[:10],
+        markdown=report_markdown(report),
+        description="fine-tuned model: held-out loss vs base, generations",
+    )
+    if not report.passed:
+        raise SftValidationFailed(report)
+    logger().info(
+        "fine-tuned %s passed: held-out loss %.4f < base %.4f; %.0f%% of answers were non-empty and ended their turn",
+        report.checkpoint,
+        report.held_out_loss,
+        report.base_held_out_loss,
+        report.answer_rate * 100,
+    )
+    return report
+
+
+# ------------------------------------------------------------------ 4. registry
+def register_sft(
+    registry_uri: str,
+    checkpoint: CheckpointRef,
+    report: SftReport,
+    parent: str,
+    data: ChatDataRef,
+    image: ImageRef | None = None,
+    promote: bool = False,
+) -> str:
+    """Record the fine-tuned model with ``parent`` (a registry id); returns its id (idempotent per checkpoint)."""
+    from prefect.runtime import flow_run
+
+    registry = reg.ModelRegistry(registry_uri)
+    state = registry.read()
+    existing = next((m.id for m in state.models.values() if m.checkpoint == checkpoint.uri), None)
+    if existing:
+        return existing
+    record = reg.ModelRecord(
+        id=reg.new_model_id(checkpoint.uri),
+        checkpoint=checkpoint.uri,
+        parent=parent,
+        data=[
+            reg.SourceRecord(
+                name=storage.basename(data.source) if "://" in data.source else "chat",
+                url=data.source,
+                sha256=data.fingerprint,
+            )
+        ],
+        metrics={
+            "kind": "sft",
+            "held_out_chat_loss": report.held_out_loss,
+            "parent_held_out_chat_loss": report.base_held_out_loss,
+            "answer_rate": report.answer_rate,
+            "exact_match_rate": report.exact_match_rate,
+            "train_examples": data.train_examples,
+            "steps": checkpoint.step,
+        },
+        image=image.model_dump(mode="json") if image else None,
+        code_version=reg.code_version(),
+        flow_run_id=str(flow_run.id) if flow_run.id else None,
+        note=f"sft of {parent}: held-out chat loss {report.held_out_loss:.4f} (base {report.base_held_out_loss:.4f})",
+    )
+    registry.register(record, promote=promote, expected_generation=state.generation)
+    return record.id
+
+
+def run_sft(
+    config: SftConfig,
+    data: ChatDataConfig,
+    base: reg.ModelRecord,
+    registry_uri: str,
+    executor: Executor | Any = None,
+    image: ImageRef | None = None,
+    promote: bool = False,
+) -> dict:
+    """The whole stage (steps 1-4) from a registered base model; what the sft, end-to-end and CPT flows call."""
+    from tasks.common import result_storage
+
+    results = result_storage()
+    prepare, tune, check = (
+        t.with_options(result_storage=results) for t in (prepare_chat_data, fine_tune, validate_sft)
+    )
+    base_ref = CheckpointRef(uri=base.checkpoint, step=int(base.metrics.get("steps", 0) or 0), image=image)
+    chats = prepare(data)
+    tuned = tune(config, chats, base_ref, image, executor)
+    report = check(config, chats, base_ref, tuned, image, executor)
+    model_id = register_sft(registry_uri, tuned, report, base.id, chats, image, promote)
+    summary = {
+        "model": model_id,
+        "parent": base.id,
+        "checkpoint": tuned.uri,
+        "held_out_loss": report.held_out_loss,
+        "base_held_out_loss": report.base_held_out_loss,
+        "answer_rate": report.answer_rate,
+        "exact_match_rate": report.exact_match_rate,
+        "train_examples": chats.train_examples,
+        "promoted": promote,
+    }
+    create_markdown_artifact(
+        key="sft-summary",
+        markdown="# SFT\n\n" + "\n".join(f"- {k}: `{v}`" for k, v in summary.items()),
+        description="fine-tuned model registered with its parent",
+    )
+    logger().info("registered %s (parent %s): %s", model_id, base.id, json.dumps(summary))
+    return summary
