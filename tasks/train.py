@@ -275,6 +275,9 @@ def pretrain(
     )
     write_config(config)
     run_job(build_train_job(config, image), executor)
+    from tasks.tracking import publish_wandb_run
+
+    publish_wandb_run(config.run_dir)  # a W&B link (or the offline run's path) in the Prefect UI
 
     best = ckpt.best_checkpoint(config.run_dir)
     latest = ckpt.latest_checkpoint(config.run_dir)
