@@ -273,6 +273,9 @@ def pretrain(
     )
     write_config(config)
     run_job(build_train_job(config, image), executor)
+    from tasks.tracking import publish_wandb_run
+
+    publish_wandb_run(config.run_dir)  # a W&B link (or the offline run's path) in the Prefect UI
 
     complete = ckpt.stored_checkpoints(config.run_dir)
     best, latest = ckpt.best_of(complete), (complete[-1] if complete else None)

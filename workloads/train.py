@@ -385,6 +385,10 @@ def build_recipe(
         def start_metrics(self) -> None:
             self.window_start, self.window_steps = time.perf_counter(), 0
             self.max_steps = self.step_scheduler.max_steps
+            # W&B gets what metrics.jsonl gets: log_train_metrics below passes only nemoflow's log steps
+            # (done % log_every_n_steps, done = step + 1) to AutoModel, whose own filter (step % n, 0-based)
+            # would then drop every one of them; so AutoModel logs remotely whenever it is called.
+            self.step_scheduler.log_remote_every_steps = 1
             if self.dist_env.is_main:
                 self.metrics = MetricsLog(run_dir, self.step_scheduler.step)
 
@@ -684,6 +688,9 @@ def train(config: TrainConfig) -> int:
     resumed = recipe.step_scheduler.step
     recipe.start_metrics()
     if rank == 0:
+        from workloads.wandb_run import record_active_run
+
+        record_active_run(run_dir)  # the W&B run's link or offline path, for the stage's artifact
         params = sum(p.numel() for p in recipe.model_parts[0].parameters())
         device = f"cuda x {world_size}" if cuda else f"cpu (gloo) x {world_size}"
         print(

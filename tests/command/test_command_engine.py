@@ -20,34 +20,9 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def small_dataset(tmp_path_factory, kjv_chapters, mixtral_tokenizer_model):
     """A DatasetRef over two real Megatron indexed datasets (KJV chapters, Mixtral's tokenizer)."""
-    import numpy
-    import sentencepiece
-    import torch
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from tests.support.kjv_dataset import small_dataset_ref
 
-    from tasks.refs import DatasetRef, TokenizerRef
-
-    root = tmp_path_factory.mktemp("cmd-data")
-    sp = sentencepiece.SentencePieceProcessor(model_file=str(mixtral_tokenizer_model))
-    prefixes, tokens = [], 0
-    for name, docs in (("ot", kjv_chapters[:60]), ("nt", kjv_chapters[929:989])):
-        prefix = root / f"kjv_{name}_text_document"
-        builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.uint16)
-        for ids in sp.encode(docs):
-            builder.add_document(torch.tensor(ids + [sp.eos_id()]), [len(ids) + 1])
-            tokens += len(ids) + 1
-        builder.finalize(f"{prefix}.idx")
-        prefixes.append(str(prefix))
-    (root / "manifest.json").write_text("{}")
-    return DatasetRef(
-        prefixes=prefixes,
-        blend=[0.6, prefixes[0], 0.4, prefixes[1]],
-        manifest_uri=str(root / "manifest.json"),
-        tokenizer=TokenizerRef(model=str(mixtral_tokenizer_model)),
-        documents=120,
-        tokens=tokens,
-        bytes=0,
-    )
+    return small_dataset_ref(tmp_path_factory.mktemp("cmd-data"), kjv_chapters, mixtral_tokenizer_model)
 
 
 def _in_a_flow(fn):
