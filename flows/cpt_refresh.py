@@ -45,6 +45,7 @@ from infra import registry as reg
 from infra import storage
 from infra.executors import Executor, default_executor
 from infra.jobs import Resources
+from infra.secrets import CredentialFree
 from infra.settings import get_settings
 from tasks.checkpoint import validate_checkpoint
 from tasks.common import logger, result_storage
@@ -93,9 +94,9 @@ class CptServeConfig(BaseModel):
 class CptRefreshConfig(BaseModel):
     """The refresh's single parameter."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # inputs may hold credentials
 
-    sources: str | list[str] | None = Field(
+    sources: CredentialFree | list[CredentialFree] | None = Field(
         None,
         description="incoming data: a glob, a list, or a {chunk}/{shard} template; "
         "unset = <work_dir>/incoming/*.jsonl.zst",

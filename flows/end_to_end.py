@@ -82,7 +82,7 @@ class SmokeConfig(BaseModel):
 class EndToEndConfig(BaseModel):
     """One typed configuration for the whole pipeline (the flow's single parameter)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # inputs may hold credentials
 
     executor: Executor = Field(
         default_factory=default_executor,

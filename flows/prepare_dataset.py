@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from infra import storage
 from infra.executors import Executor, default_executor
 from infra.jobs import ImageRef
+from infra.secrets import CredentialFree
 from infra.settings import get_settings
 from infra.sources import expand_sources
 from tasks.common import logger, result_storage
@@ -76,12 +77,12 @@ def _check_tokenizer(config) -> None:
 class PrepareConfig(BaseModel):
     """Everything the data stage needs; the defaults prepare the embedded demo corpus."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # inputs may hold credentials
 
     name: str = Field(
         "demo", pattern=r"^[A-Za-z0-9._-]+$", description="dataset name (directory under work_dir/datasets)"
     )
-    sources: str | list[str] | None = Field(
+    sources: CredentialFree | list[CredentialFree] | None = Field(
         None,
         description="a list of URIs, a glob, or a URL template with {chunk}/{shard}; "
         "unset = the embedded demo corpus (King James Bible, SlimPajama layout)",

@@ -33,10 +33,11 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
 from infra import registry as reg
-from infra import storage
+from infra import secrets, storage
 from infra.executors import Executor
 from infra.jobs import ExitCode, ImageRef, JobFailed, JobSpec, Resources, workload_job
-from infra.settings import get_settings
+from infra.secrets import CredentialFree
+from infra.settings import get_settings, redact
 from tasks.common import cache_policy, logger, run_job
 from tasks.refs import CheckpointRef
 from workloads import chat_data
@@ -48,14 +49,17 @@ SFT_MODULES = ("workloads.sft", "workloads.chat_data", "workloads.checkpoint", "
 class ChatDataConfig(BaseModel):
     """Where the chat data comes from and how much of it is held out."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # inputs may hold credentials
 
-    source: str | None = Field(
+    source: CredentialFree | None = Field(
         None,
-        description="JSONL (.jsonl or .jsonl.zst) of messages or prompt/response rows: a path, gs:// or https://; "
+        description="JSONL (.jsonl or .jsonl.zst) of messages or prompt/response rows: a path, gs:// or https:// "
+        "(a signed URL's credentials by reference: <secret:BLOCK> or <env:NAME>); "
         "None = the KJV demo set (continue the verse / which book)",
     )
-    held_out: str | None = Field(None, description="a separate held-out JSONL (else held_out_fraction of source)")
+    held_out: CredentialFree | None = Field(
+        None, description="a separate held-out JSONL (else held_out_fraction of source)"
+    )
     held_out_fraction: float = Field(0.1, gt=0, lt=1)
     max_examples: int | None = Field(None, ge=2, description="use at most this many rows of source")
     demo_examples: int = Field(1200, ge=10, description="size of the KJV demo set")
@@ -105,10 +109,13 @@ def demo_sft_config() -> SftConfig:
 
 # ------------------------------------------------------------------ 1. data
 def _read_source(uri: str) -> bytes:
+    """The file's bytes; a ``<secret:...>``/``<env:...>`` reference is resolved for this read only."""
     try:
-        return storage.read_bytes(uri)
+        return storage.read_bytes(secrets.resolve(uri))
     except FileNotFoundError:
         raise FileNotFoundError(f"chat data {uri} does not exist") from None
+    except (OSError, ValueError) as exc:  # fsspec's HTTP errors may quote the resolved URL: redacted
+        raise OSError(f"chat data {uri}: cannot be read: {redact(str(exc))}") from None
 
 
 @task(

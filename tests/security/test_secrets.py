@@ -262,3 +262,34 @@ def test_an_image_is_staged_from_a_signed_url_by_reference(tmp_path, monkeypatch
     for text in (sidecar, staged.source, *lines):
         assert TOKEN not in text
     secrets.forget()
+
+
+def _config(module: str, name: str, **kwargs):
+    import importlib
+
+    return getattr(importlib.import_module(module), name)(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda v: _config("flows.prepare_dataset", "PrepareConfig", sources=v),
+        lambda v: _config("flows.prepare_dataset", "PrepareConfig", sources=["/data/a.jsonl.zst", v]),
+        lambda v: _config("flows.end_to_end", "EndToEndConfig", data={"sources": v}),
+        lambda v: _config("flows.cpt_refresh", "CptRefreshConfig", sources=v),
+        lambda v: _config("tasks.sft", "ChatDataConfig", source=v),
+        lambda v: _config("tasks.sft", "ChatDataConfig", held_out=v),
+    ],
+    ids=["prepare", "prepare-list", "end-to-end", "cpt-refresh", "sft-source", "sft-held-out"],
+)
+def test_every_source_parameter_refuses_literal_credentials_and_takes_references(make):
+    """Flow configs whose fields name data sources: a literal signed URL never reaches Prefect's records,
+    not even in the validation error (Prefect stores it as the run's state message)."""
+    from pydantic import ValidationError
+
+    make("https://h/a.jsonl.zst?X-Goog-Signature=<env:SIG>")  # a reference is fine
+    short = "s1gNATURE7"  # short enough that pydantic would show it whole in input_value=...
+    with pytest.raises(ValidationError) as info:
+        make(f"https://h/a.jsonl.zst?X-Goog-Signature={short}")
+    assert "<secret:NAME>" in str(info.value)
+    assert short not in str(info.value)
