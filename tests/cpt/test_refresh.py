@@ -98,10 +98,8 @@ def test_day_by_day_refreshes_overlap_and_noop(cpt_env, kjv_chapters):
     reg_state = _registry(env).read()
     assert reg_state.promoted == summary["candidate"] != first_promoted
     assert reg_state.models[reg_state.promoted].parent == first_promoted
-    assert (
-        set(_download_runs(str(state.state_details.flow_run_id)).keys())
-        and len(_download_runs(str(state.state_details.flow_run_id))) == 2
-    )
+    # the data stage downloads a run's pending shards as one job array: one task run naming their count
+    assert _download_runs(str(state.state_details.flow_run_id)) == {"download and extract 2 shard(s)": "Completed"}
     assert completion_ok(env["url"], env["model_name"])  # same URL, new server
 
     # day 2: one more shard, and two refreshes started at once (two processes, as two overlapping
@@ -118,7 +116,7 @@ def test_day_by_day_refreshes_overlap_and_noop(cpt_env, kjv_chapters):
     assert winner["type"] == "COMPLETED", winner
     second = winner["result"]
     assert second["new_sources"] == [str(incoming / "day2.jsonl.zst")]
-    assert len(_download_runs(winner["flow_run_id"])) == 1
+    assert _download_runs(winner["flow_run_id"]) == {"download and extract 1 shard(s)": "Completed"}
     assert all(p.stat().st_mtime_ns == t for p, t in old_datasets.items()), "an earlier dataset was rewritten"
     reg_state = _registry(env).read()
     assert reg_state.generation == before.generation + 1
