@@ -135,7 +135,9 @@ def run(args) -> int:
     print(f"dataset:     {summary['dataset']}")
     print(f"checkpoint:  {summary['checkpoint']}  (val loss {summary['val_loss']:.3f})")
     print(f"endpoint:    {summary['endpoint']}  (model {summary['model']})")
-    print(f"smoke test:  {summary['prompt']!r} -> {summary['answer']!r}")
+    answer = summary["answer"]
+    more = f" ... ({len(answer)} characters: the whole answer is in the run's smoke-test artifact)"
+    print(f"smoke test:  {summary['prompt']!r} -> {answer[:160]!r}{more if len(answer) > 160 else ''}")
     print(f"total:       {elapsed:.0f} s")
     print("stop everything with: nemoflow demo --down")
     return 0
