@@ -244,15 +244,9 @@ class LocalBackend(Backend):
     def _log_dir(self, spec: ServiceSpec) -> str:
         return spec.log_dir or str(services.table_path().parent / "logs")
 
-    def start_service(
-        self, spec: ServiceSpec, *, ready_timeout_s: float = 900.0, on_log: LogSink | None = None
-    ) -> ServiceInfo:
-        current = services.get_service(spec.name)
-        if current is not None:
-            if spec.fingerprint and current.spec_hash == spec.fingerprint and services.is_healthy(current):
-                return _info(current, healthy=True)
-            services.stop_service(current)
-        handle = services.start_service(
+    def _spawn(self, spec: ServiceSpec, ready_timeout_s: float, on_log: LogSink | None) -> services.ServiceHandle:
+        """Start ``spec`` as a managed local server and wait until it is ready (the service table records it)."""
+        return services.start_service(
             spec,
             self._log_dir(spec),
             host=self.bind_host,
@@ -262,7 +256,16 @@ class LocalBackend(Backend):
             model=spec.annotations.get("model"),
             on_log=on_log,
         )
-        return _info(handle, healthy=True)
+
+    def start_service(
+        self, spec: ServiceSpec, *, ready_timeout_s: float = 900.0, on_log: LogSink | None = None
+    ) -> ServiceInfo:
+        current = services.get_service(spec.name)
+        if current is not None:
+            if spec.fingerprint and current.spec_hash == spec.fingerprint and services.is_healthy(current):
+                return _info(current, healthy=True)
+            services.stop_service(current)
+        return _info(self._spawn(spec, ready_timeout_s, on_log), healthy=True)
 
     def stop_service(self, name: str) -> bool:
         return services.stop_service(name)
@@ -309,16 +312,7 @@ class LocalBackend(Backend):
         private = _free_port(self.bind_host)
         command = with_option(with_option(spec.command, "--port", str(private)), "--join-port", str(public))
         green = spec.model_copy(update={"port": private, "command": command})
-        handle = services.start_service(
-            green,
-            self._log_dir(spec),
-            host=self.bind_host,
-            ready_timeout_s=ready_timeout_s,
-            spec_hash=spec.fingerprint,
-            checkpoint=spec.annotations.get("checkpoint"),
-            model=spec.annotations.get("model"),
-            on_log=on_log,
-        )
+        handle = self._spawn(green, ready_timeout_s, on_log)
         try:
             check(_info(handle, healthy=True))
             _signal(handle, signal.SIGUSR1)
