@@ -53,6 +53,7 @@ from tasks.image import ImageConfig, stage_image
 from tasks.promote import compare_on_held_out, discover_new_sources, record_model, switch_serving
 from tasks.refs import CheckpointRef, TokenizerRef
 from tasks.serve import EngineOptions
+from tasks.sft import SftStageConfig, run_sft
 from tasks.train import pretrain
 from workloads.train_config import TrainConfig
 
@@ -109,6 +110,9 @@ class CptRefreshConfig(BaseModel):
     train: CptTrainConfig = Field(default_factory=CptTrainConfig)
     tokenizer: TokenizerRef | None = Field(None, description="default: the held-out set's (the promoted model's)")
     serve: CptServeConfig = Field(default_factory=CptServeConfig)
+    sft: SftStageConfig | None = Field(
+        None, description="after a promotion, fine-tune the new model on chat data (NeMo AutoModel), as its child"
+    )
     executor: Executor = Field(
         default_factory=default_executor, description="where the refresh's jobs run (as in end-to-end)"
     )
@@ -380,6 +384,17 @@ def _train_and_decide(config, registry, state, base_generation, promoted, new, r
         "endpoint": serving.url if serving else None,
     }
     _report_artifacts(summary, record, promoted, new_state, held_out)
+    if accept and config.sft is not None:
+        # 8. supervised fine-tuning of the model just promoted (tasks/sft.py), registered as its child
+        summary["sft"] = run_sft(
+            config.sft.train,
+            config.sft.data,
+            new_state.models[model_id],
+            registry.uri,
+            config.executor,
+            image,
+            config.sft.promote,
+        )
     log.info("%s %s: %s", "promoted" if accept else "kept", new_state.promoted, why)
     return summary
 

@@ -19,6 +19,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flows.prepare_dataset import PrepareConfig, prepare_dataset
+from infra import registry as reg
 from infra import storage
 from infra.executors import Executor, default_executor
 from infra.jobs import Resources
@@ -27,6 +28,7 @@ from tasks.checkpoint import validate_checkpoint
 from tasks.common import result_storage
 from tasks.image import ImageConfig, stage_image
 from tasks.serve import EngineOptions, deploy_inference
+from tasks.sft import SftStageConfig, run_sft
 from tasks.smoke import DEFAULT_PROMPT, SEED_MAX_TOKENS, smoke_test
 from tasks.train import pretrain
 from workloads.train_config import TrainConfig, check_parallelism
@@ -97,6 +99,9 @@ class EndToEndConfig(BaseModel):
     )
     serve: ServeConfig = Field(default_factory=ServeConfig)
     smoke: SmokeConfig = Field(default_factory=SmokeConfig)
+    sft: SftStageConfig | None = Field(
+        None, description="fine-tune the registered model on chat data (NeMo AutoModel), registered as its child"
+    )
 
     @field_validator("train", mode="before")
     @classmethod
@@ -174,6 +179,14 @@ def end_to_end(config: EndToEndConfig | None = None) -> dict:
 
     # 7. the model registry: a CPT refresh (flows/cpt_refresh.py) continues from the promoted model
     summary["registered_model"] = register_checkpoint(config, checkpoint, dataset, report, endpoint, image)
+
+    # 8. optionally, supervised fine-tuning of that model on chat data (tasks/sft.py), registered as its child
+    if config.sft is not None:
+        registry_uri = storage.join(get_settings().work_dir, "registry")
+        base = reg.ModelRegistry(registry_uri).read().models[summary["registered_model"]]
+        summary["sft"] = run_sft(
+            config.sft.train, config.sft.data, base, registry_uri, executor, image, config.sft.promote
+        )
     return summary
 
 
@@ -184,8 +197,6 @@ def validation_resources(train: TrainConfig) -> Resources:
 
 def register_checkpoint(config, checkpoint, dataset, report, endpoint, image) -> str:
     """Register the validated checkpoint; promote it (and fix the held-out set) when nothing is promoted yet."""
-    from infra import registry as reg
-
     registry = reg.ModelRegistry(storage.join(get_settings().work_dir, "registry"))
     state = registry.read()
     existing = next((m.id for m in state.models.values() if m.checkpoint == checkpoint.uri), None)

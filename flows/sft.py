@@ -22,7 +22,7 @@ from infra.executors import Executor, default_executor
 from infra.settings import get_settings
 from tasks.common import result_storage
 from tasks.image import ImageConfig, stage_image
-from tasks.sft import ChatDataConfig, demo_sft_config, run_sft
+from tasks.sft import ChatDataConfig, demo_sft_config, run_sft, train_over_demo_defaults
 from workloads.sft import SftConfig
 
 
@@ -42,10 +42,7 @@ class SftFlowConfig(BaseModel):
     @field_validator("train", mode="before")
     @classmethod
     def _train_over_demo_defaults(cls, value):
-        """A partial ``train`` (e.g. {max_steps: 100} in prefect.yaml) changes the demo run, not replaces it."""
-        if isinstance(value, dict):
-            return {**demo_sft_config().model_dump(exclude_unset=True), **value}
-        return value
+        return train_over_demo_defaults(value)
 
     def registry_uri(self) -> str:
         return storage.normalize(self.registry) if self.registry else storage.join(get_settings().work_dir, "registry")

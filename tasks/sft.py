@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infra import registry as reg
 from infra import secrets, storage
@@ -105,6 +105,29 @@ class SftValidationFailed(RuntimeError):
 def demo_sft_config() -> SftConfig:
     """Fine-tuning the demo model on the KJV chat set: a couple of minutes on 2 CPU cores."""
     return SftConfig(max_steps=40, global_batch_size=8, micro_batch_size=8, lr=5e-4, seq_length=192)
+
+
+def train_over_demo_defaults(value):
+    """A partial ``train`` (e.g. {max_steps: 100} in prefect.yaml) changes the demo run, not replaces it."""
+    if isinstance(value, dict):
+        return {**demo_sft_config().model_dump(exclude_unset=True), **value}
+    return value
+
+
+class SftStageConfig(BaseModel):
+    """Fine-tuning as the last step of end-to-end or a promoting CPT refresh: the model the flow just
+    registered is the base; the fine-tuned one is registered with it as its parent."""
+
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # inputs may hold credentials
+
+    data: ChatDataConfig = Field(default_factory=ChatDataConfig, description="the chat data (default: KJV demo set)")
+    train: SftConfig = Field(default_factory=demo_sft_config, description="the fine-tuning run (NeMo AutoModel)")
+    promote: bool = Field(False, description="promote the fine-tuned model once it passed its checks")
+
+    @field_validator("train", mode="before")
+    @classmethod
+    def _train_over_demo_defaults(cls, value):
+        return train_over_demo_defaults(value)
 
 
 # ------------------------------------------------------------------ 1. data
