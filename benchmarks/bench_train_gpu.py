@@ -41,7 +41,10 @@ sys.path.insert(0, str(REPO))
 
 # Measured with it (2026-11-30, nvidia-h200-x2, torch 2.11, CUDA_VISIBLE_DEVICES=0 for one GPU; the README has the table):
 #   1.1b 1 GPU  nemoflow 65.4k tok/s (47.8% MFU) vs reference 68.7k; 2 GPUs 115.4k (1.77x) vs DDP 115.8k
-#   134m 1 GPU  nemoflow 336k tok/s (30.0%) vs reference 410k; 2 GPUs 314k (0.94x) vs DDP 665k
+#   134m 1 GPU  nemoflow 336k tok/s (30.0%) vs reference 410k; 2 GPUs 314k (0.94x) vs DDP 665k   (strategy fsdp2)
+# Later the same day, strategy auto (134m: DDP, 1.1b: FSDP2), one call, --steps 30 --ckpt-every 100:
+#   134m 1 GPU  nemoflow 292k tok/s (26.1%) vs reference 400k; 2 GPUs DDP 607k (27.1%, 2.08x) vs DDP 748k (1.87x)
+#   1.1b 2 GPUs FSDP2 103k (37.7%, --steps 20 --ckpt-every 100, another call of that session)
 
 PEAK_BF16_TFLOPS = 989.0
 VOCAB = 32000
