@@ -1,15 +1,17 @@
 """Training throughput, MFU, peak memory and checkpoint stall of the NeMo AutoModel trainer, against a reference loop.
 
     python benchmarks/bench_train_gpu.py --model 134m --gpus 1            # one H200
-    python benchmarks/bench_train_gpu.py --model 1.1b --gpus 2            # two H200 (torchrun, FSDP2)
+    python benchmarks/bench_train_gpu.py --model 1.1b --gpus 2            # two H200 (torchrun; auto = FSDP2)
+    python benchmarks/bench_train_gpu.py --model 134m --gpus 2            # two H200 (torchrun; auto = DDP)
     python benchmarks/bench_train_gpu.py --model tiny --cpu --seq 64 --steps 6 --warmup 1 --ckpt-every 3  # CPU check
 
 Each call runs, on the same synthetic Megatron dataset (uniform random tokens, Mixtral's
 32000-token vocabulary, written with workloads/indexed_dataset.py):
 
   nemoflow   ``python -m workloads.train`` exactly as the pipeline runs it (under
-             ``torch.distributed.run --nproc-per-node G``): NeMo AutoModel, FSDP2, bf16 compute with
-             fp32 master weights and AdamW state (precision=bf16-mixed), per-layer torch.compile,
+             ``torch.distributed.run --nproc-per-node G``): NeMo AutoModel with ``--strategy``
+             (default auto: DDP for the 134M model, FSDP2 for 1.1B; one GPU wraps nothing), bf16
+             compute with fp32 master weights and AdamW state (precision=bf16-mixed), per-layer torch.compile,
              a checkpoint every ``--ckpt-every`` steps (consolidated safetensors + manifest, async);
   reference  a hand-written loop with the same model, batch and numerics (transformers Llama, fp32
              weights, bf16 autocast, SDPA, each decoder layer torch.compile'd, fused AdamW; DDP on
@@ -39,7 +41,10 @@ sys.path.insert(0, str(REPO))
 
 # Measured with it (2026-11-30, nvidia-h200-x2, torch 2.11, CUDA_VISIBLE_DEVICES=0 for one GPU; the README has the table):
 #   1.1b 1 GPU  nemoflow 65.4k tok/s (47.8% MFU) vs reference 68.7k; 2 GPUs 115.4k (1.77x) vs DDP 115.8k
-#   134m 1 GPU  nemoflow 336k tok/s (30.0%) vs reference 410k; 2 GPUs 314k (0.94x) vs DDP 665k
+#   134m 1 GPU  nemoflow 336k tok/s (30.0%) vs reference 410k; 2 GPUs 314k (0.94x) vs DDP 665k   (strategy fsdp2)
+# Later the same day, strategy auto (134m: DDP, 1.1b: FSDP2), one call, --steps 30 --ckpt-every 100:
+#   134m 1 GPU  nemoflow 292k tok/s (26.1%) vs reference 400k; 2 GPUs DDP 607k (27.1%, 2.08x) vs DDP 748k (1.87x)
+#   1.1b 2 GPUs FSDP2 103k (37.7%, --steps 20 --ckpt-every 100, another call of that session)
 
 PEAK_BF16_TFLOPS = 989.0
 VOCAB = 32000
@@ -128,6 +133,7 @@ def run_nemoflow(args, prefix: str, out: Path) -> dict:
         "precision": args.precision,
         "enable_compile": cuda and not args.no_compile,
         "ckpt_async_save": not args.sync_save,
+        "strategy": args.strategy,
     }
     import shutil
 
@@ -156,8 +162,10 @@ def run_nemoflow(args, prefix: str, out: Path) -> dict:
     from workloads import checkpoint as ckpt
 
     latest = ckpt.latest_checkpoint(run_dir)
+    resolved = next((w.split("=", 1)[1] for w in proc.stdout.split() if w.startswith("strategy=")), None)
     return {
         "engine": "nemoflow (NeMo AutoModel)",
+        "strategy": resolved,
         "tokens_per_s": tps,
         "mfu": tps * flops_per_token(args.model, args.seq) / (args.gpus * PEAK_BF16_TFLOPS * 1e12) if cuda else None,
         "peak_mem_gib": max((r.get("peak_mem_gib", 0.0) for r in steps), default=None),
@@ -269,6 +277,7 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "bf16", "32"])
+    parser.add_argument("--strategy", default="auto", choices=["auto", "fsdp2", "ddp"], help="TrainConfig.strategy")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--sync-save", action="store_true", help="synchronous checkpoints (default: async)")
     parser.add_argument("--skip-reference", action="store_true")

@@ -12,8 +12,9 @@ Hugging Face ``LlamaForCausalLM`` / ``MixtralForCausalLM`` built from its config
 loaded from ``init_from`` to continue pretraining), the data is AutoModel's Megatron-Core
 dataset (``MegatronPretraining``) over the NeMo blend prepare-dataset writes (weights,
 prefixes, split, seed), sharded over the data-parallel ranks by Megatron's sequential
-sampler, and the model is sharded with FSDP2 (tensor / context parallel where AutoModel
-supports them). The training loop, optimizer, schedule, checkpointing and resume are
+sampler, and the model is replicated with DDP or sharded with FSDP2 (``strategy``; auto =
+DDP for small dense models on one node, see ``resolve_strategy``; tensor / context parallel
+where AutoModel supports them, with FSDP2). The training loop, optimizer, schedule, checkpointing and resume are
 AutoModel's; this module adds what the pipeline needs around them:
 
 * ``<run_dir>/metrics.jsonl`` (rank 0): one JSON object per logged step
@@ -36,7 +37,8 @@ AutoModel's; this module adds what the pipeline needs around them:
 
 Numerics (``precision``): ``bf16-mixed`` (default, as NeMo recipes) keeps fp32 master
 weights and fp32 AdamW state and computes in bf16 (FSDP2's mixed-precision policy on
-several GPUs; autocast on one GPU, where AutoModel skips FSDP2 and so its policy); on
+several GPUs; bf16 autocast with DDP, which has no such policy, and on one GPU, where
+AutoModel skips FSDP2 and so its policy); gradients are reduced in fp32 either way. On
 CPU everything is fp32.
 
 Exit codes: 0 done, 2 bad configuration / missing data / unwritable run_dir,
@@ -72,6 +74,7 @@ from workloads.train_config import (  # noqa: E402 - see above
     check_parallelism,
     load_train_config,
     parse_blend,
+    resolve_strategy,
 )
 
 # Test hooks (no effect unless set): raise OOM at a step, pause after a step, die inside a save, list samples.
@@ -136,10 +139,13 @@ def recipe_config(config: TrainConfig, run_dir: Path, vocab_size: int, world_siz
     split / seed / seq_length (validation: the same blend's validation split, or
     valid_data_prefix, limit_val_batches global batches); lr / min_lr / warmup_steps /
     lr_schedule -> lr_scheduler (warmup from 0 like Megatron); weight_decay / adam_beta* ->
-    AdamW; gradient_clip_val -> clip_grad_norm.max_norm; tensor / context parallel ->
-    distributed.tp_size / cp_size (FSDP2 takes the rest of the world as data parallel).
+    AdamW; gradient_clip_val -> clip_grad_norm.max_norm; strategy -> distributed.strategy
+    (``resolve_strategy``: auto is ddp or fsdp2); tensor / context parallel -> distributed.tp_size /
+    cp_size (FSDP2 takes the rest of the world as data parallel); enable_compile -> FSDP2's
+    enable_compile (with DDP, :func:`train` compiles the same decoder layers after setup).
     """
     weights_dtype, compute_dtype = _dtypes(config, cuda)
+    strategy = resolve_strategy(config, world_size, vocab_size)
     total = config.total_steps
     gbs, mbs = config.global_batch_size, config.micro_batch_size
     if config.init_from:
@@ -198,22 +204,7 @@ def recipe_config(config: TrainConfig, run_dir: Path, vocab_size: int, world_siz
             # Background DCP writes and consolidation on GPUs; on CPU the save is small and synchronous.
             "is_async": bool(config.ckpt_async_save and cuda),
         },
-        "distributed": {
-            "strategy": "fsdp2",
-            "dp_size": None,
-            "tp_size": config.tensor_model_parallel_size,
-            "cp_size": config.context_parallel_size,
-            "sequence_parallel": False,
-            "activation_checkpointing": config.activation_checkpointing,
-            "enable_compile": config.enable_compile,
-            "mp_policy": {
-                "_target_": MIXED_PRECISION,
-                "param_dtype": compute_dtype,
-                "reduce_dtype": "float32",
-                "output_dtype": None,
-                "cast_forward_inputs": False,
-            },
-        },
+        "distributed": _distributed(config, strategy, compute_dtype),
         "loss_fn": {"_target_": "nemo_automodel.components.loss.masked_ce.MaskedCrossEntropy"},
         "optimizer": {
             "_target_": "torch.optim.AdamW",
@@ -258,6 +249,34 @@ def recipe_config(config: TrainConfig, run_dir: Path, vocab_size: int, world_siz
             "dir": str(run_dir),
         }
     return cfg
+
+
+def _distributed(config: TrainConfig, strategy: str, compute_dtype: str) -> dict:
+    """The recipe's ``distributed`` section for the resolved strategy (AutoModel refuses keys a strategy lacks)."""
+    common = {
+        "strategy": strategy,
+        "dp_size": None,
+        "tp_size": config.tensor_model_parallel_size,
+        "cp_size": config.context_parallel_size,
+        "activation_checkpointing": config.activation_checkpointing,
+    }
+    if strategy == "ddp":
+        # No mixed-precision policy in DDP: fp32 (or bf16) weights as torch_dtype says, bf16 autocast around the
+        # forward and loss (train, build_recipe), fp32 gradients all-reduced in buckets during the backward.
+        # An MoE's experts that receive no token have no gradient in that step: DDP must look for them.
+        return {**common, "find_unused_parameters": config.arch == "mixtral"}
+    return {
+        **common,
+        "sequence_parallel": False,
+        "enable_compile": config.enable_compile,
+        "mp_policy": {
+            "_target_": MIXED_PRECISION,
+            "param_dtype": compute_dtype,
+            "reduce_dtype": "float32",
+            "output_dtype": None,
+            "cast_forward_inputs": False,
+        },
+    }
 
 
 # ----------------------------------------------------------------------------------------------- output
@@ -363,7 +382,8 @@ def build_recipe(
             return None  # one log line per logged step instead of a redrawn bar in the job log
 
         def _forward_backward_step(self, *args, **kwargs):
-            # One GPU: AutoModel skips FSDP2 and with it the bf16 compute policy; autocast does it instead.
+            # One GPU (AutoModel skips FSDP2 and with it the bf16 compute policy) and DDP (which has none):
+            # autocast computes in bf16 over the fp32 master weights instead.
             if autocast_bf16:
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     return super()._forward_backward_step(*args, **kwargs)
@@ -679,9 +699,12 @@ def train(config: TrainConfig) -> int:
     if config.init_from:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory: never ask the Hugging Face hub
     cfg = recipe_config(config, run_dir, vocab_size, world_size, cuda)
-    autocast_bf16 = cuda and world_size == 1 and config.precision == "bf16-mixed"
+    strategy = cfg["distributed"]["strategy"]
+    autocast_bf16 = cuda and config.precision == "bf16-mixed" and (world_size == 1 or strategy == "ddp")
     recipe = build_recipe(config, run_dir, cfg, autocast_bf16, recorded, mirror)
     recipe.setup()
+    if strategy == "ddp" and config.enable_compile:
+        compile_decoder_layers(recipe.model_parts)
     if config.init_from and not config.reset_optimizer:
         source = Path(config.init_from).parent.parent
         recipe.checkpointer.load_optimizer(recipe.optimizer, recipe.model_parts, str(source))
@@ -697,7 +720,8 @@ def train(config: TrainConfig) -> int:
             f"NeMo AutoModel {config.arch}: {params / 1e6:.2f}M parameters (per rank), {device}, "
             f"steps={plan.total_steps}, global_batch_size={config.global_batch_size} "
             f"micro_batch_size={config.micro_batch_size} data_parallel={plan.data_parallel_size} "
-            f"accumulation={plan.gradient_accumulation_steps} seq_length={config.seq_length} "
+            f"accumulation={plan.gradient_accumulation_steps} seq_length={config.seq_length} strategy={strategy} "
+            f"({type(recipe.model_parts[0]).__name__}) "
             f"precision={config.precision if cuda else '32 (cpu)'}",
             flush=True,
         )
@@ -733,6 +757,20 @@ def train(config: TrainConfig) -> int:
         best = ckpt.best_checkpoint(run_dir)
         print(f"done: {done} steps, best checkpoint {best.path if best else None}", flush=True)
     return 0
+
+
+def compile_decoder_layers(model_parts: list) -> None:
+    """torch.compile each decoder layer in place, as AutoModel's FSDP2 path does for ``enable_compile``.
+
+    AutoModel 0.7 compiles per layer only under FSDP2 (its DDP path offers whole-model compile alone), so with
+    DDP nemoflow calls the same AutoModel function on the wrapped module after setup. ``nn.Module.compile``
+    compiles in place: DDP's gradient hooks stay on the same parameters and the state-dict keys (hence the
+    checkpoints) do not change.
+    """
+    from nemo_automodel.components.distributed.parallelizer import _apply_per_layer_compile
+
+    for part in model_parts:
+        _apply_per_layer_compile(getattr(part, "module", part))
 
 
 def _read_config(path: str) -> str:

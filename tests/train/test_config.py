@@ -8,8 +8,10 @@ from workloads.train_config import (
     ParallelismError,
     TrainConfig,
     check_parallelism,
+    estimate_parameters,
     load_train_config,
     parse_blend,
+    resolve_strategy,
 )
 
 BLEND = [0.7, "/d/ot_text_document", 0.3, "/d/nt_text_document"]
@@ -104,6 +106,71 @@ def test_unknown_keys_are_rejected_by_name():
     # The library's constructor rejects them too (tasks and flows build TrainConfig directly).
     with pytest.raises(ValueError, match="Extra inputs are not permitted"):
         config(learning_rate=0.1)
+
+
+LLAMA_134M = dict(hidden_size=768, num_layers=12, num_attention_heads=12, ffn_hidden_size=2048)
+LLAMA_1B = dict(hidden_size=2048, num_layers=16, num_attention_heads=16, num_key_value_heads=8, ffn_hidden_size=8192)
+
+
+def test_strategy_auto_is_ddp_for_small_dense_models_on_one_node_else_fsdp2():
+    assert estimate_parameters(config(**LLAMA_134M), 32000) == 134_105_856
+    assert estimate_parameters(config(**LLAMA_1B), 32000) == 1_137_772_544
+    assert resolve_strategy(config(**LLAMA_134M, gpus_per_node=2), world_size=2, vocab_size=32000) == "ddp"
+    assert resolve_strategy(config(**LLAMA_134M, gpus_per_node=8), world_size=8, vocab_size=32000) == "ddp"
+    assert resolve_strategy(config(**LLAMA_1B, gpus_per_node=2), world_size=2, vocab_size=32000) == "fsdp2"
+    # Several nodes, model parallel, or an MoE: FSDP2.
+    assert resolve_strategy(config(**LLAMA_134M, gpus_per_node=8, num_nodes=2), 16, 32000) == "fsdp2"
+    assert resolve_strategy(config(**LLAMA_134M, gpus_per_node=2, tensor_model_parallel_size=2), 2, 32000) == "fsdp2"
+    assert resolve_strategy(config(**LLAMA_134M, gpus_per_node=2, context_parallel_size=2), 2, 32000) == "fsdp2"
+    assert resolve_strategy(config(arch="mixtral", gpus_per_node=2), 2, 32000) == "fsdp2"
+    # The vocabulary counts: 134M's layers with a 300k vocabulary are a 545M model.
+    assert resolve_strategy(config(**LLAMA_134M, gpus_per_node=2), 2, 300_000) == "fsdp2"
+    # Explicit choices are kept; one process is never wrapped (AutoModel's DDP would cast the weights to bf16).
+    assert resolve_strategy(config(**LLAMA_1B, gpus_per_node=2, strategy="ddp"), 2, 32000) == "ddp"
+    assert resolve_strategy(config(**LLAMA_134M, gpus_per_node=2, strategy="fsdp2"), 2, 32000) == "fsdp2"
+    assert resolve_strategy(config(**LLAMA_134M, gpus_per_node=1, strategy="ddp"), 1, 32000) == "fsdp2"
+
+
+def test_unknown_strategy_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"^strategy: Input should be 'auto', 'fsdp2' or 'ddp'$"):
+        load_train_config('{"max_steps": 10, "strategy": "zero3"}')
+    with pytest.raises(ValueError, match=r"unknown TrainConfig key 'strategie' \(did you mean 'strategy'\?\)"):
+        load_train_config('{"max_steps": 10, "strategie": "ddp"}')
+    with pytest.raises(ParallelismError, match=r"strategy='ddp' keeps a whole replica .* use strategy 'fsdp2'"):
+        check_parallelism(config(strategy="ddp", gpus_per_node=2, tensor_model_parallel_size=2, global_batch_size=4))
+
+
+def test_ddp_recipe_has_no_fsdp2_policy_and_fsdp2_keeps_it():
+    from pathlib import Path
+
+    from workloads.train import recipe_config
+
+    small = recipe_config(
+        config(**LLAMA_134M, gpus_per_node=2, enable_compile=True), Path("/r"), 32000, world_size=2, cuda=True
+    )
+    # DDP: AutoModel's DDPConfig takes none of FSDP2's keys; fp32 master weights, bf16 by autocast (train()).
+    assert small["distributed"] == {
+        "strategy": "ddp",
+        "dp_size": None,
+        "tp_size": 1,
+        "cp_size": 1,
+        "activation_checkpointing": False,
+        "find_unused_parameters": False,
+    }
+    assert small["model"]["torch_dtype"] == "float32"
+    big = recipe_config(config(**LLAMA_1B, gpus_per_node=2), Path("/r"), 32000, world_size=2, cuda=True)
+    assert big["distributed"]["strategy"] == "fsdp2"
+    assert big["distributed"]["mp_policy"]["param_dtype"] == "bfloat16"
+    one = recipe_config(config(**LLAMA_134M, gpus_per_node=1), Path("/r"), 32000, world_size=1, cuda=True)
+    assert one["distributed"]["strategy"] == "fsdp2"
+    moe = recipe_config(config(arch="mixtral", strategy="ddp", gpus_per_node=2), Path("/r"), 32000, 2, cuda=True)
+    assert moe["distributed"]["find_unused_parameters"] is True
+    # The section is one AutoModel accepts: its own parser builds the strategy from it.
+    from nemo_automodel.components.distributed.config import DDPConfig, FSDP2Config
+    from nemo_automodel.recipes._dist_utils import parse_distributed_section
+
+    assert isinstance(parse_distributed_section(small["distributed"])["strategy_config"], DDPConfig)
+    assert isinstance(parse_distributed_section(big["distributed"])["strategy_config"], FSDP2Config)
 
 
 def test_processes_per_node_and_world_size():

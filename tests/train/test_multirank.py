@@ -1,8 +1,9 @@
 """Two gloo processes under torchrun train like one process with the same global batch.
 
-The engine is NeMo AutoModel with FSDP2 (``torch.distributed.run --nproc-per-node 2``, gloo on
-CPU): each rank reads its own slice of every global batch (Megatron's sequential sampler),
-gradients are reduced across the ranks, and only rank 0 writes the run's artifacts.
+The engine is NeMo AutoModel with FSDP2 or DDP (``strategy``; ``torch.distributed.run
+--nproc-per-node 2``, gloo on CPU): each rank reads its own slice of every global batch
+(Megatron's sequential sampler), gradients are reduced across the ranks, and only rank 0
+writes the run's artifacts, the same consolidated safetensors either way.
 
 Both runs start from the same weights (a checkpoint, as continued pretraining does): a
 fresh model's random init is not world-size independent in AutoModel 0.7 (with more than one
@@ -12,12 +13,14 @@ identical starting weights make the two curves comparable step for step.
 
 from __future__ import annotations
 
+import json
 import re
+import signal
 from collections import Counter
 
 import pytest
 
-from tests.train.helpers import read_metrics, run_trainer, tiny_config, write_config
+from tests.train.helpers import deterministic_part, read_metrics, run_trainer, tiny_config, write_config
 from workloads import checkpoint as ckpt
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*Transformer Engine and Apex")]
@@ -37,32 +40,56 @@ def _samples(stdout: str) -> dict[tuple[int, int], list[str]]:
     return found
 
 
-def test_two_gloo_ranks_match_one_process_with_the_same_global_batch(tmp_path, train_dataset, reference_run):
-    start = ckpt.best_checkpoint(reference_run["run_dir"]).path
-    overrides = dict(
+def _overrides(reference_run) -> dict:
+    return dict(
         max_steps=6,
         ckpt_every_n_steps=3,
         val_check_interval=3,
         limit_val_batches=2,
         log_every_n_steps=1,
-        init_from=str(start),
+        init_from=str(ckpt.best_checkpoint(reference_run["run_dir"]).path),
         warmup_steps=0,
         lr=1e-3,
         seed=7,  # other samples than the run the weights come from
     )
-    one_dir, two_dir = tmp_path / "one", tmp_path / "two"
-    # Global batch 8 either way: one process accumulates 2 micro batches of 4; two ranks take 4 each.
-    one = run_trainer(
-        write_config(tiny_config(train_dataset, one_dir, **overrides), tmp_path / "one.json"),
-        NEMOFLOW_TRAIN_TEST_LOG_SAMPLES="1",
-    )
-    assert one.returncode == 0, one.stdout + one.stderr
-    two = run_trainer(
-        write_config(tiny_config(train_dataset, two_dir, nproc_per_node=2, **overrides), tmp_path / "two.json"),
-        nproc=2,
-        NEMOFLOW_TRAIN_TEST_LOG_SAMPLES="1",
-    )
-    assert two.returncode == 0, two.stdout + two.stderr
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, train_dataset, reference_run):
+    """The 6-step runs, made once each on demand: ``runs("one")``, ``runs("fsdp2")``, ``runs("ddp")``.
+
+    Global batch 8 either way: one process accumulates 2 micro batches of 4; two ranks take 4 each.
+    """
+    done: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in done:
+            root = tmp_path_factory.mktemp(f"multirank-{name}")
+            if name == "one":
+                config = tiny_config(train_dataset, root / "run", **_overrides(reference_run))
+            else:
+                config = tiny_config(
+                    train_dataset, root / "run", nproc_per_node=2, strategy=name, **_overrides(reference_run)
+                )
+            proc = run_trainer(
+                write_config(config, root / "config.json"),
+                nproc=1 if name == "one" else 2,
+                NEMOFLOW_TRAIN_TEST_LOG_SAMPLES="1",
+            )
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            done[name] = (proc, root / "run", config)
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_two_gloo_ranks_match_one_process_with_the_same_global_batch(runs, strategy):
+    one, one_dir, _ = runs("one")
+    two, two_dir, _ = runs(strategy)
+    # The engine asked for is the one that ran: DDP wraps the model, FSDP2 turns it into its FSDP class.
+    wrapper = "DistributedDataParallel" if strategy == "ddp" else "FSDPLlamaForCausalLM"
+    assert f"strategy={strategy} ({wrapper}) " in two.stdout
 
     # The same loss curve (training and validation), within floating-point reduction-order tolerance.
     curve = {(m["step"], k): m[k] for m in read_metrics(one_dir) for k in ("loss", "val_loss", "grad_norm") if k in m}
@@ -91,3 +118,43 @@ def test_two_gloo_ranks_match_one_process_with_the_same_global_batch(tmp_path, t
     for info in ckpt.list_checkpoints(two_dir):
         assert ckpt.verify_manifest(info.path) == []
         assert info.meta["world_size"] == 2
+    # The same checkpoint as one process writes: the same files, tensor names, shapes and dtypes.
+    for mine, theirs in zip(ckpt.list_checkpoints(two_dir), ckpt.list_checkpoints(one_dir), strict=True):
+        assert _manifest_files(mine.path) == _manifest_files(theirs.path)
+        assert _tensors(mine.path) == _tensors(theirs.path)
+
+
+def _manifest_files(path) -> list[str]:
+    return sorted(json.loads((path / ckpt.MANIFEST).read_text())["files"])
+
+
+def _tensors(path) -> dict[str, tuple]:
+    from safetensors import safe_open
+
+    found = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as fh:
+            for key in fh.keys():
+                tensor = fh.get_slice(key)
+                found[key] = (tuple(tensor.get_shape()), tensor.get_dtype())
+    return found
+
+
+def test_two_ddp_ranks_killed_in_a_save_resume_with_the_same_numbers(tmp_path, runs):
+    """A DDP run killed inside its step-6 save resumes from step 3 and ends as the uninterrupted run."""
+    _, whole_dir, config = runs("ddp")
+    run_dir = tmp_path / "run"
+    config_path = write_config({**config, "run_dir": str(run_dir)}, tmp_path / "config.json")
+    crashed = run_trainer(config_path, nproc=2, NEMOFLOW_TRAIN_TEST_CRASH_IN_SAVE_AT_STEP="6")
+    assert crashed.returncode != 0, crashed.stdout + crashed.stderr
+    assert f"exitcode  : -{int(signal.SIGKILL)}" in crashed.stdout + crashed.stderr  # torchrun saw the kill
+    assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [3]
+
+    resumed = run_trainer(config_path, nproc=2)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "at step 3 (consumed_samples=24)" in resumed.stdout
+    assert "strategy=ddp " in resumed.stdout
+    assert deterministic_part(read_metrics(run_dir)) == deterministic_part(read_metrics(whole_dir))
+    assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [3, 6]
+    for info in ckpt.list_checkpoints(run_dir):
+        assert ckpt.verify_manifest(info.path) == []
