@@ -23,7 +23,7 @@ from infra import storage
 from infra.executors import Executor, default_executor
 from infra.jobs import ImageRef
 from infra.secrets import CredentialFree
-from infra.settings import get_settings
+from infra.settings import get_settings, redact
 from infra.sources import expand_sources
 from tasks.common import logger, result_storage
 from tasks.data import (
@@ -158,6 +158,13 @@ class PrepareConfig(BaseModel):
         return self.model_copy(update=update)
 
 
+def _describe(spec: str | list[str] | None) -> str:
+    """The sources as given (references, never their values), one line: a list shows its first entry."""
+    if isinstance(spec, list):
+        return redact(spec[0]) + (f" and {len(spec) - 1} more" if len(spec) > 1 else "") if spec else "(none)"
+    return redact(spec) if spec else "(none)"
+
+
 @flow(name="prepare-dataset", log_prints=True)
 def prepare_dataset(
     config: PrepareConfig | None = None, executor: Executor | None = None, image: ImageRef | None = None
@@ -185,8 +192,10 @@ def prepare_dataset(
     tokenize_identity = (config.tokenizer, config.json_keys, config.append_eod)
     done, refetch = settle_parts(check, groups, *tokenize_identity)
     log.info(
-        "%d source shard(s) -> %s: %d to download/extract (%d of them again: extracted file gone), %d done (%.2fs)",
+        "%d source shard(s) from %s -> %s: %d to download/extract (%d of them again: extracted file gone), "
+        "%d done (%.2fs)",
         n_shards,
+        _describe(config.sources),
         dataset_uri,
         len(check.pending),
         refetch,
