@@ -9,6 +9,7 @@ Results are small pydantic models persisted to the configured result storage.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import importlib
 import inspect
@@ -100,7 +101,11 @@ def run_job(spec: JobSpec, executor: Any = None) -> JobResult:
     if run_id and "flow-run" not in spec.labels:
         spec = spec.model_copy(update={"labels": {**spec.labels, "flow-run": run_id}})
     log.info("submitting job %s to the %s backend", spec.name, backend.name)
-    result = backend.run(spec, on_log=lambda line: log.info("%s", line))
+    # Backends call on_log from their reader threads, which do not inherit this task's context
+    # variables: Prefect's settings context among them (the API the log lines go to, when the run
+    # was started under temporary settings). Each line is logged in a copy of this context.
+    context = contextvars.copy_context()
+    result = backend.run(spec, on_log=lambda line: context.copy().run(log.info, "%s", line))
     if result.state is not JobState.COMPLETED:
         raise JobFailed(spec.name, result)
     return result
