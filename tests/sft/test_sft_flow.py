@@ -35,6 +35,7 @@ TINY_SFT = {
 @pytest.mark.prefect
 def test_sft_fine_tunes_checks_and_registers_with_the_parent(prefect_server, registry_with_base, base_model):
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     from flows.sft import SftFlowConfig, sft
     from infra import registry as reg
@@ -70,7 +71,11 @@ def test_sft_fine_tunes_checks_and_registers_with_the_parent(prefect_server, reg
 
     # artifacts in the Prefect UI: the check and the summary
     with get_client(sync_client=True) as client:
-        keys = {a.key for a in client.read_artifacts()}
+        # by key: a session's server holds more than one page of artifacts, some without a key
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sft-summary"]))
+        ) + client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="sft-check-%")))
+        keys = {a.key for a in found}
     assert "sft-summary" in keys and any(k.startswith("sft-check-") for k in keys)
 
     # a second run with nothing changed is all cached and registers nothing new
