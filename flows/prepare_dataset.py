@@ -114,9 +114,7 @@ class PrepareConfig(BaseModel):
         "what was recorded when it was downloaded; local files and GCS objects are always checked",
     )
     skip_malformed: bool = Field(False, description="count and skip malformed JSON lines instead of failing")
-    allow_empty: bool = Field(
-        False, description="tokenize a part without documents into an empty dataset instead of failing naming it"
-    )
+    allow_empty: bool = Field(False, description="write an empty dataset for an empty part instead of failing")
     max_line_bytes: int = Field(
         MAX_LINE_BYTES, ge=0, description="fail naming the file and line on a longer JSON line (0 = no limit)"
     )
