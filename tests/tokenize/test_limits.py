@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from tests.tokenize.conftest import write_jsonl
-from workloads.jsonl import MAX_LINE_BYTES
 from workloads.tokenize import InputError, TokenizerConfig, tokenize_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,7 +129,6 @@ def test_line_over_the_limit_names_file_line_and_limit(tmp_path, sp_config, kjv_
     assert outputs(tmp_path) == []
     stats = tokenize_file(str(src), str(tmp_path / "x"), sp_config, max_line_bytes=size)
     assert stats.documents == 6
-    assert MAX_LINE_BYTES >= 8 << 20  # the default takes long real documents (books, code files)
 
 
 def test_line_limit_holds_in_zst_and_without_a_final_newline(tmp_path, sp_config):
@@ -142,6 +140,21 @@ def test_line_limit_holds_in_zst_and_without_a_final_newline(tmp_path, sp_config
     plain.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps(big))  # no newline at the end
     with pytest.raises(InputError, match=rf"^{plain}:2: the line is longer"):
         tokenize_file(str(plain), str(tmp_path / "y"), sp_config, max_line_bytes=1_000_000)
+
+
+def test_default_limit_is_16_mib_and_stated_in_the_help(mixtral_tokenizer_model):
+    from workloads.jsonl import MAX_LINE_BYTES
+
+    assert MAX_LINE_BYTES == 16 << 20  # the README states this limit and its measured memory
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "nemoflow"), "preprocess", "--help"], capture_output=True, text=True
+    )
+    help_text = " ".join(proc.stdout.split())
+    assert (
+        "--max-line-bytes N refuse a line (one document) longer than N bytes (default 16,777,216; 0 = no limit)"
+        in help_text
+    )
+    assert "--allow-empty write an empty dataset for an input without documents" in help_text
 
 
 def test_tokenize_job_takes_the_limit_flags(tmp_path, mixtral_tokenizer_model):
