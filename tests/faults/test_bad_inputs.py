@@ -33,3 +33,22 @@ def test_empty_source_fails_the_tokenize_stage_naming_it_unless_allowed(prefect_
     assert state.is_completed(), state.message
     dataset = state.result()
     assert dataset.documents == 20 and len(dataset.prefixes) == 2
+
+
+@pytest.mark.prefect
+def test_line_over_the_limit_fails_the_tokenize_stage_naming_shard_line_and_limit(prefect_server, work_dir, tmp_path):
+    """max_line_bytes reaches the tokenize job through PrepareConfig; the error names the source shard's line."""
+    src = tmp_path / "long.jsonl"
+    lines = [json.dumps({"text": f"verse {i}"}) for i in range(10)]
+    lines[6] = json.dumps({"text": "word " * 400})  # ~2 kB on line 7
+    src.write_text("\n".join(lines) + "\n")
+    config = PrepareConfig(name="long-line", sources=[str(src)], max_line_bytes=1000)
+    state = prepare_dataset(config, return_state=True)
+    assert state.is_failed(), state.message
+    with pytest.raises(
+        Exception, match=r"\S*/extracted/long\.jsonl:7: the line is longer than the limit of 1,000 bytes"
+    ):
+        state.result()
+    state = prepare_dataset(config.model_copy(update={"max_line_bytes": 4096}), return_state=True)
+    assert state.is_completed(), state.message
+    assert state.result().documents == 10
