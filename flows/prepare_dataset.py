@@ -44,6 +44,7 @@ from tasks.data import (
 )
 from tasks.refs import DatasetRef, TokenizerRef
 from workloads.fetch_array import FetchOptions
+from workloads.jsonl import MAX_LINE_BYTES
 from workloads.shard_manifest import index_manifest, read_progress
 from workloads.shards import group
 
@@ -114,6 +115,10 @@ class PrepareConfig(BaseModel):
         "what was recorded when it was downloaded; local files and GCS objects are always checked",
     )
     skip_malformed: bool = Field(False, description="count and skip malformed JSON lines instead of failing")
+    allow_empty: bool = Field(False, description="write an empty dataset for an empty part instead of failing")
+    max_line_bytes: int = Field(
+        MAX_LINE_BYTES, ge=0, description="fail naming the file and line on a longer JSON line (0 = no limit)"
+    )
     delete_compressed: bool = Field(False, description="delete .zst downloads after successful extraction")
     blend_alpha: float = Field(1.0, gt=0, description="weight = size**alpha / sum (NeMo auto_blend's blending_alpha)")
 
@@ -240,6 +245,8 @@ def prepare_dataset(
             config.workers,
             config.skip_malformed,
             n=len(keys),
+            allow_empty=config.allow_empty,
+            max_line_bytes=config.max_line_bytes,
             executor=executor,
             image=image,
         )

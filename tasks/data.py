@@ -61,6 +61,7 @@ from infra.settings import get_settings
 from tasks.common import CodeVersion, cache_policy, code_fingerprint, logger, run_job
 from tasks.refs import DatasetRef, TokenizerRef
 from workloads.fetch_array import FetchOptions, FetchPlan
+from workloads.jsonl import MAX_LINE_BYTES
 from workloads.shard_manifest import (
     ShardEntry,
     index_manifest,
@@ -583,6 +584,8 @@ def tokenize_parts(
     n: int,
     executor: Executor | Any = None,
     image: ImageRef | None = None,
+    allow_empty: bool = False,
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> list[TokenizedPart]:
     """Concatenate and tokenize the parts of ``todo`` not already tokenized with the same identity, as
     ONE array job where the executor says; then read every part's result. Parts finished by an
@@ -618,6 +621,8 @@ def tokenize_parts(
             append_eod=append_eod,
             workers=workers,
             skip_malformed=skip_malformed,
+            allow_empty=allow_empty,
+            max_line_bytes=max_line_bytes,
         )
         storage.write_json(plan_uri, plan.model_dump(mode="json"))
         tokenizer_files = [f for f in (tokenizer.model, tokenizer.vocab_file, tokenizer.merge_file) if f]

@@ -74,6 +74,84 @@ def check_prefixes(blend: list) -> list[str]:
     return prefixes
 
 
+SPLIT_NAMES = ("train", "validation", "test")
+
+
+def sequence_count(prefix: str) -> int:
+    """Sequences in a Megatron ``.idx`` (its header only: a path or a gs:// object)."""
+    from infra import storage
+
+    with storage.open_read(prefix + ".idx") as fh:
+        header = fh.read(34)
+    if len(header) < 34 or header[:9] != b"MMIDIDX\x00\x00":
+        raise ValueError(f"{prefix}.idx is not a Megatron index (bad magic or truncated header)")
+    return int.from_bytes(header[18:26], "little")
+
+
+def split_counts(sequences: int, split: str) -> list[int | None]:
+    """Sequences of a prefix in each of Megatron's (train, validation, test) splits, exactly as
+    megatron-core's ``BlendedMegatronDatasetBuilder`` (and NeMo AutoModel's copy) cut them
+    (None: a split with no share, which is not built).
+
+    >>> split_counts(5, "98,1,1"), split_counts(100, "98,1,1"), split_counts(5, "80,20,0")
+    ([5, 0, 0], [98, 1, 1], [4, 1, None])
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    return [
+        None if bounds is None else int(round(bounds[1] * float(sequences))) - int(round(bounds[0] * float(sequences)))
+        for bounds in matrix
+    ]
+
+
+SPLIT_FIXES = {
+    "train": "give the train share more weight",
+    "validation": "give the validation share more weight (each prefix needs at least one validation document), "
+    "set valid_data_prefix to a separate validation set, or set limit_val_batches=0",
+    "test": "give the test share more weight, or none (e.g. '90,10,0')",
+}
+
+
+def check_splits(
+    data_prefix: list, split: str, splits: tuple[str, ...] = SPLIT_NAMES, valid_data_prefix: list | None = None
+) -> None:
+    """Refuse, before any dataset is built, a split that leaves a prefix without documents.
+
+    A split of a prefix with no tokens makes megatron-core's ``GPTDataset._get_num_epochs``
+    (and NeMo AutoModel's copy) loop forever at 100% CPU, even when no sample is asked of it:
+    it adds epochs of 0 tokens until it reaches the tokens asked for. That is what a small
+    refresh (4 shards of 4-5 long documents, split 98,1,1: every validation share rounds to 0
+    documents) did. ``splits``: the splits that will be built (megatron-core builds every split
+    with a share; AutoModel's MegatronPretraining only the one it is asked for).
+    """
+    prefixes, _ = parse_blend(data_prefix)
+    if valid_data_prefix:
+        # blend_per_split: each blend is read whole for its own split
+        wanted = [("data_prefix", p, "train") for p in prefixes if "train" in splits]
+        if "validation" in splits:
+            wanted += [("valid_data_prefix", p, "validation") for p in parse_blend(valid_data_prefix)[0]]
+        for blend, prefix, name in wanted:
+            if sequence_count(prefix) == 0:
+                raise ValueError(
+                    f"{blend} prefix {prefix} has no documents, so the {name} data would be empty "
+                    "(and building its index would never finish): tokenize non-empty data for it"
+                )
+        return
+    for prefix in prefixes:
+        total = sequence_count(prefix)
+        counts = split_counts(total, split)
+        for i, name in enumerate(SPLIT_NAMES):
+            if name in splits and counts[i] == 0:
+                raise ValueError(
+                    f"split {split!r} leaves the {name} split of {prefix} ({total} document(s)) with no documents, "
+                    f"and building its index would never finish: {SPLIT_FIXES[name]}"
+                )
+
+
 def ensure_process_group() -> None:
     import torch.distributed as dist
 
@@ -106,6 +184,7 @@ def build_datasets(
     check_prefixes(data_prefix)
     if valid_data_prefix:
         check_prefixes(valid_data_prefix)
+    check_splits(data_prefix, split, valid_data_prefix=valid_data_prefix)
     ensure_process_group()
     tokenizer = SentencePieceInfo(tokenizer_model)
     os.makedirs(cache_dir, exist_ok=True)

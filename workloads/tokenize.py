@@ -30,7 +30,12 @@ are skipped (Megatron stops with a JSONDecodeError); malformed JSON, a missing
 key, a value that is not a string (or list of strings) and bytes that are not
 UTF-8 stop the run with ``file:line`` in the message (Megatron reads the file
 as UTF-8 text and fails without a line number), or, with ``skip_malformed``,
-the whole record is skipped for every key and counted.
+the whole record is skipped for every key and counted. An input that gives no
+tokens for a key (an empty file, only blank lines, every record skipped, or
+every text empty) is an error naming it unless ``allow_empty`` (Megatron
+writes an empty dataset, which training cannot use: megatron-core loops
+forever building its index). A line over ``max_line_bytes`` (16 MiB by
+default) is an error naming file, line and limit (see workloads/jsonl.py).
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from workloads.indexed_dataset import DType, IndexedDatasetWriter, bin_path, idx_path
-from workloads.jsonl import InputError, iter_line_batches, parse_line
+from workloads.jsonl import MAX_LINE_BYTES, InputError, iter_line_batches, parse_line
 from workloads.tokenizers import (
     TOKENIZER_TYPES,
     Tokenizer,
@@ -77,6 +82,9 @@ log = logging.getLogger("nemoflow.tokenize")
 
 BATCH_BYTES = 4 << 20
 MAX_REPORTED_MALFORMED = 20
+# The continuous fast-path check re-encodes one document per batch with the reference; a document
+# longer than this is not picked (sentencepiece takes ~50 bytes of memory per byte of text).
+CHECK_MAX_CHARS = 1 << 20
 
 
 class OutputError(ValueError):
@@ -136,10 +144,10 @@ def _extract(obj: dict, key: str, path: str, line_no: int) -> str | list[str]:
 
 
 def _parse_batches(
-    path: str, json_keys: Sequence[str], skip_malformed: bool, batch_bytes: int
+    path: str, json_keys: Sequence[str], skip_malformed: bool, batch_bytes: int, max_line_bytes: int = MAX_LINE_BYTES
 ) -> Iterator[ParsedBatch]:
     nkeys = len(json_keys)
-    for lines in iter_line_batches(path, batch_bytes):
+    for lines in iter_line_batches(path, batch_bytes, max_line_bytes):
         batch = ParsedBatch(texts=[[] for _ in json_keys], sentences=[None] * nkeys)
         batch.raw_bytes, batch.read_bytes = lines.raw_bytes, lines.read_bytes
         for line, line_no in zip(lines.lines, lines.line_numbers):
@@ -228,8 +236,13 @@ def _encode(tok: Tokenizer, texts: list[str], rng: random.Random, check: bool) -
         lengths = np.fromiter((p.size for p in pieces), dtype=np.int64, count=len(pieces))
         flat = np.concatenate(pieces) if pieces else flat
     if check:
-        # A cheap, continuous guard: one document per batch against the reference.
+        # A cheap, continuous guard: one document per batch against the reference (a short one).
         i = rng.randrange(len(texts))
+        if len(texts[i]) > CHECK_MAX_CHARS:
+            short = [j for j, t in enumerate(texts) if len(t) <= CHECK_MAX_CHARS]
+            if not short:
+                return flat, lengths
+            i = short[i % len(short)]
         end = int(np.sum(lengths[: i + 1]))
         got = flat[end - int(lengths[i]) : end].tolist()
         if got != reference.encode(texts[i]):
@@ -277,6 +290,8 @@ def tokenize_file(
     skip_malformed: bool = False,
     progress: Callable[[int], None] | None = None,
     batch_bytes: int = BATCH_BYTES,
+    allow_empty: bool = False,
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> TokenizeStats:
     """Tokenize ``input_path`` into ``{output_prefix}_{key}_document.bin/.idx`` for each key.
 
@@ -284,7 +299,8 @@ def tokenize_file(
     then uploaded, ``.bin`` before ``.idx``). ``progress`` is called after each
     batch with the input bytes consumed so far (compressed bytes for ``.zst``,
     comparable with the file size). Nothing appears under the final names
-    unless every key was written completely.
+    unless every key was written completely. An input without tokens for a key is an
+    ``InputError`` unless ``allow_empty``; a line over ``max_line_bytes`` (0: no limit) too.
     """
     from infra import storage
 
@@ -312,7 +328,10 @@ def tokenize_file(
         )
         _check_output_dir(os.path.dirname(local_prefix) or ".", output_prefix)
         try:
-            stats = _run(input_path, local_prefix, tok, json_keys, append_eod, skip_malformed, progress, batch_bytes)
+            limits = Limits(allow_empty, max_line_bytes)
+            stats = _run(
+                input_path, local_prefix, tok, json_keys, append_eod, skip_malformed, progress, batch_bytes, limits
+            )
         except _FastPathDisagrees as exc:
             log.warning(
                 "gigatoken disagreed with %s on %r...; redoing %s with %s",
@@ -322,7 +341,15 @@ def tokenize_file(
                 tok.reference.backend,
             )
             stats = _run(
-                input_path, local_prefix, tok.reference, json_keys, append_eod, skip_malformed, progress, batch_bytes
+                input_path,
+                local_prefix,
+                tok.reference,
+                json_keys,
+                append_eod,
+                skip_malformed,
+                progress,
+                batch_bytes,
+                limits,
             )
         if remote:
             for key in json_keys:
@@ -360,6 +387,29 @@ def _writing(prefix: str) -> Iterator[None]:
         raise OutputError(f"cannot write {prefix}.bin/.idx: {exc.strerror or exc}") from exc
 
 
+@dataclass(frozen=True)
+class Limits:
+    allow_empty: bool = False
+    max_line_bytes: int = MAX_LINE_BYTES
+
+
+def _check_not_empty(
+    input_path: str, json_keys: Sequence[str], writers: list[IndexedDatasetWriter], documents: int, malformed: int
+) -> None:
+    """An input that gives a key no tokens makes a dataset training cannot use: say why, naming it."""
+    if documents == 0 and malformed:
+        why = f"all {malformed} record(s) were malformed and skipped"
+    elif documents == 0:
+        why = "holds no documents (the file is empty or has only blank lines)"
+    else:
+        empty = [key for key, w in zip(json_keys, writers) if w.tokens == 0]
+        if not empty:
+            return
+        keys = ", ".join(repr(k) for k in empty)
+        why = f"its {documents} document(s) have no text under {keys}"
+    raise InputError(f"{input_path}: {why}; nothing was written (pass --allow-empty to write an empty dataset)")
+
+
 def _run(
     input_path: str,
     local_prefix: str,
@@ -369,6 +419,7 @@ def _run(
     skip_malformed: bool,
     progress: Callable[[int], None] | None,
     batch_bytes: int,
+    limits: Limits = Limits(),
 ) -> TokenizeStats:
     start = time.perf_counter()
     dtype = DType.for_vocab_size(tok.vocab_size)
@@ -383,7 +434,8 @@ def _run(
         for key in json_keys:
             with _writing(prefixes[key]):
                 writers.append(IndexedDatasetWriter(prefixes[key], dtype))
-        for batch in _threaded(_parse_batches(input_path, json_keys, skip_malformed, batch_bytes)):
+        batches = _parse_batches(input_path, json_keys, skip_malformed, batch_bytes, limits.max_line_bytes)
+        for batch in _threaded(batches):
             for k, writer in enumerate(writers):
                 flat, lengths = _encode(tok, batch.texts[k], rng, check=True)
                 tokens, seq_lengths, seqs_per_doc = _assemble(flat, lengths, batch.sentences[k], batch.documents, eod)
@@ -395,6 +447,8 @@ def _run(
             malformed.extend(batch.malformed[: max(0, MAX_REPORTED_MALFORMED - len(malformed))])
             if progress is not None:
                 progress(batch.read_bytes)
+        if not limits.allow_empty:
+            _check_not_empty(input_path, json_keys, writers, documents, malformed_count)
         for writer in writers:
             with _writing(writer.prefix):
                 writer.prepare()
@@ -479,6 +533,19 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip-malformed",
         action="store_true",
         help="skip (and count) records that are not valid JSON / UTF-8 or lack a key, instead of stopping",
+    )
+    group.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="write an empty dataset for an input without documents (or text) instead of stopping with an error",
+    )
+    group.add_argument(
+        "--max-line-bytes",
+        type=int,
+        default=MAX_LINE_BYTES,
+        metavar="N",
+        help=f"refuse a line (one document) longer than N bytes (default {MAX_LINE_BYTES:,}; 0 = no limit): "
+        "memory grows with the longest line",
     )
 
 
@@ -598,6 +665,8 @@ def main(argv: list[str] | None = None) -> int:
                 workers=args.workers,
                 skip_malformed=args.skip_malformed,
                 progress=StderrProgress(path),
+                allow_empty=args.allow_empty,
+                max_line_bytes=args.max_line_bytes,
             )
             print(stats.model_dump_json(), flush=True)
     except (ValueError, FileNotFoundError, PermissionError) as exc:

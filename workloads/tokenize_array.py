@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field
 
 from infra import storage
 from infra.jobs import ARRAY_INDEX_ENV, ExitCode
+from workloads.jsonl import MAX_LINE_BYTES
 
 
 class TokenizedPart(BaseModel):
@@ -62,6 +63,8 @@ class TokenizePlan(BaseModel):
     append_eod: bool = True
     workers: int = 1
     skip_malformed: bool = False
+    allow_empty: bool = False  # an input without documents is an error naming it, unless this
+    max_line_bytes: int = MAX_LINE_BYTES  # a longer line (one document) is an error naming it; 0 = no limit
 
 
 def stats_uri(prefix: str) -> str:
@@ -101,6 +104,10 @@ def _naming_shard_line(error: Exception, item: PlanItem) -> str:
     """ "part-00001.jsonl:7302: ..." would send a person hunting: name the shard and its own line."""
     match = re.match(r"^(.*?):(\d+): (.*)$", str(error), re.S)
     if not match or match.group(1) != item.input:
+        prefix = f"{item.input}: "
+        if item.inputs and str(error).startswith(prefix):  # about the whole part (e.g. empty): name its shards
+            shards = ", ".join(item.inputs[:3]) + (f" and {len(item.inputs) - 3} more" if len(item.inputs) > 3 else "")
+            return f"{item.input} (joining {shards}): {str(error)[len(prefix) :]}"
         return str(error)
     line = int(match.group(2))
     for shard in item.inputs:
@@ -131,6 +138,8 @@ def tokenize_item(plan: TokenizePlan, item: PlanItem, log=print) -> list[Tokeniz
         append_eod=plan.append_eod,
         workers=plan.workers,
         skip_malformed=plan.skip_malformed,
+        allow_empty=plan.allow_empty,
+        max_line_bytes=plan.max_line_bytes,
     )
     seconds = time.monotonic() - started
     parts = []

@@ -64,7 +64,12 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 from infra import storage  # noqa: E402 - after the warnings filter
 from workloads import checkpoint as ckpt  # noqa: E402 - see above
 from workloads import staging  # noqa: E402 - see above
-from workloads.data_loader import DatasetMissingError, SentencePieceInfo, check_prefixes  # noqa: E402 - see above
+from workloads.data_loader import (  # noqa: E402 - see above
+    DatasetMissingError,
+    SentencePieceInfo,
+    check_prefixes,
+    check_splits,
+)
 from workloads.train_config import (  # noqa: E402 - see above
     EXIT_BAD_CONFIG,
     EXIT_OUT_OF_MEMORY,
@@ -665,6 +670,13 @@ def check_launch(config: TrainConfig, world_size: int, cuda: bool, device_count:
         )
 
 
+def check_data_splits(config: TrainConfig) -> None:
+    """Before AutoModel builds the datasets: every split it builds (train; validation when
+    limit_val_batches > 0) has documents of every prefix, or its index builder never returns."""
+    splits = ("train", "validation") if config.limit_val_batches > 0 else ("train",)
+    check_splits(config.data_prefix, config.split, splits, config.valid_data_prefix)
+
+
 def train(config: TrainConfig) -> int:
     rank, _, world_size = launch_world()
     if not config.data_prefix or not config.tokenizer_model:
@@ -683,6 +695,7 @@ def train(config: TrainConfig) -> int:
     check_prefixes(config.data_prefix)
     if config.valid_data_prefix:
         check_prefixes(config.valid_data_prefix)
+    check_data_splits(config)
     tokenizer = SentencePieceInfo(config.tokenizer_model)
     vocab_size = config.vocab_size or tokenizer.vocab_size
     if rank == 0:
@@ -814,6 +827,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             plan = check_parallelism(config)
             check_prefixes(config.data_prefix)
+            check_data_splits(config)
             print(json.dumps(plan.__dict__))
             return 0
         return train(config)

@@ -52,6 +52,8 @@ def run(args) -> int:
         workers=args.workers,
         skip_malformed=args.skip_malformed,
         progress=StderrProgress(args.input),
+        allow_empty=args.allow_empty,
+        max_line_bytes=args.max_line_bytes,
     )
     skipped = f", skipped {stats.malformed_skipped} malformed record(s)" if stats.malformed_skipped else ""
     print(

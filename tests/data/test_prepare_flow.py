@@ -174,15 +174,41 @@ def open_jsonl_zst_lines(root):
 
 
 def test_corrupt_shard_is_fetched_again_once_then_fails_naming_it(prefect_server, work_dir, tmp_path):
-    source = tmp_path / "src"
-    files = write_slimpajama_layout(source, chunks=1, shards_per_chunk=1)
-    data = files[0].read_bytes()
-    files[0].write_bytes(data[: len(data) // 2])  # a truncated archive at the source itself
-    config = PrepareConfig(name="corrupt", sources=str(files[0]))
-    state = prepare_dataset(config, return_state=True)
-    assert state.is_failed()
-    with pytest.raises(Exception, match="example_train_0"):
-        state.result()
+    """A complete download that does not extract is fetched again exactly once: a fresh copy that
+    extracts is used; one that is still corrupt fails the shard, naming it."""
+    root = tmp_path / "site"
+    files = write_slimpajama_layout(root, chunks=1, shards_per_chunk=2)
+    path = "/train/chunk1/example_train_0.jsonl.zst"
+    good = files[0].read_bytes()
+    corrupt = good[: len(good) // 2]  # a truncated archive, served whole (its length is the full response)
+    assert files[0] == root / path.lstrip("/")
+
+    # 1. corrupt on the first download only: the second (the re-fetch) is good and the flow completes
+    files[0].write_bytes(corrupt)
+    with FaultServer(root) as server:
+        server.add_faults(path, Fault(), Fault(before=lambda: files[0].write_bytes(good)))
+        config = PrepareConfig(
+            name="refetched",
+            sources=server.url("/train/chunk{chunk}/example_train_{shard}.jsonl.zst"),
+            chunks="1",
+            shards="0-1",
+        )
+        dataset, _ = _run(config)
+        assert server.count(path, "GET") == 2  # the first download and exactly one re-fetch
+        assert server.count("/train/chunk1/example_train_1.jsonl.zst", "GET") == 1
+    expected_docs = sum(1 for _ in open_jsonl_zst_lines(root))
+    assert dataset.documents == expected_docs  # the re-fetched shard's documents are all there
+
+    # 2. corrupt at the source itself: the re-fetch is corrupt too, and the shard fails naming itself
+    files[0].write_bytes(corrupt)
+    with FaultServer(root) as server:
+        config = PrepareConfig(name="corrupt", sources=server.url(path))
+        state = prepare_dataset(config, return_state=True)
+        assert state.is_failed()
+        with pytest.raises(Exception, match=r"shard \S*example_train_0\S* is corrupt even after a fresh download"):
+            state.result()
+        gets = server.count(path, "GET")
+    assert gets == 2, f"{gets} downloads: expected the first and one re-fetch"
 
 
 def test_malformed_line_names_file_and_line_and_finished_parts_survive(prefect_server, work_dir, tmp_path):

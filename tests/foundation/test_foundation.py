@@ -159,14 +159,19 @@ def test_uri_forms(tmp_path):
 
 
 def test_unwritable_directory_is_named(tmp_path):
-    if os.geteuid() == 0:
-        target = "/proc/nemoflow-cannot-write"
-    else:
-        target = str(tmp_path / "ro")
-        os.makedirs(target)
-        os.chmod(target, 0o500)
-    with pytest.raises(storage.StorageError, match="nemoflow-cannot-write|ro"):
-        storage.ensure_writable(target)
+    """Both ways ensure_writable fails name the directory: it cannot be created, or it cannot be written."""
+    from tests.support.tmpfs import tmpfs
+
+    missing = "/proc/nemoflow-cannot-write/run"  # /proc refuses new directories, even to root
+    with pytest.raises(storage.StorageError) as info:
+        storage.ensure_writable(missing)
+    assert str(info.value).startswith(f"cannot create directory {missing}: "), info.value
+    # an existing directory on a read-only file system (chmod does not stop root; a ro mount does)
+    with tmpfs(tmp_path / "ro", "size=1m,ro") as ro:
+        with pytest.raises(storage.StorageError) as info:
+            storage.ensure_writable(str(ro))
+        assert str(info.value).startswith(f"directory {ro} is not writable: "), info.value
+        assert "Read-only file system" in str(info.value)
 
 
 @pytest.mark.gcs

@@ -14,9 +14,33 @@ from tasks.image import stage
 
 
 @pytest.mark.prefect
+def run_artifacts(flow_run_id, key: str = "staged-image") -> list[str]:
+    """The artifacts ``key`` made by ONE flow run (not the newest of that key on the server: other
+    tests stage the same image, with the same checksum)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+            )
+        )
+    return [a.data for a in artifacts]
+
+
+def stage_image_runs() -> set:
+    """Ids of the runs of the `nemoflow stage-image` command's flow."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["stage-image"])), limit=200)
+    return {r.id for r in runs}
+
+
 def test_task_caches_on_source_checksum_and_publishes_artifact(prefect_server, served, tmp_path):
     from prefect import flow
-    from prefect.artifacts import Artifact
 
     from tasks.image import stage_image
 
@@ -30,14 +54,16 @@ def test_task_caches_on_source_checksum_and_publishes_artifact(prefect_server, s
         second = stage_image(url, dest=dest, executor="slurm", return_state=True)
         return first, second
 
-    first, second = twice()
+    state = twice(return_state=True)
+    first, second = state.result()
     assert first.name == "Completed" and second.name == "Cached"
     ref = second.result()
     assert isinstance(ref, ImageRef) and ref.kind == "sqsh"
     assert ref.checksum == "md5:" + hashlib.md5((root / "nemo-test.sqsh").read_bytes()).hexdigest()
     assert server.count("/nemo-test.sqsh", "GET") == 1
-    artifact = Artifact.get("staged-image")
-    assert artifact is not None and ref.checksum in artifact.data and "| kind | sqsh |" in artifact.data
+    artifacts = run_artifacts(state.state_details.flow_run_id)
+    assert len(artifacts) == 1, artifacts  # the first call made it; the cached one did not copy anything
+    assert ref.checksum in artifacts[0] and "| kind | sqsh |" in artifacts[0]
 
     # Deleting the staged copy changes the key: the next run stages it again instead of trusting the cache.
     (tmp_path / "images" / "nemo-test.sqsh").unlink()
@@ -118,17 +144,17 @@ def test_cli_help_explains():
 
 @pytest.mark.prefect
 def test_cli_runs_the_task_in_a_flow(prefect_server, served, tmp_path, capsys):
-    from prefect.artifacts import Artifact
-
     from nemoflow.cli import main
 
     server, _ = served
     dest = tmp_path / "images"
+    before = stage_image_runs()
     assert main(["stage-image", server.url("nemo-test.sqsh"), "--dest", str(dest), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["uri"] == str(dest / "nemo-test.sqsh")
-    artifact = Artifact.get("staged-image")
-    assert artifact is not None and out["checksum"] in artifact.data
+    (run,) = stage_image_runs() - before  # the command ran one flow run...
+    artifacts = run_artifacts(run)  # ...which published the staged image's artifact
+    assert len(artifacts) == 1 and out["checksum"] in artifacts[0] and str(dest / "nemo-test.sqsh") in artifacts[0]
 
 
 @pytest.mark.prefect

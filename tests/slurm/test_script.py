@@ -132,20 +132,36 @@ def test_signal_is_forwarded_to_the_workload():
 
 
 def test_signal_forwarding_really_reaches_the_child(tmp_path):
-    """Run the rendered script with bash (no Slurm needed): USR1 to the shell reaches the workload."""
-    marker = tmp_path / "got-usr1"
-    code = f"import signal,time,sys; signal.signal(signal.SIGUSR1, lambda *a: (open('{marker}','w').close(), sys.exit(7))); time.sleep(30)"
+    """Run the rendered script with bash (no Slurm needed): USR1 to the shell reaches the workload.
+
+    The signal goes to the shell only once the workload says its handler is installed (a ready
+    file), not after a fixed sleep: on a loaded machine python may not have started after 1 s."""
+    import time
+
+    marker, ready = tmp_path / "got-usr1", tmp_path / "ready"
+    code = (
+        "import signal,time,sys; "
+        f"signal.signal(signal.SIGUSR1, lambda *a: (open('{marker}','w').close(), sys.exit(7))); "
+        f"open('{ready}','w').close(); time.sleep(30)"
+    )
     spec = JobSpec(name="sig", command=["python3", "-c", code])
     _, script = render(spec, signal="B:USR1@60")
     path = tmp_path / "job.sh"
     path.write_text(script)
     proc = subprocess.Popen(["bash", str(path)])
-    import time
-
-    time.sleep(1.0)
-    proc.send_signal(10)  # SIGUSR1
-    assert proc.wait(timeout=20) == 7
-    assert marker.exists()
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert proc.poll() is None, f"the job script ended ({proc.returncode}) before the workload was ready"
+            assert time.monotonic() < deadline, "the workload never started"
+            time.sleep(0.05)
+        proc.send_signal(10)  # SIGUSR1, to the batch shell only (as sbatch --signal=B: sends it)
+        assert proc.wait(timeout=20) == 7  # the workload's own exit code: it got the signal and handled it
+        assert marker.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_bad_options_name_the_value():
