@@ -12,6 +12,7 @@ import pytest
 from infra import registry as reg
 from infra import storage
 from tests.conftest import REPO, VENV_BIN
+from tests.support import fault_ledger
 
 
 def _record(model_id: str, parent: str | None = None, loss: float = 5.0) -> reg.ModelRecord:
@@ -101,6 +102,7 @@ def test_concurrent_writers_never_lose_an_update(tmp_path):
     state = r.read()
     assert not errors
     assert len(state.models) == 9 and state.generation == 9
+    fault_ledger.record("registry: 8 writers at once", injected=8, survived=8)
 
 
 def test_registry_on_gcs(gcs_bucket):

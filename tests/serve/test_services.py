@@ -15,6 +15,7 @@ import pytest
 from infra import services
 from infra.jobs import ServiceSpec
 from tests.conftest import free_port
+from tests.support import fault_ledger
 
 STANDINS = str(Path(__file__).with_name("standins.py"))
 
@@ -48,6 +49,7 @@ def test_busy_port_fails_before_starting_anything(work_dir, cleanup, tmp_path):
     assert not (tmp_path / "logs").exists(), "the command was started although the port was busy"
     assert not marker.exists()
     assert services.list_services() == []
+    fault_ledger.record("port clash when starting a server", injected=1, survived=1)
 
 
 def test_never_ready_times_out_with_log_tail_and_leaves_nothing(work_dir, cleanup, tmp_path):

@@ -20,6 +20,7 @@ from collections import Counter
 
 import pytest
 
+from tests.support import fault_ledger
 from tests.train.helpers import deterministic_part, read_metrics, run_trainer, tiny_config, write_config
 from workloads import checkpoint as ckpt
 
@@ -158,3 +159,4 @@ def test_two_ddp_ranks_killed_in_a_save_resume_with_the_same_numbers(tmp_path, r
     assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [3, 6]
     for info in ckpt.list_checkpoints(run_dir):
         assert ckpt.verify_manifest(info.path) == []
+    fault_ledger.record("2-rank DDP training job SIGKILLed mid-checkpoint", injected=1, survived=1)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import fault_ledger
 from tests.train.helpers import (
     REPO,
     deterministic_part,
@@ -147,6 +148,7 @@ def test_preempted_then_killed_then_resumed_matches_uninterrupted(tmp_path, trai
     # Same data order, optimizer, schedule and RNG: the numbers of the uninterrupted run, bit for bit on CPU.
     # (AutoModel does not validate on a pre-emption checkpoint, so there is no extra val_loss either.)
     assert deterministic_part(read_metrics(run_dir)) == deterministic_part(reference_run["metrics"])
+    fault_ledger.record("training job SIGTERMed (pre-emption), then SIGKILLed mid-step", injected=2, survived=2)
 
 
 @pytest.mark.slow
@@ -165,6 +167,7 @@ def test_crash_during_save_leaves_no_complete_checkpoint(tmp_path, train_dataset
     assert "at step 4 (consumed_samples=32)" in resumed.stdout
     assert not (half / ".incomplete").exists()
     assert deterministic_part(read_metrics(run_dir)) == deterministic_part(reference_run["metrics"])
+    fault_ledger.record("training job SIGKILLed mid-checkpoint", injected=1, survived=1)
 
 
 def test_out_of_memory_exits_75_and_backend_reports_it(tmp_path, train_dataset):
