@@ -19,6 +19,7 @@ from flows.prepare_dataset import PrepareConfig, prepare_dataset
 from infra import storage
 from tasks.data import auto_blend_text, blend_weights
 from tasks.refs import TokenizerRef
+from tests.support import fault_ledger
 from tests.support.fault_server import Fault, FaultServer
 from workloads.demo_data import write_slimpajama_layout
 from workloads.shard_manifest import read_manifest
@@ -209,6 +210,7 @@ def test_corrupt_shard_is_fetched_again_once_then_fails_naming_it(prefect_server
             state.result()
         gets = server.count(path, "GET")
     assert gets == 2, f"{gets} downloads: expected the first and one re-fetch"
+    fault_ledger.record("corrupted shard (once, then at the source)", injected=2, survived=2)
 
 
 def test_malformed_line_names_file_and_line_and_finished_parts_survive(prefect_server, work_dir, tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import fault_ledger
 from workloads import checkpoint as ckpt
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Transformer Engine and Apex")
@@ -104,6 +105,7 @@ def test_corrupted_file_fails_checksum(trained, tmp_path):
     assert checks["files_complete"]["passed"]
     assert not checks["checksums"]["passed"]
     assert f"{WEIGHTS}: sha256" in checks["checksums"]["detail"]
+    fault_ledger.record("corrupted checkpoint file (one flipped byte)", injected=1, survived=1)
 
 
 def test_missing_file_fails_completeness(trained, tmp_path):
