@@ -48,6 +48,7 @@ Exit codes: 0 done, 2 bad configuration / missing data / unwritable run_dir,
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
@@ -834,11 +835,45 @@ def main(argv: list[str] | None = None) -> int:
     except (ParallelismError, DatasetMissingError, PermissionError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_CONFIG
+    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if not _disk_full(exc):
+            raise
+        # One line after the traceback: what happened and what to do (the incomplete save is never a checkpoint).
+        print(
+            f"error: no space left on the device holding the run directory ({exc.__class__.__name__} while "
+            "writing); the last complete checkpoint is kept: free space (or move run_dir) and run again to resume",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     finally:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """ENOSPC anywhere in the exception's chain, or in torch.distributed.checkpoint's per-rank failures."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if "[Errno 28]" in str(e):  # DCP wraps the ranks' exceptions, keeping their text
+            return True
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        for failure in (getattr(e, "failures", None) or {}).values():  # DCP's CheckpointException: rank -> error
+            inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", failure)
+            if isinstance(inner, BaseException):
+                todo.append(inner)
+            elif "[Errno 28]" in str(failure):
+                return True
+    return False
 
 
 if __name__ == "__main__":
