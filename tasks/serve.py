@@ -57,7 +57,8 @@ class EngineOptions(BaseModel):
 
     engine: Literal["auto", "builtin", "vllm", "triton"] = Field(
         "auto",
-        description="auto: vLLM's OpenAI server when the server has GPUs, else the built-in CPU engine; "
+        description="auto: on a server with GPUs, vLLM's OpenAI server where vLLM is installed, else the built-in "
+        "engine on the GPU (decided on the node); without GPUs the built-in engine on CPU; "
         "triton: NeMo's Triton deploy script (in the NeMo container)",
     )
     max_input_len: int | None = Field(None, ge=1, description="longest prompt in tokens (vllm, triton)")
@@ -73,7 +74,7 @@ class EngineOptions(BaseModel):
     def resolved_engine(self, resources: Resources) -> str:
         if self.engine != "auto":
             return self.engine
-        return "vllm" if resources.gpus_per_node else "builtin"
+        return "auto" if resources.gpus_per_node else "builtin"  # with GPUs the node decides (workloads.serve)
 
     def args(self, resources: Resources, keyed: bool, public: bool) -> list[str]:
         """The server's engine, sizing and authentication options."""

@@ -5,28 +5,37 @@ refresh read the consolidated directory, which is the checkpoint they are handed
 
     <run_dir>/checkpoints/                      AutoModel's checkpoint_dir
         epoch_0_step_49/                        one AutoModel checkpoint, taken after 50 optimizer steps
-            model/consolidated/                 THE checkpoint nemoflow hands on (CheckpointInfo.path):
+            meta.json                           nemoflow's record of the save: step, val_loss, train_loss,
+                                                consumed_samples, tokens_seen, arch, data_prefix, split,
+                                                seq_length, seed, init_from, world_size (written at save time)
+            model/shard-*.safetensors, model/.hf_metadata/, optim/, dataloader/, rng/, step_scheduler.pt,
+            losses.json, config.yaml            AutoModel's sharded resume state (torch.distributed.checkpoint,
+                                                written in the background; resume is automatic)
+            model/consolidated/                 THE checkpoint nemoflow hands on (CheckpointInfo.path), made for
+                                                the checkpoints that need it (the best and the last of a run)
+                                                after training, by a separate process (workloads/consolidate.py):
                 config.json, generation_config.json,
                 model-0000i-of-0000n.safetensors,
                 model.safetensors.index.json    AutoModel's consolidated Hugging Face export
                                                 (AutoModelForCausalLM.from_pretrained loads it as it is)
                 tokenizer.model                 copy of the sentencepiece model the data was tokenized with
-                meta.json                       step, val_loss, train_loss, consumed_samples, tokens_seen, arch,
-                                                data_prefix, split, seq_length, seed, init_from, world_size
+                meta.json                       the step directory's meta.json
                 MANIFEST.json                   written LAST: {"files": {name: {"size", "sha256"}}}
-            model/shard-*.safetensors, optim/, dataloader/, rng/, step_scheduler.pt, losses.json, config.yaml
-                                                AutoModel's resume state (sharded per rank; resume is automatic)
         LATEST, LOWEST_VAL                      AutoModel's pointers (symlinks)
 
-The run directory may also be a ``gs://`` URI: the trainer then works in a node-local copy and
-uploads each complete checkpoint (workloads/staging.py), and :func:`stored_checkpoints` reads the
-checkpoints of a run directory wherever it is.
+Two kinds of complete, never confused:
 
-A checkpoint is *complete* once MANIFEST.json is in its consolidated directory.
-AutoModel writes each checkpoint under an ``.incomplete`` marker and publishes it
-(marker removed, LATEST moved) only when every rank's files are written; rank 0
-then adds tokenizer.model and meta.json and writes MANIFEST.json atomically, so a
-crash at any point leaves no directory that :func:`list_checkpoints` reports.
+* *saved* (resumable): AutoModel writes each checkpoint under an ``.incomplete`` marker and
+  publishes it (marker removed, LATEST moved) only when every rank's files are written.
+  :func:`saved_checkpoints` lists those; pruning (``save_top_k``) and resume work on them.
+* *exported*: a saved checkpoint whose ``model/consolidated/MANIFEST.json`` exists. The export
+  process writes the manifest last, atomically, so a crash at any point leaves no directory that
+  :func:`list_checkpoints` reports. The later stages take only exported checkpoints.
+
+The run directory may also be a ``gs://`` URI: the trainer then works in a node-local copy and
+uploads each saved checkpoint (its ``meta.json`` last) and each export (its ``MANIFEST.json`` last)
+(workloads/staging.py), and :func:`stored_checkpoints` reads the exported checkpoints of a run
+directory wherever it is.
 This module imports neither torch nor AutoModel: the Prefect tasks read checkpoints with it.
 """
 
@@ -51,6 +60,9 @@ MANIFEST = "MANIFEST.json"
 META = "meta.json"
 TOKENIZER = "tokenizer.model"
 TMP_PREFIX = ".tmp-"
+# AutoModel's in-progress marker (nemo_automodel.components.checkpoint.utils._INCOMPLETE_CHECKPOINT_MARKER;
+# tests/train/test_checkpoint.py checks that it is still AutoModel's name).
+INCOMPLETE = ".incomplete"
 
 
 def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
@@ -203,11 +215,11 @@ def step_dirs(run_dir: str | os.PathLike) -> list[Path]:
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointInfo]:
-    """Complete checkpoints (manifest written), oldest first."""
+    """Exported checkpoints (published, their Hugging Face export's manifest written), oldest first."""
     found = []
     for step_dir in step_dirs(run_dir):
         consolidated = consolidated_dir(step_dir)
-        if not (consolidated / MANIFEST).exists():
+        if (step_dir / INCOMPLETE).exists() or not (consolidated / MANIFEST).exists():
             continue
         meta = read_meta(consolidated)
         step = meta.get("step", int(STEP_DIR_RE.match(step_dir.name).group(2)) + 1)
@@ -232,24 +244,79 @@ def best_checkpoint(run_dir: str | os.PathLike) -> CheckpointInfo | None:
     return min(scored, key=lambda c: (c.val_loss, -c.step))
 
 
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A saved (published, resumable) AutoModel checkpoint; ``exported`` when its Hugging Face export is complete."""
+
+    step_dir: Path
+    step: int
+    val_loss: float | None
+    meta: dict[str, Any]
+
+    @property
+    def consolidated(self) -> Path:
+        return consolidated_dir(self.step_dir)
+
+    @property
+    def exported(self) -> bool:
+        return (self.consolidated / MANIFEST).exists()
+
+
+def step_meta(step_dir: str | os.PathLike) -> dict[str, Any]:
+    """The step directory's meta.json; for a checkpoint written before it existed, AutoModel's losses.json."""
+    step_dir = Path(step_dir)
+    for path in (step_dir / META, consolidated_dir(step_dir) / META):
+        if path.exists():
+            return json.loads(path.read_text())
+    losses = step_dir / "losses.json"
+    meta = json.loads(losses.read_text()) if losses.exists() else {}
+    match = STEP_DIR_RE.match(step_dir.name)
+    if match:
+        meta.setdefault("step", int(match.group(2)) + 1)
+    return meta
+
+
+def saved_checkpoints(run_dir: str | os.PathLike) -> list[SavedCheckpoint]:
+    """Published AutoModel checkpoints (no ``.incomplete`` marker), oldest first: what resume and pruning see."""
+    found = []
+    for step_dir in step_dirs(run_dir):
+        if (step_dir / INCOMPLETE).exists():
+            continue
+        meta = step_meta(step_dir)
+        step = int(meta.get("step", int(STEP_DIR_RE.match(step_dir.name).group(2)) + 1))
+        found.append(SavedCheckpoint(step_dir, step, meta.get("val_loss"), meta))
+    return sorted(found, key=lambda c: c.step)
+
+
+def to_export(saved: list) -> list:
+    """The checkpoints of a finished run that get a Hugging Face export: the best by val_loss and the last
+    (one when they are the same). Works on :class:`SavedCheckpoint` and remote records alike."""
+    if not saved:
+        return []
+    scored = [c for c in saved if c.val_loss is not None]
+    best = min(scored, key=lambda c: (c.val_loss, -c.step)) if scored else saved[-1]
+    return [best] if best.step_dir == saved[-1].step_dir else sorted([best, saved[-1]], key=lambda c: c.step)
+
+
 def prune_checkpoints(run_dir: str | os.PathLike, save_top_k: int, protect: set[Path] | None = None) -> list[Path]:
-    """Keep the best ``save_top_k`` complete checkpoints by val_loss plus the latest; delete the rest.
+    """Keep the best ``save_top_k`` saved checkpoints by val_loss plus the latest; delete the rest.
 
     Without validation losses the newest ``save_top_k`` are kept; -1 keeps all.
-    Only complete checkpoints are considered, so a checkpoint still being written
-    (or published but not yet manifested) is never touched; ``protect`` names
-    AutoModel step directories that must stay (its LATEST target). Returns the deleted
-    AutoModel step directories.
+    Only saved (published) checkpoints are considered, so a checkpoint still being written
+    is never touched; ``protect`` names AutoModel step directories that must stay (its LATEST
+    target). Returns the deleted AutoModel step directories.
     """
-    complete = list_checkpoints(run_dir)
-    if save_top_k < 0 or not complete:
+    saved = saved_checkpoints(run_dir)
+    if save_top_k < 0 or not saved:
         return []
-    keep = kept(complete, save_top_k) | {Path(p) for p in (protect or set())}
+    keep = kept(saved, save_top_k) | {Path(p) for p in (protect or set())}
     deleted = []
-    for info in complete:
+    for info in saved:
         if info.step_dir not in keep:
-            # Drop the manifest first: a crash half-way leaves an incomplete (ignored) directory.
-            (info.path / MANIFEST).unlink(missing_ok=True)
+            # Unpublish first (AutoModel's marker, then the export's manifest): a crash half-way leaves an
+            # incomplete directory that nothing loads and the next save of that step replaces.
+            (info.step_dir / INCOMPLETE).touch()
+            (info.consolidated / MANIFEST).unlink(missing_ok=True)
             shutil.rmtree(info.step_dir, ignore_errors=True)
             deleted.append(info.step_dir)
     return deleted
@@ -257,7 +324,8 @@ def prune_checkpoints(run_dir: str | os.PathLike, save_top_k: int, protect: set[
 
 def kept(complete: list, save_top_k: int) -> set:
     """The step directories ``save_top_k`` keeps of ``complete`` (oldest first): the best by val_loss (the
-    newest without one) and the latest. Works on :class:`CheckpointInfo` and :class:`StoredCheckpoint`."""
+    newest without one) and the latest. Works on :class:`SavedCheckpoint`, :class:`CheckpointInfo` and
+    :class:`StoredCheckpoint`."""
     if save_top_k < 0:
         return {c.step_dir for c in complete}
     scored = sorted((c for c in complete if c.val_loss is not None), key=lambda c: (c.val_loss, -c.step))

@@ -248,17 +248,20 @@ def load_tokenizer(checkpoint: Path):
 
 
 class Engine:
-    """One model and its sentencepiece tokenizer.
+    """One model and its sentencepiece tokenizer, on the CPU (fp32) or a GPU (bf16).
 
-    Forward passes are serialised by a lock (one CPU model: parallel passes would only
-    fight over the cores); concurrent requests interleave step by step, each with its own
-    KV cache.
+    Forward passes are serialised by a lock (one model: parallel passes would only fight
+    over the cores or the GPU's queue); concurrent requests interleave step by step, each
+    with its own KV cache. Sampling runs on the CPU (one vocabulary-sized row per token),
+    so a seeded request picks the same tokens from the same logits on either device.
     """
 
-    def __init__(self, checkpoint: Path, add_bos: bool = True, threads: int | None = None):
+    def __init__(self, checkpoint: Path, add_bos: bool = True, threads: int | None = None, device: str = "auto"):
         self.checkpoint = checkpoint
         self.add_bos = add_bos
         self.threads = threads
+        self.device_choice = device
+        self.device = None
         self.model = None
         self.sp = None
         self.context_length = 0
@@ -271,9 +274,13 @@ class Engine:
         if self.threads:
             torch.set_num_threads(self.threads)
         started = time.monotonic()
+        device = resolve_device(self.device_choice)
         sp = load_tokenizer(self.checkpoint)
-        model = AutoModelForCausalLM.from_pretrained(str(self.checkpoint), dtype=torch.float32)
+        # bf16 on a GPU, as the trainer computes; fp32 on the CPU (bf16 matmuls are slow there)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(str(self.checkpoint), dtype=dtype).to(device)
         model.eval()
+        self.device = device
         vocab = model.config.vocab_size
         if sp.get_piece_size() > vocab:
             raise ValueError(
@@ -288,11 +295,13 @@ class Engine:
         self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         params = sum(p.numel() for p in model.parameters())
         log.info(
-            "loaded %s (%s, %.1fM parameters, context %d) in %.1fs",
+            "loaded %s (%s, %.1fM parameters, context %d) on %s (%s) in %.1fs",
             self.checkpoint,
             type(model).__name__,
             params / 1e6,
             self.context_length,
+            torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            str(dtype).removeprefix("torch."),
             time.monotonic() - started,
         )
 
@@ -311,7 +320,7 @@ class Engine:
         out_ids: list[int] = []
         text, sent = "", 0
         finish, hit_eos = "length", False
-        input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         cache = None
         for _ in range(params.max_tokens):
             # Lock and inference mode per step, never across a yield: a streaming client may
@@ -320,7 +329,7 @@ class Engine:
             with self.lock, torch.inference_mode():
                 out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{self.cache_arg: cache})
                 cache = getattr(out, self.cache_arg)
-                next_id = self._pick(out.logits[0, -1].float(), params, generator)
+                next_id = self._pick(out.logits[0, -1].float().cpu(), params, generator)
             if next_id == eos:
                 finish, hit_eos = "stop", True
                 break
@@ -337,7 +346,7 @@ class Engine:
             if safe > sent:
                 yield text[sent:safe], None
                 sent = safe
-            input_ids = torch.tensor([[next_id]], dtype=torch.long)
+            input_ids = torch.tensor([[next_id]], dtype=torch.long, device=self.device)
         if len(text) > sent:
             yield text[sent:], None
         # The end-of-sequence token was generated too: it counts, as in OpenAI's usage.
@@ -769,6 +778,47 @@ def check_checkpoint(path: Path) -> None:
         )
 
 
+def resolve_device(choice: str):
+    """The built-in engine's device: ``auto`` = the first visible GPU, else the CPU; ``cuda`` without one fails."""
+    import torch
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "--device cuda but torch sees no GPU (CUDA_VISIBLE_DEVICES empty, no driver, or a CPU build of torch)"
+        )
+    if choice in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def resolve_engine(engine: str, vllm_executable: str = "vllm") -> str:
+    """``auto``: vLLM when this node has a GPU and vLLM is installed, else the built-in engine (which uses the
+    GPU when there is one). Decided here, where the server runs, not where the flow runs."""
+    if engine != "auto":
+        return engine
+    import importlib.util
+    import shutil
+
+    if not _gpu_visible():
+        return "builtin"
+    if shutil.which(vllm_executable) or importlib.util.find_spec("vllm") is not None:
+        return "vllm"
+    log.info("no vLLM on this node: the built-in engine serves on the GPU")
+    return "builtin"
+
+
+def _gpu_visible() -> bool:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m workloads.serve",
@@ -784,10 +834,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory name)")
     parser.add_argument(
         "--engine",
-        choices=["builtin", "vllm", "triton"],
-        default="builtin",
-        help="builtin: this process on CPU (default); vllm: vLLM's OpenAI server; triton: NeMo's Triton "
-        "deploy script (in the NeMo container). vllm/triton run behind a proxy on --port",
+        choices=["auto", "builtin", "vllm", "triton"],
+        default="auto",
+        help="auto (default): vllm when this node has a GPU and vLLM is installed, else builtin; builtin: this "
+        "process, on the GPU when there is one (bf16), else the CPU; vllm: vLLM's OpenAI server; triton: NeMo's "
+        "Triton deploy script (in the NeMo container). vllm/triton run behind a proxy on --port",
     )
     auth = parser.add_argument_group("API key")
     auth.add_argument(
@@ -828,6 +879,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     builtin.add_argument("--no-bos", action="store_true", help="do not start prompts with the BOS token")
     builtin.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    builtin.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the built-in engine runs: auto (default) = the first visible GPU if any, else the CPU",
+    )
     engines = parser.add_argument_group("vllm and triton engines")
     engines.add_argument(
         "--tensor-parallel-size",
@@ -894,6 +951,8 @@ def main(argv: list[str] | None = None) -> int:
     api_key = resolve_api_key(args.api_key_env)
     check_exposure(args.host, api_key, args.allow_unauthenticated)
     model_name = args.model_name or checkpoint.name
+    args.engine = resolve_engine(args.engine, args.vllm_executable)
+    log.info("engine: %s", args.engine)
     if args.engine != "builtin":
         from workloads.serve_engines import run_engine
 
@@ -905,7 +964,7 @@ def run_builtin(args: argparse.Namespace, checkpoint: Path, model_name: str, api
     import uvicorn
 
     state = ServerState(
-        engine=Engine(checkpoint, add_bos=not args.no_bos, threads=args.threads),
+        engine=Engine(checkpoint, add_bos=not args.no_bos, threads=args.threads, device=args.device),
         model_name=model_name,
         max_tokens_cap=args.max_tokens_cap,
         max_concurrency=args.max_concurrency,

@@ -18,12 +18,13 @@ recorded beside it, so a dataset is downloaded once per node, not once per job. 
 (never a half file under its final name) and made under a file lock, so the ranks of one node (or
 two jobs on it) share one copy. Local paths pass through unchanged.
 
-The run directory: AutoModel resumes from the newest complete step directory under
+The run directory: AutoModel resumes from the newest saved step directory under
 ``<run_dir>/checkpoints``. :class:`RunMirror` downloads the newest checkpoint the remote run
 directory holds (if the node has nothing newer) before training, and uploads each checkpoint
-once it is complete: every file of the step directory (the resume state too, so a job restarted on
-another node resumes), the consolidated ``MANIFEST.json`` last, so a remote checkpoint with a
-manifest is complete. Checkpoints pruned locally are deleted remotely (manifest first).
+once AutoModel has published it: every file of the step directory (the resume state, so a job
+restarted on another node resumes), its ``meta.json`` last, so a remote step directory with a
+``meta.json`` is complete; after training, the Hugging Face exports (``model/consolidated``, its
+``MANIFEST.json`` last). Checkpoints pruned locally are deleted remotely (``meta.json`` first).
 This needs the whole run on one node: several nodes would each hold only their ranks' shards.
 """
 
@@ -42,7 +43,8 @@ from infra.settings import DEFAULT_HOME
 
 MANIFEST = "MANIFEST.json"
 SOURCE_RECORD = ".nemoflow-source.json"
-CHECKPOINT_MARKER = "model/consolidated/" + MANIFEST  # a remote step directory is complete with it
+CHECKPOINT_MARKER = "meta.json"  # a remote step directory is complete (resumable) with it
+EXPORT_MARKER = "model/consolidated/" + MANIFEST  # and its Hugging Face export with this
 
 
 def stage_dir() -> Path:
@@ -212,7 +214,8 @@ class RunMirror:
 
         with _locked(self.local):
             steps = self.remote_steps()
-            local = ckpt.latest_checkpoint(self.local)
+            saved = ckpt.saved_checkpoints(self.local)
+            local = saved[-1] if saved else None
             pulled = False
             if steps:
                 newest = steps[-1]
@@ -221,8 +224,8 @@ class RunMirror:
                     target = ckpt.checkpoints_dir(self.local) / newest
                     fs, root = storage.url_to_fs(self.remote(Path("checkpoints") / newest))
                     files = [p for p in sorted(fs.find(root)) if not Path(p).name.startswith(storage.TMP_MARK)]
-                    # the manifest last: until it is here, the local copy is incomplete
-                    files.sort(key=lambda p: p.endswith("/" + CHECKPOINT_MARKER))
+                    # the marker last: until it is here, the local copy is incomplete
+                    files.sort(key=lambda p: p == root.rstrip("/") + "/" + CHECKPOINT_MARKER)
                     for path in files:
                         storage.get_file(storage.to_uri(fs, path), str(target / path[len(root) :].lstrip("/")))
                     log(f"resuming from {self.uri}/checkpoints/{newest}: copied {len(files)} files to {target}")
@@ -234,26 +237,57 @@ class RunMirror:
         return self.local
 
     def push_checkpoint(self, step_dir: str | os.PathLike) -> str:
-        """Upload a complete step directory, its consolidated MANIFEST.json last; returns the remote URI."""
+        """Upload a saved step directory (without its export), its meta.json last; returns the remote URI."""
         step_dir = Path(step_dir)
-        files = sorted(p for p in step_dir.rglob("*") if p.is_file() and not p.name.startswith(storage.TMP_MARK))
+        export = step_dir / Path(EXPORT_MARKER).parent
+        files = sorted(
+            p
+            for p in step_dir.rglob("*")
+            if p.is_file() and not p.name.startswith(storage.TMP_MARK) and export not in p.parents
+        )
         marker = step_dir / CHECKPOINT_MARKER
         files.sort(key=lambda p: p == marker)
         for path in files:
             storage.put_file(str(path), self.remote(self.relative(path)))
         return self.remote(self.relative(step_dir))
 
+    def push_export(self, consolidated: str | os.PathLike) -> str:
+        """Upload a Hugging Face export (``model/consolidated``), its MANIFEST.json last; returns the remote URI."""
+        consolidated = Path(consolidated)
+        files = sorted(p for p in consolidated.rglob("*") if p.is_file() and not p.name.startswith(storage.TMP_MARK))
+        files.sort(key=lambda p: p == consolidated / MANIFEST)
+        for path in files:
+            storage.put_file(str(path), self.remote(self.relative(path)))
+        return self.remote(self.relative(consolidated))
+
+    def saved(self) -> list:
+        """The remote saved checkpoints (complete step directories), oldest first, with their val_loss."""
+        from workloads import checkpoint as ckpt
+
+        found = []
+        for name in self.remote_steps():
+            step_dir = self.remote(Path("checkpoints") / name)
+            meta = storage.read_json(storage.join(step_dir, CHECKPOINT_MARKER))
+            step = int(meta.get("step", int(ckpt.STEP_DIR_RE.match(name).group(2)) + 1))
+            found.append(
+                ckpt.StoredCheckpoint(
+                    storage.join(step_dir, EXPORT_MARKER.rsplit("/", 1)[0]), step, meta.get("val_loss"), meta
+                )
+            )
+        return found
+
     def prune(self, save_top_k: int, protect: set[str] = frozenset()) -> list[str]:
         """Apply ``save_top_k`` to the remote checkpoints (those earlier jobs uploaded count too), never
         deleting the step directories named in ``protect``; returns the deleted remote step directories."""
         from workloads import checkpoint as ckpt
 
-        complete = ckpt.stored_checkpoints(self.uri)
+        complete = self.saved()
         keep = ckpt.kept(complete, save_top_k) | {self.remote(Path("checkpoints") / name) for name in protect}
         deleted = []
         for info in complete:
             if info.step_dir not in keep:
-                # the manifest first: a deletion cut short leaves an incomplete (ignored) checkpoint
+                # the markers first: a deletion cut short leaves an incomplete (ignored) checkpoint
+                storage.remove(storage.join(info.step_dir, CHECKPOINT_MARKER))
                 storage.remove(storage.join(info.uri, MANIFEST))
                 storage.remove(info.step_dir, recursive=True)
                 deleted.append(info.step_dir)

@@ -20,9 +20,12 @@ AutoModel's; this module adds what the pipeline needs around them:
 * ``<run_dir>/metrics.jsonl`` (rank 0): one JSON object per logged step
   (step, loss, lr, tokens_per_s, grad_norm, consumed_samples; on GPUs mfu and peak_mem_gib),
   per validation (step, val_loss) and per save (step, checkpoint_save_s: how long it blocked);
-* checkpoints every ``ckpt_every_n_steps`` as consolidated safetensors that
-  transformers loads as they are, completed by rank 0 with tokenizer.model, meta.json
-  and MANIFEST.json, and pruned to ``save_top_k`` (layout: workloads/checkpoint.py);
+* checkpoints every ``ckpt_every_n_steps``: AutoModel's sharded, resumable checkpoint, written in
+  the background from pinned host memory (the loop waits only while the state leaves the GPU;
+  the staging buffers are kept for the whole run), with nemoflow's meta.json, pruned to
+  ``save_top_k``; when training ends, a separate process (workloads/consolidate.py) exports the
+  best and the last as Hugging Face safetensors that transformers loads as they are, with
+  tokenizer.model, meta.json and, last, MANIFEST.json (layout: workloads/checkpoint.py);
 * resume: started again on the same ``run_dir`` (a retry, a Slurm requeue, a
   pre-empted job) AutoModel restores weights, optimizer, schedule, RNG and the data
   loader's position from the latest checkpoint, so the data order continues exactly;
@@ -52,7 +55,9 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -62,7 +67,7 @@ from pathlib import Path
 # megatron-core / megatron-fsdp warn at import that Apex / Transformer Engine are absent; neither is used.
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
-from infra import storage  # noqa: E402 - after the warnings filter
+from infra import failpoints, storage  # noqa: E402 - after the warnings filter
 from workloads import checkpoint as ckpt  # noqa: E402 - see above
 from workloads import staging  # noqa: E402 - see above
 from workloads.data_loader import (  # noqa: E402 - see above
@@ -78,22 +83,21 @@ from workloads.train_config import (  # noqa: E402 - see above
     ParallelismError,
     TrainConfig,
     check_parallelism,
+    estimate_parameters,
     load_train_config,
     parse_blend,
     resolve_strategy,
 )
-
-# Test hooks (no effect unless set): raise OOM at a step, pause after a step, die inside a save, list samples.
-OOM_AT_STEP_ENV = "NEMOFLOW_TRAIN_TEST_OOM_AT_STEP"
-PAUSE_AFTER_STEP_ENV = "NEMOFLOW_TRAIN_TEST_PAUSE_AFTER_STEP"
-CRASH_IN_SAVE_ENV = "NEMOFLOW_TRAIN_TEST_CRASH_IN_SAVE_AT_STEP"
-LOG_SAMPLES_ENV = "NEMOFLOW_TRAIN_TEST_LOG_SAMPLES"  # each rank prints a hash of every sample it trains on
 
 MIXED_PRECISION = "torch.distributed.fsdp.MixedPrecisionPolicy"
 
 
 class LaunchError(ValueError):
     """The processes started do not match what the configuration asks for."""
+
+
+class ExportError(RuntimeError):
+    """The Hugging Face export after training failed; the saved checkpoints are intact."""
 
 
 def launch_world() -> tuple[int, int, int]:
@@ -135,7 +139,9 @@ def _dtypes(config: TrainConfig, cuda: bool) -> tuple[str, str]:
     return "float32", "bfloat16"  # bf16-mixed: fp32 master weights and optimizer state, bf16 compute
 
 
-def recipe_config(config: TrainConfig, run_dir: Path, vocab_size: int, world_size: int, cuda: bool) -> dict:
+def recipe_config(
+    config: TrainConfig, run_dir: Path, vocab_size: int, world_size: int, cuda: bool, async_save: bool | None = None
+) -> dict:
     """TrainConfig as NeMo AutoModel's recipe config (the dict its YAML files hold).
 
     The mapping, NeMo name -> AutoModel key: global_batch_size / micro_batch_size ->
@@ -148,7 +154,10 @@ def recipe_config(config: TrainConfig, run_dir: Path, vocab_size: int, world_siz
     AdamW; gradient_clip_val -> clip_grad_norm.max_norm; strategy -> distributed.strategy
     (``resolve_strategy``: auto is ddp or fsdp2); tensor / context parallel -> distributed.tp_size /
     cp_size (FSDP2 takes the rest of the world as data parallel); enable_compile -> FSDP2's
-    enable_compile (with DDP, :func:`train` compiles the same decoder layers after setup).
+    enable_compile (with DDP, :func:`train` compiles the same decoder layers after setup);
+    ckpt_async_save -> checkpoint.is_async (``async_save`` overrides it: :func:`async_save_fits` falls back to
+    synchronous saves where the node lacks the host memory to stage them). Checkpoints are never consolidated
+    inside the loop (``save_consolidated: false``): workloads/consolidate.py exports them after training.
     """
     weights_dtype, compute_dtype = _dtypes(config, cuda)
     strategy = resolve_strategy(config, world_size, vocab_size)
@@ -206,9 +215,10 @@ def recipe_config(config: TrainConfig, run_dir: Path, vocab_size: int, world_siz
             "enabled": True,
             "checkpoint_dir": str(ckpt.checkpoints_dir(run_dir)),
             "model_save_format": "safetensors",
-            "save_consolidated": "every",
-            # Background DCP writes and consolidation on GPUs; on CPU the save is small and synchronous.
-            "is_async": bool(config.ckpt_async_save and cuda),
+            # Sharded DCP only during training; the Hugging Face export is made after it (workloads/consolidate.py).
+            "save_consolidated": "false",
+            # Background DCP writes on GPUs and CPUs alike (automodel_shim.keep_staging_buffers).
+            "is_async": config.ckpt_async_save if async_save is None else async_save,
         },
         "distributed": _distributed(config, strategy, compute_dtype),
         "loss_fn": {"_target_": "nemo_automodel.components.loss.masked_ce.MaskedCrossEntropy"},
@@ -361,12 +371,13 @@ def build_recipe(
     autocast_bf16: bool,
     recorded: TrainConfig | None = None,
     mirror: staging.RunMirror | None = None,
+    flops_per_token: float | None = None,
 ):
-    """AutoModel's pretraining recipe with nemoflow's metrics, checkpoint completion and test hooks.
+    """AutoModel's pretraining recipe with nemoflow's metrics, checkpoint bookkeeping and failpoints.
 
     ``config`` has its inputs on local disk (:func:`localize`); ``recorded`` is the configuration as
     given (gs:// URIs), which the checkpoints' meta.json records; ``mirror`` uploads the checkpoints of
-    a remote run directory.
+    a remote run directory; ``flops_per_token`` (model FLOPs of one trained token) gives the logged MFU.
     """
     recorded = recorded or config
     import torch
@@ -374,15 +385,15 @@ def build_recipe(
     from nemo_automodel.components.config.loader import ConfigNode
     from nemo_automodel.recipes.llm.train_ft import TrainFinetuneRecipeForNextTokenPrediction
 
-    oom_at = int(os.environ.get(OOM_AT_STEP_ENV, "-1"))
-    pause_after = int(os.environ.get(PAUSE_AFTER_STEP_ENV, "-1"))
-    crash_at = int(os.environ.get(CRASH_IN_SAVE_ENV, "-1"))
-    log_samples = bool(os.environ.get(LOG_SAMPLES_ENV))
     tokens_per_step = config.global_batch_size * config.seq_length
+    log_samples = failpoints.enabled("train.log_samples")
+    peak = peak_flops() if torch.cuda.is_available() else None
 
     class NemoflowPretraining(TrainFinetuneRecipeForNextTokenPrediction):
         metrics: MetricsLog | None = None
         last_val_loss: float | None = None
+        saved_step: int | None = None  # the save whose staging the next optimizer step may wait for
+        agree_group = None  # ranks agree on publishing a written save (publish_written_save)
 
         def _make_progress_bar(self, *args, **kwargs):
             return None  # one log line per logged step instead of a redrawn bar in the job log
@@ -397,15 +408,49 @@ def build_recipe(
 
         def _run_train_optim_step(self, batches, max_grad_norm=None):
             done = self.step_scheduler.step + 1
-            if done == oom_at:
-                raise torch.OutOfMemoryError("simulated by " + OOM_AT_STEP_ENV)
+            if failpoints.at("train.oom_at_step", done):
+                raise torch.OutOfMemoryError("simulated by the failpoint train.oom_at_step")
             if log_samples:
                 rows = [
                     hashlib.sha256(row.numpy().tobytes()).hexdigest()[:12] for b in batches for row in b["input_ids"]
                 ]
                 print(f"samples step={done} rank={self.dist_env.rank} {','.join(rows)}", flush=True)
             self.step_lr = self.optimizer[0].param_groups[0]["lr"]  # the lr this step trains with
+            self.publish_written_save()
+            if self.saved_step is not None:
+                # The optimizer may not change the weights before the last save's copy to host memory is done:
+                # AutoModel waits for it before opt.step (maybe_wait_for_staging). Wait here first, timed, so the
+                # training loop's share of the save is on record (checkpoint_wait_s); AutoModel's wait is then a no-op.
+                started = time.perf_counter()
+                self.checkpointer.maybe_wait_for_staging()
+                if self.metrics is not None:
+                    self.metrics.log({"step": self.saved_step, "checkpoint_wait_s": time.perf_counter() - started})
+                self.saved_step = None
             return super()._run_train_optim_step(batches, max_grad_norm)
+
+        def publish_written_save(self) -> None:
+            """Publish the last asynchronous save as soon as its files are written.
+
+            AutoModel publishes an asynchronous save (removes its ``.incomplete`` marker, moves LATEST) only at the
+            next save or at the end of training, so a job killed in between would resume from the save before.
+            Every rank must publish at the same step (publication runs collectives), so the ranks agree first,
+            on a gloo group of their own, and only while a save is pending.
+            """
+            lifecycle = self.checkpointer.lifecycle
+            if not self.checkpointer.config.is_async or lifecycle._pending_checkpoint_dir is None:
+                return
+            contexts = (self.checkpointer._model_ctx, self.checkpointer._optim_ctx)
+            written = all(c.future is None or c.future.upload_completion.done() for c in contexts)
+            if self.agree_group is not None:
+                flag = torch.tensor([int(written)])
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.agree_group)
+                written = bool(flag.item())
+            if not written:
+                return
+            self.checkpointer.async_wait()  # returns at once: the writes are done (raises their error, if any)
+            lifecycle.complete_pending()
+            if self.dist_env.is_main:
+                self.finisher.finish_published()
 
         # -------------------------------------------------- metrics
         def start_metrics(self) -> None:
@@ -425,27 +470,30 @@ def build_recipe(
                 return
             now = time.perf_counter()
             m = log_data.metrics
+            tokens_per_s = self.window_steps * tokens_per_step / max(now - self.window_start, 1e-9)
             record = {
                 "step": done,
                 "loss": _scalar(m["loss"]),
                 "lr": self.step_lr,
-                "tokens_per_s": self.window_steps * tokens_per_step / max(now - self.window_start, 1e-9),
+                "tokens_per_s": tokens_per_s,
                 "grad_norm": _scalar(m["grad_norm"]),
                 "consumed_samples": done * config.global_batch_size,
             }
             if torch.cuda.is_available():
-                if m.get("mfu") is not None:
-                    record["mfu"] = _scalar(m["mfu"])
+                if flops_per_token and peak:
+                    # model FLOPs utilisation: the FLOPs the model needs per token x tokens/s over every GPU's peak
+                    record["mfu"] = tokens_per_s * flops_per_token / (peak * self.dist_env.world_size)
                 record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
             self.window_start, self.window_steps = now, 0
             if self.metrics is not None:
                 self.metrics.log(record)
             super().log_train_metrics(log_data)  # W&B, AutoModel's own log; resets the peak-memory window
-            if done == pause_after:
+            if failpoints.at("train.pause_after_step", done):
                 handler = self.step_scheduler.sig_handler
                 deadline = time.monotonic() + 120
                 while not handler._signal_received and time.monotonic() < deadline:
                     time.sleep(0.05)
+                    self.publish_written_save()  # a save written meanwhile is published, as between steps
 
         def log_val_metrics(self, val_name, log_data, metric_logger=None):
             self.last_val_loss = _scalar(log_data.metrics["val_loss"])
@@ -464,7 +512,7 @@ def build_recipe(
         def save_checkpoint(self, epoch, step, train_loss, val_loss=None, best_metric_key="default"):
             done = step + 1
             path = Path(self.checkpointer.config.checkpoint_dir) / f"epoch_{epoch}_step_{step}"
-            if done == crash_at:
+            if failpoints.at("train.crash_in_save_at_step", done):
                 # Die inside AutoModel's save: weights written, optimizer not, checkpoint never published.
                 def die(*args, **kwargs):
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -472,21 +520,53 @@ def build_recipe(
                 self.checkpointer.save_optimizer = die
             started = time.perf_counter()
             super().save_checkpoint(epoch, step, train_loss, val_loss, best_metric_key)
-            if self.metrics is not None:
-                # Time the training loop waited for this save (with async saves: staging, and the previous save).
-                self.metrics.log({"step": done, "checkpoint_save_s": time.perf_counter() - started})
-            self.window_start += time.perf_counter() - started  # tokens_per_s measures training steps only
             if self.dist_env.is_main:
+                # The step directory is AutoModel's reserved (unpublished) directory until the save completes:
+                # nemoflow's record goes in with it.
                 val = (val_loss or {}).get("default")
                 meta = checkpoint_meta(recorded, done, None if val is None else _scalar(val), _scalar(train_loss))
                 meta["world_size"] = self.dist_env.world_size
-                ckpt.write_meta(ckpt.consolidated_dir(path), meta, config.tokenizer_model)
+                ckpt.write_text_atomic(path / ckpt.META, json.dumps(meta, indent=1, sort_keys=True, default=str))
+            blocked = time.perf_counter() - started
+            if self.metrics is not None:
+                # Time the training loop waited in the save itself (async: the previous save's write, if still
+                # running, and the start of this one's copy to host memory); checkpoint_wait_s follows at the
+                # next optimizer step.
+                self.metrics.log({"step": done, "checkpoint_save_s": blocked})
+            self.window_start += blocked  # tokens_per_s measures training steps only
+            self.saved_step = done if self.checkpointer.config.is_async else None
+            if failpoints.at("train.crash_after_save_at_step", done):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.dist_env.is_main:
                 self.finisher.pending.append(path)
                 self.finisher.finish_published()
 
     recipe = NemoflowPretraining(ConfigNode(cfg))
     recipe.finisher = CheckpointFinisher(run_dir, config.save_top_k, is_checkpoint_incomplete, mirror)
     return recipe
+
+
+# bf16 dense peak FLOP/s by GPU name (the datasheets' numbers without sparsity), for the logged MFU.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12, "B200": 2250e12, "L40S": 362e12}
+
+
+def peak_flops() -> float | None:
+    """This GPU's bf16 dense peak, or None for a GPU the table does not know (MFU is then not logged)."""
+    import torch
+
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name.split()), None)
+
+
+def model_flops_per_token(config: TrainConfig, vocab_size: int) -> float:
+    """Training FLOPs per token: 6 x (active parameters without the input embedding) + 12 x layers x hidden x
+    seq_length (attention scores), as Megatron and the PaLM paper count them; an MoE counts its top-k experts."""
+    params = estimate_parameters(config, vocab_size)
+    if config.experts:
+        expert = 3 * config.hidden_size * config.ffn_hidden_size
+        params -= config.num_layers * expert * (config.experts - config.moe_router_topk)
+    dense = params - vocab_size * config.hidden_size
+    return 6 * dense + 12 * config.num_layers * config.hidden_size * config.seq_length
 
 
 def checkpoint_meta(config: TrainConfig, step: int, val_loss: float | None, train_loss: float | None) -> dict:
@@ -512,11 +592,8 @@ def checkpoint_meta(config: TrainConfig, step: int, val_loss: float | None, trai
 
 
 class CheckpointFinisher:
-    """Rank 0: once AutoModel has published a checkpoint, write its manifest and prune, in the background.
-
-    Hashing a multi-GB consolidated export takes seconds; a single worker thread does it
-    while training goes on (joined before the process exits), in publication order.
-    """
+    """Rank 0: once AutoModel has published a checkpoint, prune to ``save_top_k`` and upload it (a remote
+    run directory), in the background, in publication order (joined before the process exits)."""
 
     def __init__(self, run_dir: Path, save_top_k: int, is_incomplete, mirror: staging.RunMirror | None = None):
         self.run_dir, self.save_top_k, self.is_incomplete = run_dir, save_top_k, is_incomplete
@@ -531,32 +608,32 @@ class CheckpointFinisher:
             return
         self.pending = [p for p in self.pending if p not in published]
         self.join()
-        self.thread = threading.Thread(target=self._finish, args=(published,), name="nemoflow-manifest", daemon=True)
+        self.thread = threading.Thread(target=self._finish, args=(published,), name="nemoflow-finisher", daemon=True)
         self.thread.start()
 
     def _finish(self, paths: list[Path]) -> None:
         try:
             for path in paths:
-                consolidated = ckpt.consolidated_dir(path)
-                ckpt.name_architecture(consolidated)
-                ckpt.write_manifest(consolidated)
-                meta = ckpt.read_meta(consolidated)
-                print(f"saved checkpoint {consolidated} (step {meta.get('step')}, val_loss {meta.get('val_loss')})")
+                meta = ckpt.step_meta(path)
+                print(f"saved checkpoint {path} (step {meta.get('step')}, val_loss {meta.get('val_loss')})")
                 if self.mirror is not None:
                     uri = self.mirror.push_checkpoint(path)
                     self.mirror.push_file("metrics.jsonl")
                     print(f"uploaded checkpoint {uri}")
-            latest = ckpt.latest_checkpoint(self.run_dir)
-            protect = {latest.step_dir} if latest else set()
-            for gone in ckpt.prune_checkpoints(self.run_dir, self.save_top_k, protect=protect):
-                print(f"pruned checkpoint {gone} (save_top_k={self.save_top_k})")
-            if self.mirror is not None:
-                names = {latest.step_dir.name} if latest else set()
-                for gone in self.mirror.prune(self.save_top_k, protect=names):
-                    print(f"pruned checkpoint {gone} (save_top_k={self.save_top_k})")
+            self.prune()
             sys.stdout.flush()
         except BaseException as exc:  # noqa: BLE001 - reported by join() in the training thread
             self.error = exc
+
+    def prune(self) -> None:
+        saved = ckpt.saved_checkpoints(self.run_dir)
+        protect = {saved[-1].step_dir} if saved else set()
+        for gone in ckpt.prune_checkpoints(self.run_dir, self.save_top_k, protect=protect):
+            print(f"pruned checkpoint {gone} (save_top_k={self.save_top_k})")
+        if self.mirror is not None:
+            names = {saved[-1].step_dir.name} if saved else set()
+            for gone in self.mirror.prune(self.save_top_k, protect=names):
+                print(f"pruned checkpoint {gone} (save_top_k={self.save_top_k})")
 
     def join(self) -> None:
         if self.thread is not None:
@@ -567,33 +644,89 @@ class CheckpointFinisher:
             raise error
 
 
-def complete_interrupted(
-    run_dir: Path, config: TrainConfig, tokenizer_model: str | None = None, mirror: staging.RunMirror | None = None
-) -> None:
-    """Rank 0 at start-up: manifest (and upload) every checkpoint AutoModel published before a crash cut the
-    finishing short. ``tokenizer_model``: the local copy of ``config.tokenizer_model``."""
-    from nemo_automodel.components.checkpoint.utils import is_checkpoint_incomplete
-
-    for step_dir in ckpt.step_dirs(run_dir):
-        consolidated = ckpt.consolidated_dir(step_dir)
-        if is_checkpoint_incomplete(step_dir) or (consolidated / ckpt.MANIFEST).exists():
-            continue
-        if not (consolidated / "config.json").exists():
-            continue
-        ckpt.name_architecture(consolidated)
-        if not (consolidated / ckpt.META).exists():
-            step = int(ckpt.STEP_DIR_RE.match(step_dir.name).group(2)) + 1
-            losses = step_dir / "losses.json"
-            loss = json.loads(losses.read_text()) if losses.exists() else {}
-            ckpt.write_meta(
-                consolidated,
-                checkpoint_meta(config, step, loss.get("val_loss"), loss.get("train_loss")),
-                tokenizer_model or config.tokenizer_model,
+def export_checkpoints(
+    run_dir: Path, tokenizer_model: str | None, mirror: staging.RunMirror | None = None
+) -> list[Path]:
+    """Rank 0 after training: the Hugging Face export of the best and the last saved checkpoint, made by a
+    separate process (workloads/consolidate.py: merging shards and hashing gigabytes is no work for the
+    training process), then uploaded to a remote run directory (MANIFEST.json last)."""
+    saved = ckpt.saved_checkpoints(run_dir)
+    needed = [c.step_dir for c in ckpt.to_export(saved) if not c.exported]
+    if needed:
+        command = [sys.executable, "-m", "workloads.consolidate", *map(str, needed)]
+        if tokenizer_model:
+            command += ["--tokenizer-model", tokenizer_model]
+        print(f"exporting {', '.join(p.name for p in needed)} as Hugging Face safetensors", flush=True)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:  # through this process's stdout: rank-prefixed like every other line
+            print(line, end="", flush=True)
+        if proc.wait() != 0:
+            raise ExportError(
+                f"the export of {', '.join(map(str, needed))} failed (exit {proc.returncode}); the saved checkpoints "
+                f"are intact: run python -m workloads.consolidate {run_dir} to export them"
             )
-        ckpt.write_manifest(consolidated)
-        print(f"completed checkpoint {consolidated} (published before the last run stopped)", flush=True)
-        if mirror is not None:
-            print(f"uploaded checkpoint {mirror.push_checkpoint(step_dir)}", flush=True)
+    exported = [c.consolidated for c in ckpt.to_export(saved)]
+    if mirror is not None:
+        for consolidated in exported:
+            print(f"uploaded export {mirror.push_export(consolidated)}", flush=True)
+    return exported
+
+
+def upload_unsent(run_dir: Path, mirror: staging.RunMirror) -> None:
+    """Rank 0 at start-up (remote run directory): upload the saved checkpoints newer than the newest remote one
+    (a job that stopped between AutoModel's publication and the upload)."""
+    remote = mirror.remote_steps()
+    newest = tuple(int(x) for x in ckpt.STEP_DIR_RE.match(remote[-1]).groups()) if remote else (-1, -1)
+    for saved in ckpt.saved_checkpoints(run_dir):
+        if tuple(int(x) for x in ckpt.STEP_DIR_RE.match(saved.step_dir.name).groups()) > newest:
+            print(f"uploaded checkpoint {mirror.push_checkpoint(saved.step_dir)} (saved before the last run stopped)")
+
+
+def async_save_fits(config: TrainConfig, vocab_size: int, world_size: int, cuda: bool) -> tuple[bool, str | None]:
+    """Whether this node has the host memory to stage asynchronous saves; (False, the warning line) if not.
+
+    Staging holds a copy of each local rank's model and optimizer state in pinned, shared host memory for
+    the whole run (bf16-mixed / fp32: fp32 weights and two fp32 AdamW moments, 12 bytes a parameter; bf16:
+    6), divided over the ranks when FSDP2 shards it. The torch.distributed.checkpoint writer process reads it
+    from shared memory (/dev/shm), which containers often keep small. Without the room, saves are synchronous
+    (training waits for each write) instead of an out-of-memory kill.
+    """
+    if not config.ckpt_async_save:
+        return False, None
+    per_param = 6 if (cuda and config.precision == "bf16") else 12
+    strategy = resolve_strategy(config, world_size, vocab_size)
+    shards = world_size if (strategy == "fsdp2" and world_size > 1) else 1
+    per_rank = estimate_parameters(config, vocab_size) * per_param / shards
+    needed = per_rank * min(config.procs_per_node, world_size) * 1.1  # 10 % for DCP's metadata and buffers
+    room = host_memory_available()
+    if needed <= room:
+        return True, None
+    return False, (
+        f"warning: asynchronous checkpoints need {needed / 2**30:.1f} GiB of host memory on this node (pinned, "
+        f"shared: a copy of the model and optimizer state per local rank) but {room / 2**30:.1f} GiB is available "
+        "(MemAvailable, the cgroup limit, free /dev/shm): saving synchronously (training waits for each save)"
+    )
+
+
+def host_memory_available() -> float:
+    """Bytes a staging copy may take: the least of MemAvailable, the cgroup's headroom and /dev/shm's free space."""
+    limits = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                limits.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            limits.append(int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    if Path("/dev/shm").is_dir():
+        limits.append(shutil.disk_usage("/dev/shm").free)
+    return float(min(limits)) if limits else float("inf")
 
 
 def run_mirror(config: TrainConfig) -> staging.RunMirror | None:
@@ -703,20 +836,30 @@ def train(config: TrainConfig) -> int:
         ckpt.write_text_atomic(run_dir / "train_config.json", recorded.model_dump_json(indent=1))
         if mirror is not None:
             mirror.push_file("train_config.json")
-        complete_interrupted(run_dir, recorded, config.tokenizer_model, mirror)
+            upload_unsent(run_dir, mirror)
+
+    from workloads import automodel_shim
 
     if not cuda:
-        from workloads import automodel_shim
-
         automodel_shim.apply()
+    async_save, why_not = async_save_fits(config, vocab_size, world_size, cuda)
+    if why_not and rank == 0:
+        print(why_not, flush=True)
+    if async_save:
+        automodel_shim.keep_staging_buffers(cuda)
     os.environ.setdefault("LOGGING_LEVEL", str(30))  # AutoModel's INFO lines (dataset indexes...) flood the log
     if config.init_from:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory: never ask the Hugging Face hub
-    cfg = recipe_config(config, run_dir, vocab_size, world_size, cuda)
+    cfg = recipe_config(config, run_dir, vocab_size, world_size, cuda, async_save)
     strategy = cfg["distributed"]["strategy"]
     autocast_bf16 = cuda and config.precision == "bf16-mixed" and (world_size == 1 or strategy == "ddp")
-    recipe = build_recipe(config, run_dir, cfg, autocast_bf16, recorded, mirror)
+    flops = model_flops_per_token(config, vocab_size)
+    recipe = build_recipe(config, run_dir, cfg, autocast_bf16, recorded, mirror, flops)
     recipe.setup()
+    if async_save:
+        automodel_shim.start_checkpoint_process(recipe.checkpointer._model_ctx.process_group)
+        if world_size > 1:
+            recipe.agree_group = torch.distributed.new_group(backend="gloo")
     if strategy == "ddp" and config.enable_compile:
         compile_decoder_layers(recipe.model_parts)
     if config.init_from and not config.reset_optimizer:
@@ -740,7 +883,8 @@ def train(config: TrainConfig) -> int:
             flush=True,
         )
         if resumed:
-            latest = ckpt.latest_checkpoint(run_dir)
+            saved = ckpt.saved_checkpoints(run_dir)
+            latest = saved[-1].step_dir if saved else None
             print(f"resuming from {latest} at step {resumed} (consumed_samples={resumed * config.global_batch_size})")
         elif config.init_from:
             print(f"initialised weights from {config.init_from} (reset_optimizer={config.reset_optimizer})")
@@ -768,8 +912,14 @@ def train(config: TrainConfig) -> int:
             print(f"received a stop signal: checkpoint saved at step {done}, exiting", flush=True)
         return EXIT_PREEMPTED
     if rank == 0:
+        started = time.perf_counter()
+        export_checkpoints(run_dir, config.tokenizer_model, mirror)
         best = ckpt.best_checkpoint(run_dir)
-        print(f"done: {done} steps, best checkpoint {best.path if best else None}", flush=True)
+        print(
+            f"done: {done} steps, best checkpoint {best.path if best else None} "
+            f"(exported in {time.perf_counter() - started:.1f} s after training)",
+            flush=True,
+        )
     return 0
 
 
@@ -835,6 +985,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ParallelismError, DatasetMissingError, PermissionError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_CONFIG
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         if not _disk_full(exc):
             raise

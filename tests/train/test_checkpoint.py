@@ -14,37 +14,56 @@ from workloads import checkpoint as ckpt
 pytestmark = pytest.mark.filterwarnings("ignore:.*Transformer Engine and Apex")
 
 
-def _fake_checkpoint(run_dir: Path, step: int, val_loss: float | None, complete: bool = True) -> Path:
-    """An AutoModel step directory whose consolidated export has meta.json (and a manifest when complete)."""
-    consolidated = ckpt.consolidated_dir(ckpt.checkpoints_dir(run_dir) / ckpt.step_dir_name(step))
-    consolidated.mkdir(parents=True)
-    (consolidated / "config.json").write_text("{}")
-    ckpt.write_meta(consolidated, {"step": step, "val_loss": val_loss}, None)
-    if complete:
+def _fake_checkpoint(
+    run_dir: Path, step: int, val_loss: float | None, published: bool = True, exported: bool = True
+) -> Path:
+    """An AutoModel step directory with nemoflow's meta.json: unpublished (AutoModel's marker) when not
+    ``published``, and with a complete Hugging Face export when ``exported``; returns the export's directory."""
+    step_dir = ckpt.checkpoints_dir(run_dir) / ckpt.step_dir_name(step)
+    step_dir.mkdir(parents=True)
+    (step_dir / ckpt.META).write_text(json.dumps({"step": step, "val_loss": val_loss}))
+    if not published:
+        (step_dir / ckpt.INCOMPLETE).touch()
+    consolidated = ckpt.consolidated_dir(step_dir)
+    if exported:
+        consolidated.mkdir(parents=True)
+        (consolidated / "config.json").write_text("{}")
+        ckpt.write_meta(consolidated, {"step": step, "val_loss": val_loss}, None)
         ckpt.write_manifest(consolidated)
     return consolidated
+
+
+def test_incomplete_marker_is_automodels():
+    """A saved checkpoint is one AutoModel published: nemoflow reads its marker without importing AutoModel."""
+    from nemo_automodel.components.checkpoint import utils
+
+    assert ckpt.INCOMPLETE == utils._INCOMPLETE_CHECKPOINT_MARKER
 
 
 def test_prune_keeps_best_k_plus_latest_and_ignores_unfinished(tmp_path):
     losses = {1: 5.0, 2: 3.0, 3: 4.0, 4: 2.0, 5: 6.0}
     for step, loss in losses.items():
-        _fake_checkpoint(tmp_path, step, loss)
-    unfinished = _fake_checkpoint(tmp_path, 6, 1.0, complete=False)  # still being written or published
-    assert [c.step for c in ckpt.list_checkpoints(tmp_path)] == [1, 2, 3, 4, 5]
+        _fake_checkpoint(tmp_path, step, loss, exported=step in (4, 5))
+    unfinished = _fake_checkpoint(tmp_path, 6, 1.0, published=False)  # still being written
+    assert [c.step for c in ckpt.saved_checkpoints(tmp_path)] == [1, 2, 3, 4, 5]
+    assert [c.step for c in ckpt.list_checkpoints(tmp_path)] == [4, 5]  # exported: what later stages see
     assert ckpt.best_checkpoint(tmp_path).step == 4
+    # A finished run exports its best (step 4) and its last (step 5); one when they are the same.
+    assert [c.step for c in ckpt.to_export(ckpt.saved_checkpoints(tmp_path))] == [4, 5]
+    assert [c.step for c in ckpt.to_export(ckpt.saved_checkpoints(tmp_path)[:4])] == [4]
 
     deleted = ckpt.prune_checkpoints(tmp_path, save_top_k=2)
     # Best two by val_loss are steps 4 (2.0) and 2 (3.0); step 5 stays because it is the latest.
     assert sorted(p.name for p in deleted) == ["epoch_0_step_0", "epoch_0_step_2"]
-    assert [c.step for c in ckpt.list_checkpoints(tmp_path)] == [2, 4, 5]
+    assert [c.step for c in ckpt.saved_checkpoints(tmp_path)] == [2, 4, 5]
     assert ckpt.latest_checkpoint(tmp_path).step == 5
-    assert unfinished.exists()  # never touched: only complete checkpoints are pruned
+    assert unfinished.parent.parent.exists()  # never touched: only saved checkpoints are pruned
 
     ckpt.prune_checkpoints(tmp_path, save_top_k=0, protect={ckpt.checkpoints_dir(tmp_path) / "epoch_0_step_1"})
     # k=0 keeps the best and the latest, and whatever the caller protects (AutoModel's LATEST target).
-    assert [c.step for c in ckpt.list_checkpoints(tmp_path)] == [2, 4, 5]
+    assert [c.step for c in ckpt.saved_checkpoints(tmp_path)] == [2, 4, 5]
     ckpt.prune_checkpoints(tmp_path, save_top_k=0)
-    assert [c.step for c in ckpt.list_checkpoints(tmp_path)] == [4, 5]
+    assert [c.step for c in ckpt.saved_checkpoints(tmp_path)] == [4, 5]
     assert ckpt.prune_checkpoints(tmp_path, save_top_k=-1) == []
 
 

@@ -28,7 +28,11 @@ def _size(path: Path) -> int:
 @pytest.mark.faults
 def test_disk_full_in_a_save_fails_cleanly_and_a_rerun_resumes(tmp_path, train_dataset, reference_run):
     reference = Path(reference_run["run_dir"])
-    one_checkpoint = max(_size(c.path.parent.parent) for c in ckpt.list_checkpoints(reference))  # the step dir
+    # one saved checkpoint (a step directory without its Hugging Face export, which only comes after training)
+    one_checkpoint = max(
+        _size(c.step_dir) - (_size(c.consolidated) if c.consolidated.exists() else 0)
+        for c in ckpt.saved_checkpoints(reference)
+    )
     everything_but_checkpoints = _size(reference) - _size(ckpt.checkpoints_dir(reference))
     # room for the run's own files and the step-4 checkpoint, not for a second one
     room = everything_but_checkpoints + int(one_checkpoint * 1.5)
@@ -39,15 +43,16 @@ def test_disk_full_in_a_save_fails_cleanly_and_a_rerun_resumes(tmp_path, train_d
         assert full.returncode != 0, full.stdout[-2000:]
         last = (full.stdout + full.stderr).strip().splitlines()[-1]
         assert last.startswith("error: no space left on the device holding the run directory"), last
-        complete = [c.step for c in ckpt.list_checkpoints(run_dir)]
-        assert complete == [4], complete  # the step-8 save never became a checkpoint
-        for info in ckpt.list_checkpoints(run_dir):
-            assert ckpt.verify_manifest(info.path) == []
+        saved = [c.step for c in ckpt.saved_checkpoints(run_dir)]
+        assert saved == [4], saved  # the step-8 save never became a checkpoint
+        assert ckpt.list_checkpoints(run_dir) == []  # and nothing was exported from a failed run
 
         resize(disk, str(room * 4))  # more space: the operator's fix
         resumed = run_trainer(config_path, timeout=300)
         assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
         assert "at step 4 (consumed_samples=32)" in resumed.stdout
         assert deterministic_part(read_metrics(run_dir)) == deterministic_part(reference_run["metrics"])
+        for info in ckpt.list_checkpoints(run_dir):
+            assert ckpt.verify_manifest(info.path) == []
         shutil.rmtree(run_dir)
     fault_ledger.record("disk full (tmpfs) during a checkpoint save", injected=1, survived=1)

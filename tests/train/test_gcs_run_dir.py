@@ -12,13 +12,12 @@ import time
 
 import pytest
 
+from infra import failpoints
 from tests.train.helpers import REPO, deterministic_part, tiny_config, trainer_env
 from workloads import checkpoint as ckpt
 from workloads.train_config import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Transformer Engine and Apex")
-
-PAUSE = "NEMOFLOW_TRAIN_TEST_PAUSE_AFTER_STEP"
 
 
 def _upload_dataset(bucket: str, dataset: dict) -> dict:
@@ -59,7 +58,7 @@ def test_gs_run_dir_preempted_on_one_node_resumes_on_another(gcs_bucket, tmp_pat
     storage.write_text(config_uri, json.dumps(config))
 
     # node A: pre-empted after step 6 (SIGTERM): it saves, uploads and exits 76
-    node_a = _trainer(config_uri, tmp_path / "node-a", **{PAUSE: "6"})
+    node_a = _trainer(config_uri, tmp_path / "node-a", **failpoints.env(train__pause_after_step=6))
     seen = []
     try:
         deadline = time.monotonic() + 300
@@ -72,9 +71,12 @@ def test_gs_run_dir_preempted_on_one_node_resumes_on_another(gcs_bucket, tmp_pat
     finally:
         node_a.kill()
     assert node_a.returncode == EXIT_PREEMPTED, "".join(seen)
-    uploaded = ckpt.stored_checkpoints(run_dir)
+    from workloads.staging import RunMirror
+
+    uploaded = RunMirror(run_dir).saved()  # the saved (resumable) checkpoints in the bucket
     assert [c.step for c in uploaded] == [4, 6], uploaded
-    assert all(c.uri.startswith(run_dir + "/checkpoints/") for c in uploaded)
+    assert all(c.step_dir.startswith(run_dir + "/checkpoints/") for c in uploaded)
+    assert ckpt.stored_checkpoints(run_dir) == []  # a pre-empted job exports nothing
 
     # node B: an empty disk; it pulls the newest uploaded checkpoint and finishes the run
     node_b = _trainer(config_uri, tmp_path / "node-b")
@@ -86,8 +88,11 @@ def test_gs_run_dir_preempted_on_one_node_resumes_on_another(gcs_bucket, tmp_pat
     # the same data order, optimizer, schedule and RNG across nodes: the uninterrupted run's numbers
     assert deterministic_part(metrics) == deterministic_part(reference_run["metrics"])
     # save_top_k applies to the bucket: the checkpoints the uninterrupted run kept, each complete
-    kept = [storage.basename(c.step_dir) for c in ckpt.stored_checkpoints(run_dir)]
+    kept = [storage.basename(c.step_dir) for c in RunMirror(run_dir).saved()]
     assert kept == [p.name for p in ckpt.step_dirs(reference_run["run_dir"])], kept
+    # and the exports (best and last) are uploaded as the local run makes them
+    exported = [storage.basename(c.step_dir) for c in ckpt.stored_checkpoints(run_dir)]
+    assert exported == [c.step_dir.name for c in ckpt.list_checkpoints(reference_run["run_dir"])], exported
     assert not storage.exists(f"{run_dir}/checkpoints/{ckpt.step_dir_name(6)}"), "the pruned one is gone remotely"
     assert json.loads(storage.read_text(f"{run_dir}/train_config.json"))["run_dir"] == run_dir
     best = ckpt.best_of(ckpt.stored_checkpoints(run_dir))

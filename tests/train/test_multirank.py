@@ -20,6 +20,7 @@ from collections import Counter
 
 import pytest
 
+from infra import failpoints
 from tests.support import fault_ledger
 from tests.train.helpers import deterministic_part, read_metrics, run_trainer, tiny_config, write_config
 from workloads import checkpoint as ckpt
@@ -30,7 +31,7 @@ SAMPLES = re.compile(r"^(?:\[rank (\d)\] )?samples step=(\d+) rank=(\d) (\S+)$")
 
 
 def _samples(stdout: str) -> dict[tuple[int, int], list[str]]:
-    """{(step, rank): [sample hash, ...]} from the trainer's NEMOFLOW_TRAIN_TEST_LOG_SAMPLES lines."""
+    """{(step, rank): [sample hash, ...]} from the lines of the trainer's train.log_samples failpoint."""
     found: dict[tuple[int, int], list[str]] = {}
     for line in stdout.splitlines():
         match = SAMPLES.match(line)
@@ -75,7 +76,7 @@ def runs(tmp_path_factory, train_dataset, reference_run):
             proc = run_trainer(
                 write_config(config, root / "config.json"),
                 nproc=1 if name == "one" else 2,
-                NEMOFLOW_TRAIN_TEST_LOG_SAMPLES="1",
+                **failpoints.env(train__log_samples=True),
             )
             assert proc.returncode == 0, proc.stdout + proc.stderr
             done[name] = (proc, root / "run", config)
@@ -113,7 +114,10 @@ def test_two_gloo_ranks_match_one_process_with_the_same_global_batch(runs, strat
     assert any(line.startswith("[rank 1] ") for line in two.stdout.splitlines())
     saved = [line for line in two.stdout.splitlines() if "saved checkpoint" in line]
     assert [line.split("] ", 1)[0] for line in saved] == ["[rank 0", "[rank 0"]
-    assert [c.step for c in ckpt.list_checkpoints(two_dir)] == [3, 6]
+    assert [c.step for c in ckpt.saved_checkpoints(two_dir)] == [3, 6]
+    # Both export the same checkpoints after training (the best and the last: the numbers are the same).
+    exported = [c.step for c in ckpt.list_checkpoints(two_dir)]
+    assert 6 in exported and exported == [c.step for c in ckpt.list_checkpoints(one_dir)]
     steps_logged = [m["step"] for m in read_metrics(two_dir) if "loss" in m]
     assert steps_logged == [1, 2, 3, 4, 5, 6]  # one metrics line per step, not one per rank
     for info in ckpt.list_checkpoints(two_dir):
@@ -146,17 +150,18 @@ def test_two_ddp_ranks_killed_in_a_save_resume_with_the_same_numbers(tmp_path, r
     _, whole_dir, config = runs("ddp")
     run_dir = tmp_path / "run"
     config_path = write_config({**config, "run_dir": str(run_dir)}, tmp_path / "config.json")
-    crashed = run_trainer(config_path, nproc=2, NEMOFLOW_TRAIN_TEST_CRASH_IN_SAVE_AT_STEP="6")
+    crashed = run_trainer(config_path, nproc=2, **failpoints.env(train__crash_in_save_at_step=6))
     assert crashed.returncode != 0, crashed.stdout + crashed.stderr
     assert f"exitcode  : -{int(signal.SIGKILL)}" in crashed.stdout + crashed.stderr  # torchrun saw the kill
-    assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [3]
+    assert [c.step for c in ckpt.saved_checkpoints(run_dir)] == [3] and ckpt.list_checkpoints(run_dir) == []
 
     resumed = run_trainer(config_path, nproc=2)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "at step 3 (consumed_samples=24)" in resumed.stdout
     assert "strategy=ddp " in resumed.stdout
     assert deterministic_part(read_metrics(run_dir)) == deterministic_part(read_metrics(whole_dir))
-    assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [3, 6]
+    assert [c.step for c in ckpt.saved_checkpoints(run_dir)] == [3, 6]
+    assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [c.step for c in ckpt.list_checkpoints(whole_dir)]
     for info in ckpt.list_checkpoints(run_dir):
         assert ckpt.verify_manifest(info.path) == []
     fault_ledger.record("2-rank DDP training job SIGKILLed mid-checkpoint", injected=1, survived=1)

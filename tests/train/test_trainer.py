@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from infra import failpoints
 from tests.support import fault_ledger
 from tests.train.helpers import (
     REPO,
@@ -25,8 +26,6 @@ from workloads import checkpoint as ckpt
 from workloads.train_config import EXIT_OUT_OF_MEMORY, EXIT_PREEMPTED
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Transformer Engine and Apex")
-
-PAUSE = "NEMOFLOW_TRAIN_TEST_PAUSE_AFTER_STEP"
 
 
 def _step_dir(run_dir: Path, step: int) -> Path:
@@ -51,8 +50,16 @@ def test_checkpoint_layout_and_manifest(reference_run):
     root = ckpt.checkpoints_dir(run_dir)
     # save_top_k=2 with falling val_loss keeps the checkpoints of steps 8 and 12 (AutoModel counts from 0).
     assert sorted(p.name for p in ckpt.step_dirs(run_dir)) == ["epoch_0_step_11", "epoch_0_step_7"]
-    assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [8, 12]
+    assert [c.step for c in ckpt.saved_checkpoints(run_dir)] == [8, 12]
     assert (root / "LATEST").resolve() == _step_dir(run_dir, 12).resolve()
+    # Saved during training: AutoModel's sharded resume state with nemoflow's meta.json, no export in the loop.
+    eight = ckpt.saved_checkpoints(run_dir)[0]
+    assert eight.meta["step"] == 8 and eight.meta["consumed_samples"] == 64 and not eight.exported
+    assert not eight.consolidated.exists()
+    assert list((eight.step_dir / "model").glob("shard-*.safetensors")) and (eight.step_dir / "optim").is_dir()
+    # After training, the best and the last get a Hugging Face export; with a falling val_loss that is step 12.
+    assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [12]
+    assert "exporting epoch_0_step_11 as Hugging Face safetensors" in reference_run["stdout"]
     latest = ckpt.latest_checkpoint(run_dir)
     assert latest.path == _step_dir(run_dir, 12) / "model" / "consolidated" and latest.step == 12
     names = {p.name for p in latest.path.iterdir()}
@@ -117,7 +124,7 @@ def test_preempted_then_killed_then_resumed_matches_uninterrupted(tmp_path, trai
     run_dir = tmp_path / "run"
     config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
 
-    proc = _start(config_path, **{PAUSE: "6"})
+    proc = _start(config_path, **failpoints.env(train__pause_after_step=6))
     try:
         _wait_for_line(proc, "step=6 ")
         proc.send_signal(signal.SIGTERM)
@@ -127,20 +134,23 @@ def test_preempted_then_killed_then_resumed_matches_uninterrupted(tmp_path, trai
         proc.kill()
     assert proc.returncode == EXIT_PREEMPTED, rest
     assert "received a stop signal: checkpoint saved at step 6" in rest
-    assert ckpt.latest_checkpoint(run_dir).step == 6
-    assert ckpt.verify_manifest(ckpt.latest_checkpoint(run_dir).path) == []
+    assert ckpt.saved_checkpoints(run_dir)[-1].step == 6
+    assert ckpt.list_checkpoints(run_dir) == []  # a pre-empted job exports nothing: it resumes
 
-    proc = _start(config_path, **{PAUSE: "10"})
+    proc = _start(config_path, **failpoints.env(train__pause_after_step=10))
     try:
         seen = _wait_for_line(proc, "step=10 ")
+        # The save of step 8 is written in the background and published as soon as it is written (the paused
+        # loop keeps publishing), not only at the next save: wait for that, then kill.
+        seen += _wait_for_line(proc, f"saved checkpoint {_step_dir(run_dir, 8)} ")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         proc.kill()
     assert proc.returncode == -signal.SIGKILL
     assert any("at step 6 (consumed_samples=48)" in line for line in seen), seen
-    # Killed after step 10: the last complete checkpoint is step 8; steps 9-10 are redone.
-    assert ckpt.latest_checkpoint(run_dir).step == 8
+    # Killed after step 10: the last saved checkpoint is step 8; steps 9-10 are redone.
+    assert ckpt.saved_checkpoints(run_dir)[-1].step == 8
 
     resumed = run_trainer(config_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -155,12 +165,12 @@ def test_preempted_then_killed_then_resumed_matches_uninterrupted(tmp_path, trai
 def test_crash_during_save_leaves_no_complete_checkpoint(tmp_path, train_dataset, reference_run):
     run_dir = tmp_path / "run"
     config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
-    crashed = run_trainer(config_path, NEMOFLOW_TRAIN_TEST_CRASH_IN_SAVE_AT_STEP="8")
+    crashed = run_trainer(config_path, **failpoints.env(train__crash_in_save_at_step=8))
     assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
     half = _step_dir(run_dir, 8)
     # AutoModel's interrupted save: weights written, never published (its marker stays), no manifest.
     assert (half / ".incomplete").exists() and not (half / "model" / "consolidated" / "MANIFEST.json").exists()
-    assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [4]
+    assert [c.step for c in ckpt.saved_checkpoints(run_dir)] == [4] and ckpt.list_checkpoints(run_dir) == []
 
     resumed = run_trainer(config_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -183,7 +193,7 @@ def test_out_of_memory_exits_75_and_backend_reports_it(tmp_path, train_dataset):
     config = TrainConfig(**tiny_config(train_dataset, tmp_path / "run", micro_batch_size=2))
     write_config(config)
     spec = build_train_job(config)
-    spec.env["NEMOFLOW_TRAIN_TEST_OOM_AT_STEP"] = "1"
+    spec.env.update(failpoints.env(train__oom_at_step=1))
     lines: list[str] = []
     result = LocalBackend().run(spec, on_log=lines.append)
     assert result.exit_code == 75 and result.state is JobState.OUT_OF_MEMORY
