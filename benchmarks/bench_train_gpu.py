@@ -18,11 +18,24 @@ Each call runs, on the same synthetic Megatron dataset (uniform random tokens, M
              several GPUs), no data loader and no checkpoints: the ceiling the engine is measured against.
 
 Reported (JSON on stdout and in --out): tokens/s (median of the logged steps after ``--warmup``,
-excluding steps that follow a checkpoint), MFU = tokens/s x FLOPs per token / (GPUs x 989 TFLOP/s,
+excluding the 2 steps that follow each checkpoint), MFU = tokens/s x FLOPs per token / (GPUs x 989 TFLOP/s,
 the H100/H200 SXM dense bf16 peak), FLOPs per token = 6 x (parameters - input embedding)
 + 12 x layers x hidden x seq_length, peak GPU memory (max over ranks, torch allocator), and the
-checkpoint stall: the time the training loop blocked in saves (the trainer logs each one, and the
-final wait for the last asynchronous save), as a share of training + stall time.
+checkpoints:
+
+  blocked_per_save_s   per save, the time the training loop waited for it: the save call itself
+                       (checkpoint_save_s: the previous save's write if it is still running, and the start
+                       of this one) plus the wait before the next optimizer step for the copy of the state
+                       to host memory (checkpoint_wait_s); ``blocked_median_s`` over the saves of the run
+  after_save           per save, the tokens/s of the 3 steps after it, as a share of the steady rate
+  effective_tokens_per_s  tokens of the steps after ``--warmup`` over their training time plus the time
+                       the loop blocked in saves among them: what a run with these saves achieves
+  checkpoint_finalize_s  the wait for the last save's write at the end (after the last step)
+
+With ``--compare-no-saves`` the nemoflow run is repeated without intermediate saves (one save at the
+end) and ``effective_ratio`` = effective tokens/s with saves / without: the cost of the saves.
+``--run-root`` puts the run directories (the checkpoints) elsewhere, e.g. /dev/shm, to separate the
+trainer's share of a save from the disk's.
 """
 
 from __future__ import annotations
@@ -101,10 +114,11 @@ def make_dataset(root: Path, tokens: int, seq: int) -> str:
     return prefix
 
 
-def run_nemoflow(args, prefix: str, out: Path) -> dict:
+def run_nemoflow(args, prefix: str, out: Path, ckpt_every: int | None = None) -> dict:
     hidden, layers, heads, kv, ffn, mbs = MODELS[args.model]
     cuda = not args.cpu
-    run_dir = out / f"run-{args.model}-{args.gpus}gpu"
+    ckpt_every = ckpt_every or args.ckpt_every
+    run_dir = Path(args.run_root or out) / f"run-{args.model}-{args.gpus}gpu-every{ckpt_every}"
     config = {
         "arch": "llama",
         "hidden_size": hidden,
@@ -121,7 +135,7 @@ def run_nemoflow(args, prefix: str, out: Path) -> dict:
         "warmup_steps": 2,
         "val_check_interval": 10_000,
         "limit_val_batches": 0,
-        "ckpt_every_n_steps": args.ckpt_every,
+        "ckpt_every_n_steps": ckpt_every,
         "save_top_k": 1,
         "log_every_n_steps": 1,
         "data_prefix": [prefix],
@@ -146,19 +160,13 @@ def run_nemoflow(args, prefix: str, out: Path) -> dict:
     start = time.perf_counter()
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    (out / f"nemoflow-{args.model}-{args.gpus}gpu.log").write_text(proc.stdout + proc.stderr)
+    (out / f"nemoflow-{args.model}-{args.gpus}gpu-every{ckpt_every}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-4000:]
         raise SystemExit(f"nemoflow trainer failed (exit {proc.returncode}):\n{tail}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "loss" in r]
-    # tokens_per_s of a logged step counts training time only; the trainer logs the time each save blocked.
-    saves = [r["checkpoint_save_s"] for r in records if "checkpoint_save_s" in r]
-    finalize = sum(r["checkpoint_finalize_s"] for r in records if "checkpoint_finalize_s" in r)
-    tps = statistics.median(r["tokens_per_s"] for r in steps if r["step"] > args.warmup)
-    tokens_per_step = mbs * args.gpus * args.seq
-    training = sum(tokens_per_step / r["tokens_per_s"] for r in steps)
-    stall = sum(saves) + finalize
+    stats = checkpoint_stats(records, args.warmup, mbs * args.gpus * args.seq)
+    tps = stats["steady_tokens_per_s"]
     from workloads import checkpoint as ckpt
 
     latest = ckpt.latest_checkpoint(run_dir)
@@ -168,13 +176,10 @@ def run_nemoflow(args, prefix: str, out: Path) -> dict:
         "strategy": resolved,
         "tokens_per_s": tps,
         "mfu": tps * flops_per_token(args.model, args.seq) / (args.gpus * PEAK_BF16_TFLOPS * 1e12) if cuda else None,
-        "peak_mem_gib": max((r.get("peak_mem_gib", 0.0) for r in steps), default=None),
-        "checkpoint_stall_s": stall,
-        "checkpoint_stall_share": stall / (training + stall),
-        "checkpoint_save_s": saves,
-        "checkpoint_finalize_s": finalize,
-        "checkpoints": len(saves),
-        "final_loss": steps[-1]["loss"],
+        "peak_mem_gib": max((r.get("peak_mem_gib", 0.0) for r in records if "loss" in r), default=None),
+        "ckpt_every": ckpt_every,
+        **stats,
+        "final_loss": [r for r in records if "loss" in r][-1]["loss"],
         "wall_s": wall,
         "latest_checkpoint": str(latest.path) if latest else None,
         "checkpoint_bytes": sum(
@@ -182,6 +187,44 @@ def run_nemoflow(args, prefix: str, out: Path) -> dict:
         )
         if latest
         else None,
+    }
+
+
+def checkpoint_stats(records: list[dict], warmup: int, tokens_per_step: int) -> dict:
+    """The checkpoint numbers of one run's metrics.jsonl (every step logged; see the module docstring).
+
+    >>> recs = [{"step": s, "loss": 1.0, "tokens_per_s": 100.0} for s in range(1, 9)]
+    >>> recs += [{"step": 4, "checkpoint_save_s": 0.25}, {"step": 4, "checkpoint_wait_s": 0.25}]
+    >>> stats = checkpoint_stats(recs, warmup=1, tokens_per_step=100)
+    >>> stats["blocked_per_save_s"], stats["effective_tokens_per_s"]
+    ([0.5], 93.33333333333333)
+    """
+    steps = {r["step"]: r for r in records if "loss" in r}
+    blocked: dict[int, float] = {}
+    for r in records:
+        for key in ("checkpoint_save_s", "checkpoint_wait_s"):
+            if key in r:
+                blocked[r["step"]] = blocked.get(r["step"], 0.0) + r[key]
+    last = max(steps)
+    intermediate = {s: b for s, b in blocked.items() if s != last}  # the final save is followed by no step
+    near_save = {s + k for s in blocked for k in (1, 2)}
+    steady = [r["tokens_per_s"] for s, r in steps.items() if s > warmup and s not in near_save]
+    steady_tps = statistics.median(steady) if steady else statistics.median(r["tokens_per_s"] for r in steps.values())
+    counted = [s for s in steps if s > warmup]
+    training = sum(tokens_per_step / steps[s]["tokens_per_s"] for s in counted)
+    stalls = sum(b for s, b in intermediate.items() if s > warmup)
+    return {
+        "steady_tokens_per_s": steady_tps,
+        "checkpoints": len(blocked),
+        "blocked_per_save_s": [round(intermediate[s], 4) for s in sorted(intermediate)],
+        "blocked_median_s": statistics.median(intermediate.values()) if intermediate else None,
+        "final_save_s": blocked.get(last),
+        "checkpoint_finalize_s": sum(r["checkpoint_finalize_s"] for r in records if "checkpoint_finalize_s" in r),
+        "after_save": {
+            s: [round(steps[s + k]["tokens_per_s"] / steady_tps, 3) for k in (1, 2, 3) if s + k in steps]
+            for s in sorted(intermediate)
+        },
+        "effective_tokens_per_s": len(counted) * tokens_per_step / (training + stalls) if counted else None,
     }
 
 
@@ -280,6 +323,12 @@ def main() -> None:
     parser.add_argument("--strategy", default="auto", choices=["auto", "fsdp2", "ddp"], help="TrainConfig.strategy")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--sync-save", action="store_true", help="synchronous checkpoints (default: async)")
+    parser.add_argument(
+        "--compare-no-saves",
+        action="store_true",
+        help="run the trainer again with one save at the end only, and report the ratio of effective tokens/s",
+    )
+    parser.add_argument("--run-root", help="where the run directories (checkpoints) go (default: --out)")
     parser.add_argument("--skip-reference", action="store_true")
     parser.add_argument("--skip-nemoflow", action="store_true")
     parser.add_argument("--cpu", action="store_true", help="no GPU: check the code path with --model tiny")
@@ -306,6 +355,11 @@ def main() -> None:
     }
     if not args.skip_nemoflow:
         result["nemoflow"] = run_nemoflow(args, prefix, out)
+        if args.compare_no_saves:
+            result["nemoflow_no_saves"] = run_nemoflow(args, prefix, out, ckpt_every=10**6)
+            with_saves = result["nemoflow"]["effective_tokens_per_s"]
+            without = result["nemoflow_no_saves"]["effective_tokens_per_s"]
+            result["effective_ratio"] = with_saves / without if with_saves and without else None
     if not args.skip_reference:
         result["reference"] = run_reference(args, out)
     text = json.dumps(result, indent=1)

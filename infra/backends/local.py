@@ -79,6 +79,15 @@ def with_option(command: list[str], flag: str, value: str) -> list[str]:
     return out
 
 
+def check_gpus(spec: JobSpec | ServiceSpec) -> None:
+    """A job or service that asks for GPUs gets them from this machine, or is refused before it starts
+    (infra/gpus.py: none here, hidden, unusable by this torch, or fewer than asked for)."""
+    if spec.resources.gpus_per_node:
+        from infra import gpus
+
+        gpus.check_request(spec.resources.gpus_per_node, gpus.probe(), what=spec.name)
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -121,7 +130,8 @@ class LocalBackend(Backend):
         return env
 
     def command(self, spec: JobSpec) -> list[str]:
-        """What one process of ``spec`` executes."""
+        """What one process of ``spec`` executes (refusing, in one line, what cannot run on this machine)."""
+        check_gpus(spec)
         if spec.resources.nodes > 1:
             raise ValueError(
                 f"job {spec.name} asks for {spec.resources.nodes} nodes; the local backend runs on this machine "
@@ -264,6 +274,8 @@ class LocalBackend(Backend):
         if current is not None:
             if spec.fingerprint and current.spec_hash == spec.fingerprint and services.is_healthy(current):
                 return _info(current, healthy=True)
+        check_gpus(spec)  # before the running server is stopped for a new one that could not start
+        if current is not None:
             services.stop_service(current)
         return _info(self._spawn(spec, ready_timeout_s, on_log), healthy=True)
 
