@@ -11,7 +11,9 @@ few minutes: the King James Bible, Mixtral's tokenizer, a 20M-parameter Llama.
 
 from __future__ import annotations
 
+import os
 from typing import Literal
+from uuid import UUID
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
@@ -55,6 +57,52 @@ def demo_train_config() -> TrainConfig:
         save_top_k=2,
         log_every_n_steps=5,
     )
+
+
+# The GPU demo's token budget: about two passes over the embedded corpus (~1.2M tokens), whatever the GPU count.
+GPU_DEMO_TOKENS = 2_500_000
+
+
+def demo_gpu_train_config(gpus: int) -> TrainConfig:
+    """The demo on ``gpus`` GPUs of this machine: a 0.25B-parameter Llama (hidden 1024, 16 layers, GQA 16/8,
+    SwiGLU 2816, Mixtral's 32000-token vocabulary) trained for two passes over the demo corpus, bf16-mixed,
+    each decoder layer compiled, torchrun over the GPUs (``strategy: auto``: DDP for this size on one node).
+    Minutes on one H200 (README, "On a GPU machine")."""
+    micro, seq = 16, 1024
+    steps = GPU_DEMO_TOKENS // (micro * gpus * seq)
+    return TrainConfig(
+        arch="llama",
+        hidden_size=1024,
+        num_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        ffn_hidden_size=2816,
+        seq_length=seq,
+        global_batch_size=micro * gpus,
+        micro_batch_size=micro,
+        max_steps=steps,
+        lr=6e-4,
+        min_lr=6e-5,
+        warmup_steps=min(20, steps // 5),
+        val_check_interval=max(1, steps // 3),
+        ckpt_every_n_steps=max(1, steps // 3),
+        limit_val_batches=8,
+        save_top_k=2,
+        log_every_n_steps=5,
+        precision="bf16-mixed",
+        enable_compile=True,
+        gpus_per_node=gpus,
+        cpus_per_task=max(2, min(16, (os.cpu_count() or 2) // 2)),
+    )
+
+
+def demo_gpu_config(gpus: int) -> dict:
+    """The end-to-end parameters (``config``) of the GPU demo: training on ``gpus`` GPUs, validation and the
+    built-in server on one (vLLM when it is installed: the server decides, engine ``auto``)."""
+    return {
+        "train": demo_gpu_train_config(gpus).model_dump(exclude_defaults=True),
+        "serve": {"resources": {"gpus_per_node": 1, "cpus_per_task": 2}},
+    }
 
 
 class ServeConfig(BaseModel):
@@ -187,6 +235,7 @@ def end_to_end(config: EndToEndConfig | None = None) -> dict:
         summary["sft"] = run_sft(
             config.sft.train, config.sft.data, base, registry_uri, executor, image, config.sft.promote
         )
+    _publish_stage_times()
     return summary
 
 
@@ -240,6 +289,43 @@ def register_checkpoint(config, checkpoint, dataset, report, endpoint, image) ->
         expected_generation=state.generation,
     )
     return record.id
+
+
+def stage_times(flow_run_id) -> list[dict]:
+    """Every task run of a flow run and of its subflows (prepare-dataset), oldest first, with its state and the
+    seconds it ran (a Cached stage ran none), as the Prefect API records them."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+
+    root = UUID(str(flow_run_id))
+    with get_client(sync_client=True) as client:
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[root]))
+        )
+        names = {root: None, **{child.id: child.name for child in children}}
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(names))))
+    rows = []
+    for run in sorted(runs, key=lambda r: r.expected_start_time or r.created):
+        subflow = names.get(run.flow_run_id)
+        rows.append(
+            {
+                "stage": f"{run.name} (in {subflow})" if subflow else run.name,
+                "state": run.state_name,
+                "seconds": round(run.total_run_time.total_seconds(), 1),
+            }
+        )
+    return rows
+
+
+def _publish_stage_times() -> None:
+    if not flow_run.id:
+        return
+    from prefect.artifacts import create_table_artifact
+
+    rows = stage_times(flow_run.id)
+    create_table_artifact(
+        key="end-to-end-stage-times", table=rows, description="each stage of this run: state and seconds it ran"
+    )
 
 
 def _publish_summary(summary: dict) -> None:

@@ -178,7 +178,7 @@ def loss_curve_rows(metrics: list[dict], max_rows: int = 100) -> list[dict]:
     by_step: dict[int, dict] = {}
     for record in metrics:
         row = by_step.setdefault(record["step"], {"step": record["step"]})
-        for key in ("loss", "val_loss", "lr", "tokens_per_s", "grad_norm"):
+        for key in ("loss", "val_loss", "lr", "tokens_per_s", "mfu", "peak_mem_gib", "grad_norm"):
             if key in record:
                 row[key] = record[key]
     rows = [by_step[s] for s in sorted(by_step)]
@@ -193,6 +193,10 @@ def loss_curve_rows(metrics: list[dict], max_rows: int = 100) -> list[dict]:
             row["lr"] = float(f"{row['lr']:.3g}")
         if "tokens_per_s" in row:
             row["tokens_per_s"] = round(row["tokens_per_s"])
+        if "mfu" in row:
+            row["mfu"] = round(row["mfu"], 4)
+        if "peak_mem_gib" in row:
+            row["peak_mem_gib"] = round(row["peak_mem_gib"], 2)
     return rows
 
 
@@ -214,13 +218,26 @@ def loss_curve_markdown(metrics: list[dict], best: CheckpointRef | None, run_dir
     if best is not None:
         lines += [f"best checkpoint: `{best.uri}` (step {best.step}, val_loss {best.val_loss})", ""]
     rows = loss_curve_rows(metrics, max_rows=20)
+    gpu = any("mfu" in row or "peak_mem_gib" in row for row in rows)
+    saves = [m for m in metrics if "checkpoint_save_s" in m]
     if rows:
-        lines += ["| step | loss | val_loss | lr | tokens/s |", "|---:|---:|---:|---:|---:|"]
+        header = "| step | loss | val_loss | lr | tokens/s |" + (" MFU | peak GPU memory (GiB) |" if gpu else "")
+        lines += [header, "|---:" * (7 if gpu else 5) + "|"]
         for row in rows:
+            mfu = f"{row['mfu']:.1%}" if "mfu" in row else ""
+            extra = f" {mfu} | {row.get('peak_mem_gib', '')} |" if gpu else ""
             lines.append(
                 f"| {row['step']} | {row.get('loss', '')} | {row.get('val_loss', '')} | {row.get('lr', '')} "
-                f"| {row.get('tokens_per_s', '')} |"
+                f"| {row.get('tokens_per_s', '')} |{extra}"
             )
+    if saves:
+        waits = {m["step"]: m["checkpoint_wait_s"] for m in metrics if "checkpoint_wait_s" in m}
+        blocked = [m["checkpoint_save_s"] + waits.get(m["step"], 0.0) for m in saves]
+        lines += [
+            "",
+            f"checkpoints: {len(saves)} saves, training blocked {sum(blocked):.2f} s in all "
+            f"(median {sorted(blocked)[len(blocked) // 2]:.2f} s a save; the writes ran in the background)",
+        ]
     lines += ["", f"run directory: `{run_dir}` (metrics.jsonl has every logged step)"]
     return "\n".join(lines)
 

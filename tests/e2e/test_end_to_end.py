@@ -137,8 +137,30 @@ def test_end_to_end_deployment_then_all_cached_and_ui_shows_artifacts(local_pool
     states = _task_states(second_id)
     assert states and {n: s for n, s in states.items() if s != "Cached"} == {}, states
     print(f"first run {first:.1f}s, cached re-run {second:.1f}s")
+    # Each run's stage times, as the API recorded them: the first trained, the second ran nothing.
+    times = {row["stage"]: row for row in _artifact_table(run_id, "end-to-end-stage-times")}
+    pretrain = next(row for name, row in times.items() if name.startswith("pretrain"))
+    assert pretrain["state"] == "Completed" and pretrain["seconds"] > 1, times
+    assert any("(in prepare-dataset" in name for name in times), times  # the subflow's stages too
+    cached = _artifact_table(second_id, "end-to-end-stage-times")
+    assert cached and {row["state"] for row in cached} == {"Cached"}, cached
 
     _ui_shows_artifacts(prefect_server, run_id)
+
+
+def _artifact_table(flow_run_id: str, key: str) -> list[dict]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+            )
+        )
+    assert found, f"no {key} artifact on flow run {flow_run_id}"
+    data = found[0].data
+    return json.loads(data) if isinstance(data, str) else data
 
 
 def _ui_shows_artifacts(api: str, flow_run_id: str) -> None:
@@ -175,6 +197,7 @@ def _ui_shows_artifacts(api: str, flow_run_id: str) -> None:
         "checkpoint-validation-",
         "endpoint-",
         "smoke-test-",
+        "end-to-end-stage-times",
     ):
         assert key in text, f"artifact {key!r} not on the run page:\n{text[-3000:]}"
 
