@@ -973,6 +973,7 @@ def main(argv: list[str] | None = None) -> int:
     if world_size > 1:
         sys.stdout = RankPrefixed(sys.stdout, rank)
         sys.stderr = RankPrefixed(sys.stderr, rank)
+    config = None
     try:
         config = load_train_config(_read_config(args.config))
         if args.check:
@@ -989,7 +990,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
-        if not _disk_full(exc):
+        if not (_disk_full(exc) or _run_dir_full(config)):
             raise
         # One line after the traceback: what happened and what to do (the incomplete save is never a checkpoint).
         print(
@@ -1004,6 +1005,20 @@ def main(argv: list[str] | None = None) -> int:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _run_dir_full(config: TrainConfig | None) -> bool:
+    """The file system of a local run directory has (almost) no space left: a write that failed there failed for
+    that reason, whatever the writer said (torch.save reports a full disk as "unexpected pos", no errno)."""
+    if config is None or not config.run_dir or staging.is_remote(config.run_dir):
+        return False
+    path = Path(config.run_dir.removeprefix("file://"))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free < 1 << 20
+    except OSError:
+        return False
 
 
 def _disk_full(exc: BaseException) -> bool:

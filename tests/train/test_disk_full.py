@@ -39,7 +39,7 @@ def test_disk_full_in_a_save_fails_cleanly_and_a_rerun_resumes(tmp_path, train_d
     with tmpfs(tmp_path / "disk", f"size={room}") as disk:
         run_dir = disk / "run"
         config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
-        full = run_trainer(config_path, timeout=300)
+        full = run_trainer(config_path, timeout=900)
         assert full.returncode != 0, full.stdout[-2000:]
         last = (full.stdout + full.stderr).strip().splitlines()[-1]
         assert last.startswith("error: no space left on the device holding the run directory"), last

@@ -107,7 +107,7 @@ def _start(config_path: Path, **env) -> subprocess.Popen:
     )
 
 
-def _wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 120) -> list[str]:
+def _wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 300) -> list[str]:
     seen = []
     deadline = time.monotonic() + timeout
     for line in proc.stdout:

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# nemoflow on a GPU node that has Python with a CUDA build of torch but no network (the H200 machine this
+# project is measured on): install from carried wheel chunks, run the whole end-to-end flow through Prefect
+# on the node's GPUs (twice: the second run is all Cached), and the GPU measurements.
+#
+#   devtools/gpu_node.sh install DIR [DIR ...]   # wheel chunks from `scripts/wheelhouse.sh build` (one call each)
+#   devtools/gpu_node.sh facts OUT               # the node: GPUs, driver, torch, disk and /dev/shm write speed
+#   devtools/gpu_node.sh demo OUT                # `nemoflow demo` on every GPU, twice; stage times, summary, metrics
+#   devtools/gpu_node.sh bench-checkpoints OUT   # 1.1B: a save every 10 steps against none (issue 21)
+#   devtools/gpu_node.sh test-gpu OUT            # the tests marked `gpu` (resume on the GPU)
+#   devtools/gpu_node.sh bench-moe OUT           # the Mixtral-shaped MoE, today's path against grouped GEMM
+#
+# Everything lives under /tmp (the venv, NEMOFLOW_HOME, the work dir): on the lent machines files under /tmp
+# survive between calls while the machine stays warm, and the repository copy does not. The node's Python is
+# NODE_PYTHON (default: python3 on PATH, /opt/torch/.venv/bin/python3 there); its torch is reused.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=${NEMOFLOW_NODE_ROOT:-/tmp/nemoflow-node}
+VENV=$ROOT/venv
+NODE_PYTHON=${NODE_PYTHON:-$(command -v python3)}
+export NEMOFLOW_HOME=$ROOT/home NEMOFLOW_WORK_DIR=$ROOT/work PREFECT_HOME=$ROOT/prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+# Multi-GPU hosts of this workplace: never NVLink multicast (it can take the host's GPUs down for others).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+cmd=${1:?usage: devtools/gpu_node.sh install|facts|demo|bench-checkpoints|test-gpu|bench-moe ...}
+shift
+mkdir -p "$ROOT"
+
+case "$cmd" in
+  install)
+    [ $# -ge 1 ] || { echo "install needs wheel directories" >&2; exit 2; }
+    args=()
+    for dir in "$@"; do args+=(--offline "$dir"); done
+    scripts/setup.sh "${args[@]}" --venv "$VENV" --reuse-torch "$NODE_PYTHON"
+    ;;
+  facts)
+    out=${1:?facts OUT}; mkdir -p "$out"
+    {
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+      "$NODE_PYTHON" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
+      nproc; free -g | sed -n 2p
+      for target in "$ROOT/ddtest" /dev/shm/nemoflow-ddtest; do
+        sync
+        start=$(date +%s.%N)
+        dd if=/dev/zero of="$target" bs=16M count=256 conv=fsync status=none
+        end=$(date +%s.%N)
+        echo "write 4 GiB with fsync to $(dirname "$target"): $(python3 -c "print(round(4/($end-$start), 2))") GiB/s"
+        rm -f "$target"
+      done
+      df -h "$ROOT" /dev/shm | sed 1d
+    } 2>&1 | tee "$out/facts.txt"
+    "$NODE_PYTHON" -m pip list --format=freeze > "$out/node-freeze.txt" 2>/dev/null || true
+    ;;
+  demo)
+    out=${1:?demo OUT}; mkdir -p "$out"
+    export PATH="$VENV/bin:$PATH"
+    for run in 1 2; do
+      start=$(date +%s)
+      nemoflow demo 2>&1 | tee "$out/demo-$run.log"
+      echo "demo run $run: $(( $(date +%s) - start )) s" | tee -a "$out/demo-times.txt"
+    done
+    "$VENV/bin/python" -m devtools.gpu_report "$NEMOFLOW_WORK_DIR" "$out" || true
+    nemoflow demo --down >/dev/null 2>&1 || true
+    ;;
+  bench-checkpoints)
+    out=${1:?bench-checkpoints OUT}; mkdir -p "$out"
+    "$VENV/bin/python" benchmarks/bench_train_gpu.py --model 1.1b --gpus 1 --steps 30 --warmup 5 --ckpt-every 10 \
+      --compare-no-saves --skip-reference --out "$ROOT/bench-ckpt" 2>&1 | tee "$out/bench-checkpoints.log"
+    cp "$ROOT"/bench-ckpt/*.json "$out/" 2>/dev/null || true
+    ;;
+  test-gpu)
+    out=${1:?test-gpu OUT}; mkdir -p "$out"
+    "$VENV/bin/python" -m pytest tests/train/test_gpu_resume.py -m gpu -q -s -p no:cacheprovider 2>&1 | tee "$out/test-gpu.log"
+    ;;
+  bench-moe)
+    out=${1:?bench-moe OUT}; mkdir -p "$out"
+    "$VENV/bin/python" benchmarks/bench_train_gpu.py --model moe-0.9b --gpus 1 --steps 20 --warmup 5 --ckpt-every 1000 \
+      --skip-reference --out "$ROOT/bench-moe" "$@" 2>&1 | tee "$out/bench-moe.log"
+    cp "$ROOT"/bench-moe/*.json "$out/" 2>/dev/null || true
+    ;;
+  *)
+    echo "unknown command $cmd" >&2; exit 2 ;;
+esac
