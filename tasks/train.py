@@ -261,7 +261,9 @@ def pretrain(
 
     log = logger()
     config = with_dataset(config, dataset)
-    plan = check_parallelism(config)
+    from workloads.memory_plan import executor_gpu_memory_gib
+
+    plan = check_parallelism(config, gpu_memory_gib=executor_gpu_memory_gib(executor))
     log.info(
         "training %s for %d steps: world %d, data parallel %d, gradient accumulation %d; run_dir %s",
         config.arch,

@@ -118,6 +118,12 @@ class TrainConfig(BaseModel):
     pipeline_model_parallel_size: int = Field(1, ge=1)
     context_parallel_size: int = Field(1, ge=1)
     expert_model_parallel_size: int = Field(1, ge=1)
+    gpu_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        description="memory of one GPU: the layout's memory per GPU is checked against it before launch "
+        "(workloads/memory_plan.py); None = the executor's (Slurm preset, GKE accelerator label) where known",
+    )
     cpus_per_task: int = Field(2, ge=1)
     mem: str | None = None
     time: str | None = Field(None, description="job time limit, sbatch syntax")
@@ -269,7 +275,12 @@ class ParallelPlan:
     total_steps: int
 
 
-def check_parallelism(config: TrainConfig, on_cpu: bool | None = None, world_size: int | None = None) -> ParallelPlan:
+def check_parallelism(
+    config: TrainConfig,
+    on_cpu: bool | None = None,
+    world_size: int | None = None,
+    gpu_memory_gib: float | None = None,
+) -> ParallelPlan:
     """Check the Megatron parallelism arithmetic; raise naming each broken rule.
 
     world = num_nodes x processes per node (one per GPU; nproc_per_node gloo
@@ -277,6 +288,8 @@ def check_parallelism(config: TrainConfig, on_cpu: bool | None = None, world_siz
     world must split into tensor x pipeline x context parallel groups, the
     rest is data parallel; the global batch must be a whole number of micro
     batches on every data-parallel rank (the quotient is the gradient accumulation).
+    On GPUs whose memory is known (``config.gpu_memory_gib``, else ``gpu_memory_gib``: the executor's),
+    the layout's memory per GPU must fit (workloads/memory_plan.py; the refusal shows the arithmetic).
     """
     cpu = config.gpus_per_node == 0 if on_cpu is None else on_cpu
     world = world_size or config.world_size
@@ -343,6 +356,13 @@ def check_parallelism(config: TrainConfig, on_cpu: bool | None = None, world_siz
     total = config.total_steps
     if config.warmup_steps > total:
         errors.append(f"warmup_steps={config.warmup_steps} exceeds the run's {total} steps")
+    memory = config.gpu_memory_gib or gpu_memory_gib
+    if not errors and not cpu and memory:
+        from workloads.memory_plan import memory_error, plan_memory
+
+        memory_plan = plan_memory(config, gpu_memory_gib=memory, world_size=world)
+        if not memory_plan.fits:
+            errors.append(memory_error(memory_plan, config))
     if errors:
         raise ParallelismError("invalid training configuration:\n  - " + "\n  - ".join(errors))
     return ParallelPlan(
