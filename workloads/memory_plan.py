@@ -2,7 +2,7 @@
 
     plan = plan_memory(config, gpu_memory_gib=79.6)     # config: a TrainConfig (the seed's Mixtral-8x7B, ...)
     print(plan.report())                                # layout, per-GPU memory by kind, the arithmetic
-    plan.fits                                           # False: check_parallelism refuses with plan.report()
+    check_memory(config, gpu_memory_gib=79.6)           # ParallelismError with the arithmetic when it does not fit
 
 The estimate is for nemoflow's training engine as it runs the config (NeMo AutoModel, FSDP2 or DDP, expert
 parallel for the grouped MoE, bf16-mixed by default), per GPU at the peak (the end of a micro batch's forward
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workloads.train_config import TrainConfig, resolve_strategy
+from workloads.train_config import ParallelismError, TrainConfig, resolve_strategy
 
 GIB = 2**30
 RESERVE_GIB = 2.0
@@ -252,6 +252,22 @@ def plan_memory(
         gpu_memory_gib=gpu_memory_gib,
         notes=tuple(notes),
     )
+
+
+def check_memory(
+    config: TrainConfig, gpu_memory_gib: float | None = None, world_size: int | None = None
+) -> MemoryPlan | None:
+    """Refuse (``ParallelismError``, like check_parallelism) a GPU layout whose memory per GPU does not fit.
+
+    The GPU's memory: ``config.gpu_memory_gib``, else ``gpu_memory_gib`` (the executor's); unknown or on CPU:
+    nothing to check (None). Call it after check_parallelism: it assumes the sizes divide."""
+    memory = config.gpu_memory_gib or gpu_memory_gib
+    if not memory or not config.gpus_per_node:
+        return None
+    plan = plan_memory(config, gpu_memory_gib=memory, world_size=world_size)
+    if not plan.fits:
+        raise ParallelismError("invalid training configuration:\n  - " + memory_error(plan, config))
+    return plan
 
 
 def memory_error(plan: MemoryPlan, config: TrainConfig) -> str:

@@ -701,6 +701,10 @@ def train(config: TrainConfig) -> int:
     cuda = torch.cuda.is_available() and config.gpus_per_node > 0
     check_launch(config, world_size, cuda, torch.cuda.device_count())
     plan = check_parallelism(config, on_cpu=not cuda, world_size=world_size)
+    if cuda:
+        from workloads.memory_plan import check_memory
+
+        check_memory(config, world_size=world_size)  # against gpu_memory_gib when the config states it
     mirror = run_mirror(config)
     run_dir = prepare_run_dir(config, mirror)
     recorded, config = config, localize(config)  # meta.json records the URIs given; AutoModel reads local files

@@ -275,12 +275,7 @@ class ParallelPlan:
     total_steps: int
 
 
-def check_parallelism(
-    config: TrainConfig,
-    on_cpu: bool | None = None,
-    world_size: int | None = None,
-    gpu_memory_gib: float | None = None,
-) -> ParallelPlan:
+def check_parallelism(config: TrainConfig, on_cpu: bool | None = None, world_size: int | None = None) -> ParallelPlan:
     """Check the Megatron parallelism arithmetic; raise naming each broken rule.
 
     world = num_nodes x processes per node (one per GPU; nproc_per_node gloo
@@ -288,8 +283,7 @@ def check_parallelism(
     world must split into tensor x pipeline x context parallel groups, the
     rest is data parallel; the global batch must be a whole number of micro
     batches on every data-parallel rank (the quotient is the gradient accumulation).
-    On GPUs whose memory is known (``config.gpu_memory_gib``, else ``gpu_memory_gib``: the executor's),
-    the layout's memory per GPU must fit (workloads/memory_plan.py; the refusal shows the arithmetic).
+    Whether the layout fits the GPUs' memory is workloads/memory_plan.py's ``check_memory``.
     """
     cpu = config.gpus_per_node == 0 if on_cpu is None else on_cpu
     world = world_size or config.world_size
@@ -356,13 +350,6 @@ def check_parallelism(
     total = config.total_steps
     if config.warmup_steps > total:
         errors.append(f"warmup_steps={config.warmup_steps} exceeds the run's {total} steps")
-    memory = config.gpu_memory_gib or gpu_memory_gib
-    if not errors and not cpu and memory:
-        from workloads.memory_plan import memory_error, plan_memory
-
-        memory_plan = plan_memory(config, gpu_memory_gib=memory, world_size=world)
-        if not memory_plan.fits:
-            errors.append(memory_error(memory_plan, config))
     if errors:
         raise ParallelismError("invalid training configuration:\n  - " + "\n  - ".join(errors))
     return ParallelPlan(
