@@ -4,6 +4,10 @@
     python benchmarks/bench_train_gpu.py --model 1.1b --gpus 2            # two H200 (torchrun; auto = FSDP2)
     python benchmarks/bench_train_gpu.py --model 134m --gpus 2            # two H200 (torchrun; auto = DDP)
     python benchmarks/bench_train_gpu.py --model tiny --cpu --seq 64 --steps 6 --warmup 1 --ckpt-every 3  # CPU check
+    python benchmarks/bench_train_gpu.py --model moe-0.9b --gpus 1 --ckpt-every 100   # Mixtral-style MoE, side by side:
+        # today's path (moe_impl hf: transformers' Mixtral, eager: it does not compile) and AutoModel's MoE layers
+        # (moe_impl grouped, per-layer compile; and grouped-eager without compile), one trainer run each
+    python benchmarks/bench_train_gpu.py --model tiny-moe --cpu --seq 64 --steps 6 --warmup 1 --ckpt-every 3
 
 Each call runs, on the same synthetic Megatron dataset (uniform random tokens, Mixtral's
 32000-token vocabulary, written with workloads/indexed_dataset.py):
@@ -17,11 +21,20 @@ Each call runs, on the same synthetic Megatron dataset (uniform random tokens, M
              weights, bf16 autocast, SDPA, each decoder layer torch.compile'd, fused AdamW; DDP on
              several GPUs), no data loader and no checkpoints: the ceiling the engine is measured against.
 
+MoE models (``moe-0.9b``, ``tiny-moe``: Mixtral-style, ``arch: mixtral``) run the trainer once per
+``--moe-impl`` entry (default ``hf,grouped,grouped-eager``): ``hf`` = transformers' ``MixtralForCausalLM``
+(its experts in a loop; never compiled: the trainer refuses compile with it), ``grouped`` = NeMo AutoModel's
+MoE layers (``torch._grouped_mm`` experts, workloads/moe_model.py) with per-layer compile unless
+``--no-compile``, ``grouped-eager`` = the same without compile. A variant that fails is reported with its
+error and the others still run. There is no reference loop for MoE models (the comparison is the two paths).
+
 Reported (JSON on stdout and in --out): tokens/s (median of the logged steps after ``--warmup``,
 excluding the 2 steps that follow each checkpoint), MFU = tokens/s x FLOPs per token / (GPUs x 989 TFLOP/s,
-the H100/H200 SXM dense bf16 peak), FLOPs per token = 6 x (parameters - input embedding)
-+ 12 x layers x hidden x seq_length, peak GPU memory (max over ranks, torch allocator), and the
-checkpoints:
+the H100/H200 SXM dense bf16 peak), FLOPs per token = 6 x (ACTIVE parameters - input embedding)
++ 12 x layers x hidden x seq_length, where the active parameters of an MoE are those one token goes
+through: embeddings, attention, norms, the router (hidden x experts) and top-k of the experts
+(3 x hidden x ffn each), so the 0.93B-parameter ``moe-0.9b`` counts 0.31B (0.28B without the input
+embedding); peak GPU memory (max over ranks, torch allocator), and the checkpoints:
 
   blocked_per_save_s   per save, the time the training loop waited for it: the save call itself
                        (checkpoint_save_s: the previous save's write if it is still running, and the start
@@ -62,28 +75,54 @@ sys.path.insert(0, str(REPO))
 PEAK_BF16_TFLOPS = 989.0
 VOCAB = 32000
 
-# name: (hidden, layers, heads, kv_heads, ffn, micro_batch_size per GPU)
+# name: (hidden, layers, heads, kv_heads, ffn, micro_batch_size per GPU); ffn is per expert for an MoE
 MODELS = {
     "tiny": (64, 2, 4, 2, 128, 2),
     "134m": (768, 12, 12, 12, 2048, 8),
     "1.1b": (2048, 16, 16, 8, 8192, 4),
+    "tiny-moe": (64, 2, 4, 2, 128, 2),
+    "moe-0.9b": (1024, 12, 16, 8, 2816, 4),  # the issue's Mixtral: 0.93B parameters, 0.28B active (top-2 of 8)
 }
+# MoE models (Mixtral-style, arch mixtral): name -> (experts, experts per token)
+MOE = {"tiny-moe": (4, 2), "moe-0.9b": (8, 2)}
+MOE_IMPLS = ("hf", "grouped", "grouped-eager")  # --moe-impl entries: TrainConfig.moe_impl, and whether to compile
 
 
-def parameters(hidden: int, layers: int, heads: int, kv: int, ffn: int) -> tuple[int, int]:
-    """(all parameters, input-embedding parameters) of the untied Llama."""
+def parameters(hidden: int, layers: int, heads: int, kv: int, ffn: int, moe: tuple[int, int] | None = None):
+    """(all parameters, input-embedding parameters, active parameters) of the untied Llama / Mixtral.
+
+    Active = what one token computes with: everything but the experts it is not routed to
+    (an MoE layer: router hidden x experts, plus top-k experts of 3 x hidden x ffn)."""
     head = hidden // heads
     attn = hidden * hidden * 2 + 2 * hidden * kv * head
-    mlp = 3 * hidden * ffn
     norms = 2 * hidden
-    total = 2 * VOCAB * hidden + layers * (attn + mlp + norms) + hidden
-    return total, VOCAB * hidden
+    experts, top_k = moe or (1, 1)
+    router = hidden * experts if moe else 0
+    total = 2 * VOCAB * hidden + layers * (attn + 3 * hidden * ffn * experts + router + norms) + hidden
+    active = 2 * VOCAB * hidden + layers * (attn + 3 * hidden * ffn * top_k + router + norms) + hidden
+    return total, VOCAB * hidden, active
 
 
 def flops_per_token(model: str, seq: int) -> float:
+    """6 x (active parameters - input embedding) + 12 x layers x hidden x seq (attention scores and values)."""
     hidden, layers, heads, kv, ffn, _ = MODELS[model]
-    total, embedding = parameters(hidden, layers, heads, kv, ffn)
-    return 6 * (total - embedding) + 12 * layers * hidden * seq
+    _, embedding, active = parameters(hidden, layers, heads, kv, ffn, MOE.get(model))
+    return 6 * (active - embedding) + 12 * layers * hidden * seq
+
+
+def moe_fields(model: str, impl: str | None, compile_: bool) -> dict:
+    """The TrainConfig fields of an MoE model and --moe-impl entry (empty for a dense model)."""
+    if model not in MOE:
+        return {}
+    experts, top_k = MOE[model]
+    return {
+        "arch": "mixtral",
+        "num_moe_experts": experts,
+        "moe_router_topk": top_k,
+        "moe_impl": "hf" if impl == "hf" else "grouped",
+        # transformers' Mixtral crashes under torch.compile (the trainer refuses the combination)
+        "enable_compile": compile_ and impl == "grouped",
+    }
 
 
 def tokenizer_model() -> str:
@@ -114,11 +153,12 @@ def make_dataset(root: Path, tokens: int, seq: int) -> str:
     return prefix
 
 
-def run_nemoflow(args, prefix: str, out: Path, ckpt_every: int | None = None) -> dict:
+def run_nemoflow(args, prefix: str, out: Path, moe_impl: str | None = None, ckpt_every: int | None = None) -> dict:
     hidden, layers, heads, kv, ffn, mbs = MODELS[args.model]
     cuda = not args.cpu
     ckpt_every = ckpt_every or args.ckpt_every
-    run_dir = Path(args.run_root or out) / f"run-{args.model}-{args.gpus}gpu-every{ckpt_every}"
+    tag = f"{args.model}-{args.gpus}gpu" + (f"-{moe_impl}" if moe_impl else "") + f"-every{ckpt_every}"
+    run_dir = Path(args.run_root or out) / f"run-{tag}"
     config = {
         "arch": "llama",
         "hidden_size": hidden,
@@ -148,6 +188,7 @@ def run_nemoflow(args, prefix: str, out: Path, ckpt_every: int | None = None) ->
         "enable_compile": cuda and not args.no_compile,
         "ckpt_async_save": not args.sync_save,
         "strategy": args.strategy,
+        **moe_fields(args.model, moe_impl, cuda and not args.no_compile),
     }
     import shutil
 
@@ -160,7 +201,7 @@ def run_nemoflow(args, prefix: str, out: Path, ckpt_every: int | None = None) ->
     start = time.perf_counter()
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    (out / f"nemoflow-{args.model}-{args.gpus}gpu-every{ckpt_every}.log").write_text(proc.stdout + proc.stderr)
+    (out / f"nemoflow-{tag}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-4000:]
         raise SystemExit(f"nemoflow trainer failed (exit {proc.returncode}):\n{tail}")
@@ -173,6 +214,7 @@ def run_nemoflow(args, prefix: str, out: Path, ckpt_every: int | None = None) ->
     resolved = next((w.split("=", 1)[1] for w in proc.stdout.split() if w.startswith("strategy=")), None)
     return {
         "engine": "nemoflow (NeMo AutoModel)",
+        **({"moe_impl": config["moe_impl"], "enable_compile": config["enable_compile"]} if moe_impl else {}),
         "strategy": resolved,
         "tokens_per_s": tps,
         "mfu": tps * flops_per_token(args.model, args.seq) / (args.gpus * PEAK_BF16_TFLOPS * 1e12) if cuda else None,
@@ -329,6 +371,11 @@ def main() -> None:
         help="run the trainer again with one save at the end only, and report the ratio of effective tokens/s",
     )
     parser.add_argument("--run-root", help="where the run directories (checkpoints) go (default: --out)")
+    parser.add_argument(
+        "--moe-impl",
+        default=",".join(MOE_IMPLS),
+        help="MoE models: comma-separated trainer variants to run side by side, of " + ", ".join(MOE_IMPLS),
+    )
     parser.add_argument("--skip-reference", action="store_true")
     parser.add_argument("--skip-nemoflow", action="store_true")
     parser.add_argument("--cpu", action="store_true", help="no GPU: check the code path with --model tiny")
@@ -341,10 +388,15 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     _, _, _, _, _, mbs = MODELS[args.model]
+    impls = [x.strip() for x in args.moe_impl.split(",") if x.strip()] if args.model in MOE else [None]
+    if unknown := [x for x in impls if x is not None and x not in MOE_IMPLS]:
+        parser.error(f"--moe-impl {','.join(unknown)}: choose from {', '.join(MOE_IMPLS)}")
     prefix = make_dataset(out / "data", tokens=(args.steps + 4) * mbs * args.gpus * (args.seq + 1) * 2, seq=args.seq)
+    total, _, active = parameters(*MODELS[args.model][:5], MOE.get(args.model))
     result = {
         "model": args.model,
-        "parameters": parameters(*MODELS[args.model][:5])[0],
+        "parameters": total,
+        **({"active_parameters": active, "experts": MOE[args.model]} if args.model in MOE else {}),
         "gpus": args.gpus,
         "seq_length": args.seq,
         "micro_batch_size": mbs,
@@ -353,14 +405,22 @@ def main() -> None:
         "flops_per_token": flops_per_token(args.model, args.seq),
         "device": _device(),
     }
-    if not args.skip_nemoflow:
+    if not args.skip_nemoflow and args.model in MOE:
+        result["nemoflow"] = {}
+        for impl in impls:  # side by side; one variant failing does not lose the others
+            try:
+                result["nemoflow"][impl] = run_nemoflow(args, prefix, out, impl)
+            except SystemExit as exc:
+                result["nemoflow"][impl] = {"error": str(exc)[-2000:]}
+            print(f"{impl}: {json.dumps(result['nemoflow'][impl])[:400]}", file=sys.stderr, flush=True)
+    elif not args.skip_nemoflow:
         result["nemoflow"] = run_nemoflow(args, prefix, out)
         if args.compare_no_saves:
             result["nemoflow_no_saves"] = run_nemoflow(args, prefix, out, ckpt_every=10**6)
             with_saves = result["nemoflow"]["effective_tokens_per_s"]
             without = result["nemoflow_no_saves"]["effective_tokens_per_s"]
             result["effective_ratio"] = with_saves / without if with_saves and without else None
-    if not args.skip_reference:
+    if not args.skip_reference and args.model not in MOE:
         result["reference"] = run_reference(args, out)
     text = json.dumps(result, indent=1)
     (out / f"bench_train_gpu-{args.model}-{args.gpus}gpu.json").write_text(text)

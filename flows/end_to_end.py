@@ -164,8 +164,11 @@ class EndToEndConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EndToEndConfig:
-        # Fail on impossible parallelism before any stage runs (the error names the numbers).
+        # Fail on impossible parallelism, or a layout that does not fit the executor's GPUs, before any stage runs.
+        from workloads.memory_plan import check_memory, executor_gpu_memory_gib
+
         check_parallelism(self.train)
+        check_memory(self.train, executor_gpu_memory_gib(self.executor))
         return self
 
 

@@ -278,7 +278,10 @@ def pretrain(
 
     log = logger()
     config = with_dataset(config, dataset)
+    from workloads.memory_plan import check_memory, executor_gpu_memory_gib
+
     plan = check_parallelism(config)
+    check_memory(config, executor_gpu_memory_gib(executor))
     log.info(
         "training %s for %d steps: world %d, data parallel %d, gradient accumulation %d; run_dir %s",
         config.arch,

@@ -76,6 +76,8 @@ from workloads.data_loader import (  # noqa: E402 - see above
     check_prefixes,
     check_splits,
 )
+from workloads.moe import backend_config as moe_backend_config  # noqa: E402 - see above
+from workloads.moe import resolve_moe_impl  # noqa: E402 - see above
 from workloads.train_config import (  # noqa: E402 - see above
     EXIT_BAD_CONFIG,
     EXIT_OUT_OF_MEMORY,
@@ -123,6 +125,8 @@ def hf_model_config(config: TrainConfig, vocab_size: int) -> dict:
     if config.arch == "mixtral":
         return {
             "_target_": "transformers.MixtralConfig",
+            # AutoModel picks its implementation by architecture name (workloads/moe_model.py registers it)
+            "architectures": ["MixtralForCausalLM"],
             "num_local_experts": config.experts,
             "num_experts_per_tok": config.moe_router_topk,
             **common,
@@ -175,8 +179,14 @@ def recipe_config(
             "config": hf_model_config(config, vocab_size),
             "torch_dtype": weights_dtype,
         }
-    if config.arch == "mixtral":
-        model["force_hf"] = True  # AutoModel 0.7 has no own Mixtral: the transformers model, sharded by FSDP2
+    moe_impl = resolve_moe_impl(config.arch, config.moe_impl)
+    if moe_impl == "hf":
+        model["force_hf"] = True  # transformers' Mixtral (experts in a loop), sharded by FSDP2
+    elif moe_impl == "grouped":
+        # AutoModel's MoE layers (workloads/moe_model.py, registered as AutoModel's MixtralForCausalLM by train())
+        model["backend"] = moe_backend_config(cuda)
+        if config.moe_aux_loss_coeff:
+            model["moe_overrides"] = {"aux_loss_coeff": config.moe_aux_loss_coeff}
 
     def paths(blend: list) -> list[str]:
         prefixes, weights = parse_blend(blend)
@@ -279,8 +289,11 @@ def _distributed(config: TrainConfig, strategy: str, compute_dtype: str) -> dict
     if strategy == "ddp":
         # No mixed-precision policy in DDP: fp32 (or bf16) weights as torch_dtype says, bf16 autocast around the
         # forward and loss (train, build_recipe), fp32 gradients all-reduced in buckets during the backward.
-        # An MoE's experts that receive no token have no gradient in that step: DDP must look for them.
-        return {**common, "find_unused_parameters": config.arch == "mixtral"}
+        # The HF Mixtral's experts that receive no token have no gradient in that step: DDP must look for them
+        # (AutoModel's grouped experts are one tensor per layer, always used).
+        return {**common, "find_unused_parameters": resolve_moe_impl(config.arch, config.moe_impl) == "hf"}
+    if config.expert_model_parallel_size > 1:
+        common["ep_size"] = config.expert_model_parallel_size  # experts sharded over ep ranks (AutoModel's MoE)
     return {
         **common,
         "sequence_parallel": False,
@@ -821,11 +834,17 @@ def train(config: TrainConfig) -> int:
     cuda = torch.cuda.is_available() and config.gpus_per_node > 0
     check_launch(config, world_size, cuda, torch.cuda.device_count())
     plan = check_parallelism(config, on_cpu=not cuda, world_size=world_size)
+    if cuda:
+        from workloads.memory_plan import check_memory
+
+        check_memory(config, world_size=world_size)  # against gpu_memory_gib when the config states it
     mirror = run_mirror(config)
     run_dir = prepare_run_dir(config, mirror)
     recorded, config = config, localize(config)  # meta.json records the URIs given; AutoModel reads local files
     if config.init_from and not (Path(config.init_from) / "config.json").is_file():
         raise FileNotFoundError(f"init_from {recorded.init_from} has no config.json: not a checkpoint directory")
+    if config.init_from and resolve_moe_impl(config.arch, config.moe_impl) == "grouped":
+        config = config.model_copy(update={"init_from": grouped_init_from(config, recorded)})
     check_prefixes(config.data_prefix)
     if config.valid_data_prefix:
         check_prefixes(config.valid_data_prefix)
@@ -847,6 +866,19 @@ def train(config: TrainConfig) -> int:
         print(why_not, flush=True)
     if async_save:
         automodel_shim.keep_staging_buffers(cuda)
+    if resolve_moe_impl(config.arch, config.moe_impl) == "grouped":
+        from workloads import moe_model
+
+        if not moe_model.grouped_mm_available():
+            raise ValueError(
+                f"moe_impl={config.moe_impl!r} runs the experts with torch._grouped_mm, which torch "
+                f"{torch.__version__} lacks (torch >= 2.8 has it); set moe_impl 'hf' or upgrade torch"
+            )
+        moe_model.register()  # AutoModel builds its MoE-layer Mixtral for MixtralForCausalLM configs
+        if not cuda and not config.enable_compile:
+            # AutoModel's MoE helpers (SwiGLU, ...) are @torch.compile'd: on CPU inductor's C++ build of them takes
+            # ~25 s for milliseconds of work. Run them eagerly there (the same numbers) unless compile is asked for.
+            torch.compiler.set_stance("force_eager")
     os.environ.setdefault("LOGGING_LEVEL", str(30))  # AutoModel's INFO lines (dataset indexes...) flood the log
     if config.init_from:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory: never ask the Hugging Face hub
@@ -872,10 +904,12 @@ def train(config: TrainConfig) -> int:
 
         record_active_run(run_dir)  # the W&B run's link or offline path, for the stage's artifact
         params = sum(p.numel() for p in recipe.model_parts[0].parameters())
+        moe_impl = resolve_moe_impl(config.arch, config.moe_impl)
+        moe_note = f"moe_impl={moe_impl} expert_parallel={config.expert_model_parallel_size}, " if moe_impl else ""
         device = f"cuda x {world_size}" if cuda else f"cpu (gloo) x {world_size}"
         print(
             f"NeMo AutoModel {config.arch}: {params / 1e6:.2f}M parameters (per rank), {device}, "
-            f"steps={plan.total_steps}, global_batch_size={config.global_batch_size} "
+            f"{moe_note}steps={plan.total_steps}, global_batch_size={config.global_batch_size} "
             f"micro_batch_size={config.micro_batch_size} data_parallel={plan.data_parallel_size} "
             f"accumulation={plan.gradient_accumulation_steps} seq_length={config.seq_length} strategy={strategy} "
             f"({type(recipe.model_parts[0]).__name__}) "
@@ -921,6 +955,22 @@ def train(config: TrainConfig) -> int:
             flush=True,
         )
     return 0
+
+
+def grouped_init_from(config: TrainConfig, recorded: TrainConfig) -> str:
+    """``init_from`` for the grouped Mixtral: as it is, or (a checkpoint transformers' Mixtral wrote, moe_impl 'hf')
+    a node-local copy in Mixtral's per-expert layout, which AutoModel's MoE model loads (workloads/moe_model.py)."""
+    from workloads import moe_model
+
+    if not moe_model.uses_fused_expert_layout(config.init_from):
+        return config.init_from
+    if not config.reset_optimizer:
+        raise ValueError(
+            f"init_from {recorded.init_from} was written by transformers' MixtralForCausalLM (moe_impl 'hf'): its "
+            "optimizer state cannot continue with moe_impl 'grouped' (other parameters); set reset_optimizer true, "
+            "or moe_impl 'hf'"
+        )
+    return moe_model.mixtral_layout_checkpoint(config.init_from, staging.stage_dir() / "mixtral-layout")
 
 
 def compile_decoder_layers(model_parts: list) -> None:

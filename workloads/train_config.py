@@ -21,6 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.jobs import ExitCode
+from workloads.moe import resolve_moe_impl
 
 # The trainer's exit codes are the contract's (every backend reads them): 75 out of memory, 76 stopped
 # by a pre-emption signal after saving a checkpoint (resubmit to resume), 2 a bad configuration.
@@ -43,6 +44,15 @@ class TrainConfig(BaseModel):
     ffn_hidden_size: int = Field(1024, ge=1)
     num_moe_experts: int | None = Field(None, ge=1, description="mixtral only (default 4)")
     moe_router_topk: int = Field(2, ge=1)
+    moe_impl: Literal["auto", "grouped", "hf"] = Field(
+        "auto",
+        description="mixtral only: grouped = NeMo AutoModel's MoE layers (torch._grouped_mm experts, expert "
+        "parallel); hf = transformers' MixtralForCausalLM (experts in a loop, no expert parallel, no compile); "
+        "auto = grouped. Either writes Hugging Face Mixtral checkpoints (workloads/moe.py)",
+    )
+    moe_aux_loss_coeff: float = Field(
+        0.0, ge=0, description="mixtral, moe_impl grouped: load-balancing loss coefficient (NeMo name; 0 = off)"
+    )
     vocab_size: int | None = Field(None, description="None = the tokenizer's vocabulary size")
 
     # ---- data
@@ -108,6 +118,12 @@ class TrainConfig(BaseModel):
     pipeline_model_parallel_size: int = Field(1, ge=1)
     context_parallel_size: int = Field(1, ge=1)
     expert_model_parallel_size: int = Field(1, ge=1)
+    gpu_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        description="memory of one GPU: the layout's memory per GPU is checked against it before launch "
+        "(workloads/memory_plan.py); None = the executor's (Slurm preset, GKE accelerator label) where known",
+    )
     cpus_per_task: int = Field(2, ge=1)
     mem: str | None = None
     time: str | None = Field(None, description="job time limit, sbatch syntax")
@@ -267,6 +283,7 @@ def check_parallelism(config: TrainConfig, on_cpu: bool | None = None, world_siz
     world must split into tensor x pipeline x context parallel groups, the
     rest is data parallel; the global batch must be a whole number of micro
     batches on every data-parallel rank (the quotient is the gradient accumulation).
+    Whether the layout fits the GPUs' memory is workloads/memory_plan.py's ``check_memory``.
     """
     cpu = config.gpus_per_node == 0 if on_cpu is None else on_cpu
     world = world_size or config.world_size
@@ -319,8 +336,12 @@ def check_parallelism(config: TrainConfig, on_cpu: bool | None = None, world_siz
             errors.append(f"num_moe_experts={config.experts} is not divisible by expert_model_parallel_size={ep}")
         if config.moe_router_topk > config.experts:
             errors.append(f"moe_router_topk={config.moe_router_topk} exceeds num_moe_experts={config.experts}")
-        if world % ep:
-            errors.append(f"world size {world} is not divisible by expert_model_parallel_size={ep}")
+        if (dp * cp) % ep:
+            # AutoModel's MoE mesh: the expert-parallel groups are carved out of the data x context parallel ranks.
+            errors.append(
+                f"expert_model_parallel_size={ep} does not divide data_parallel_size({dp}) x "
+                f"context_parallel_size({cp}) = {dp * cp} (world size {world} / tensor({tp}) x pipeline({pp}))"
+            )
     elif ep != 1:
         errors.append(f"expert_model_parallel_size={ep} needs arch='mixtral' (a dense model has no experts)")
     errors += _engine_limits(config, cpu)
@@ -392,32 +413,89 @@ def _engine_limits(config: TrainConfig, cpu: bool) -> list[str]:
     errors = []
     tp, pp, cp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size
     ep = config.expert_model_parallel_size
-    if cpu and (tp, pp, cp, ep) != (1, 1, 1, 1):
+    moe_impl = resolve_moe_impl(config.arch, config.moe_impl)
+    errors += _moe_limits(config, moe_impl, cpu)
+    if cpu and (tp, pp, cp) != (1, 1, 1):
         errors.append(
-            f"tensor/pipeline/context/expert parallel sizes ({tp}/{pp}/{cp}/{ep}) need GPUs: on CPU only data "
-            "parallel runs (set gpus_per_node, or the sizes to 1)"
+            f"tensor/pipeline/context parallel sizes ({tp}/{pp}/{cp}) need GPUs: on CPU only data parallel (and "
+            "expert parallel, moe_impl 'grouped') runs (set gpus_per_node, or the sizes to 1)"
         )
         return errors
-    if config.strategy == "ddp" and (tp > 1 or cp > 1):
+    if config.strategy == "ddp" and (tp > 1 or cp > 1 or ep > 1):
         errors.append(
             f"strategy='ddp' keeps a whole replica of the model on every rank, so it cannot run "
-            f"tensor_model_parallel_size={tp} / context_parallel_size={cp}; use strategy 'fsdp2' (or 'auto')"
+            f"tensor_model_parallel_size={tp} / context_parallel_size={cp} / expert_model_parallel_size={ep}; "
+            "use strategy 'fsdp2' (or 'auto')"
         )
     if pp > 1:
         errors.append(
             f"pipeline_model_parallel_size={pp} is not supported by nemoflow's AutoModel trainer (AutoModel's pipeline "
             "schedule is not wired in); use tensor_model_parallel_size, context_parallel_size or more data parallel ranks"
         )
-    if ep > 1:
-        errors.append(
-            f"expert_model_parallel_size={ep} is not supported: AutoModel 0.7 trains Mixtral as the Hugging Face model "
-            "(its expert parallelism covers its own MoE implementations); FSDP2 shards every expert over the ranks "
-            "instead; set it to 1"
-        )
     if cp > 1 and config.arch == "mixtral":
         errors.append(
             f"context_parallel_size={cp} is not supported for arch='mixtral' by AutoModel 0.7 "
             "(its context parallel covers dense models); set it to 1"
+        )
+    return errors
+
+
+def _moe_limits(config: TrainConfig, moe_impl: str | None, cpu: bool) -> list[str]:
+    """The MoE implementations' limits (workloads/moe.py): what each cannot run, naming the field and the fix."""
+    errors = []
+    tp, ep = config.tensor_model_parallel_size, config.expert_model_parallel_size
+    if moe_impl is None:
+        if config.moe_impl != "auto":
+            errors.append(f"moe_impl={config.moe_impl!r} needs arch='mixtral' (a dense model has no experts)")
+        if config.moe_aux_loss_coeff:
+            errors.append(f"moe_aux_loss_coeff={config.moe_aux_loss_coeff} needs arch='mixtral'")
+        return errors
+    if moe_impl == "hf":
+        if ep > 1:
+            errors.append(
+                f"expert_model_parallel_size={ep} needs moe_impl 'grouped' (or 'auto'): the Hugging Face Mixtral "
+                "(moe_impl='hf') has no expert parallelism, FSDP2 shards its experts instead; supported with "
+                "moe_impl='hf': 1"
+            )
+        if config.enable_compile:
+            errors.append(
+                "enable_compile=true with moe_impl='hf' crashes in torch.compile (transformers' MoE grouped_mm "
+                "fallback backward guards on a data-dependent size: GuardOnDataDependentSymNode); set "
+                "enable_compile false, or moe_impl 'grouped' (or 'auto')"
+            )
+        if config.moe_aux_loss_coeff:
+            errors.append(
+                f"moe_aux_loss_coeff={config.moe_aux_loss_coeff} needs moe_impl 'grouped' (or 'auto'): the recipe "
+                "computes the loss from the HF Mixtral's logits, which leaves its router loss out"
+            )
+        return errors
+    # grouped: AutoModel's MoE layers (the MiniMax-M2 model, which declares no tensor parallelism)
+    if tp > 1:
+        errors.append(
+            f"tensor_model_parallel_size={tp} is not supported with moe_impl='grouped': AutoModel 0.7's MoE model "
+            "declares no tensor parallelism; shard with expert_model_parallel_size and data parallel ranks "
+            "(FSDP2), or use moe_impl 'hf'; supported with moe_impl='grouped': 1"
+        )
+    if cpu and config.enable_compile:
+        errors.append(
+            "enable_compile=true with moe_impl='grouped' needs GPUs: torch.compile traces torch._grouped_mm for bf16 "
+            "inputs only, and CPU trains in fp32; set enable_compile false on CPU"
+        )
+    if not cpu and config.precision == "32":
+        errors.append(
+            "precision='32' with moe_impl='grouped': torch._grouped_mm computes in bf16 only on GPUs; use precision "
+            "'bf16-mixed' (fp32 master weights) or 'bf16', or moe_impl 'hf'"
+        )
+    unaligned = {
+        name: value
+        for name, value in (("hidden_size", config.hidden_size), ("ffn_hidden_size", config.ffn_hidden_size))
+        if value % 8
+    }
+    if unaligned:
+        sizes = ", ".join(f"{name}={value}" for name, value in unaligned.items())
+        errors.append(
+            f"{sizes} must be a multiple of 8 with moe_impl='grouped': torch._grouped_mm needs 16-byte aligned "
+            "rows (8 bf16 values); round the size, or use moe_impl 'hf'"
         )
     return errors
 

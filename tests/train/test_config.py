@@ -78,13 +78,13 @@ def test_what_the_engine_cannot_run_is_named():
         ParallelismError, match=r"pipeline_model_parallel_size=2 is not supported by nemoflow's AutoModel trainer"
     ):
         check_parallelism(config(pipeline_model_parallel_size=2, gpus_per_node=2))
-    with pytest.raises(
-        ParallelismError, match=r"expert_model_parallel_size=2 is not supported: AutoModel 0.7 trains Mixtral"
-    ):
-        check_parallelism(config(arch="mixtral", num_moe_experts=4, expert_model_parallel_size=2, gpus_per_node=2))
+    with pytest.raises(ParallelismError, match=r"expert_model_parallel_size=2 needs moe_impl 'grouped' \(or 'auto'\)"):
+        check_parallelism(
+            config(arch="mixtral", num_moe_experts=4, expert_model_parallel_size=2, gpus_per_node=2, moe_impl="hf")
+        )
     with pytest.raises(ParallelismError, match=r"context_parallel_size=2 is not supported for arch='mixtral'"):
         check_parallelism(config(arch="mixtral", num_moe_experts=4, context_parallel_size=2, gpus_per_node=2))
-    with pytest.raises(ParallelismError, match=r"sizes \(2/1/1/1\) need GPUs: on CPU only data parallel runs"):
+    with pytest.raises(ParallelismError, match=r"sizes \(2/1/1\) need GPUs: on CPU only data parallel \(and"):
         check_parallelism(config(tensor_model_parallel_size=2, nproc_per_node=2))
     # Tensor and context parallel on GPUs are mapped onto AutoModel (tp_size, cp_size).
     plan = check_parallelism(
@@ -163,8 +163,10 @@ def test_ddp_recipe_has_no_fsdp2_policy_and_fsdp2_keeps_it():
     assert big["distributed"]["mp_policy"]["param_dtype"] == "bfloat16"
     one = recipe_config(config(**LLAMA_134M, gpus_per_node=1), Path("/r"), 32000, world_size=1, cuda=True)
     assert one["distributed"]["strategy"] == "fsdp2"
-    moe = recipe_config(config(arch="mixtral", strategy="ddp", gpus_per_node=2), Path("/r"), 32000, 2, cuda=True)
-    assert moe["distributed"]["find_unused_parameters"] is True
+    moe = recipe_config(
+        config(arch="mixtral", strategy="ddp", gpus_per_node=2, moe_impl="hf"), Path("/r"), 32000, 2, cuda=True
+    )
+    assert moe["distributed"]["find_unused_parameters"] is True  # the HF Mixtral's unrouted experts
     # The section is one AutoModel accepts: its own parser builds the strategy from it.
     from nemo_automodel.components.distributed.config import DDPConfig, FSDP2Config
     from nemo_automodel.recipes._dist_utils import parse_distributed_section
