@@ -9,18 +9,33 @@
 #                 build; cuda: a CUDA build even with no GPU here; cu126, cu128, cu130: that build.
 #                 Without --torch, an existing .venv keeps the build it was installed with.
 #
+#   scripts/setup.sh --offline DIR [--offline DIR2 ...] [--venv PATH] [--reuse-torch PYTHON]
+#       No network: install from a wheelhouse made by `scripts/wheelhouse.sh build` (its chunks may
+#       come one call at a time; the last one finishes). --reuse-torch: the venv uses that Python's
+#       torch (and its other packages, after the venv's own). --venv: where (default .venv; also
+#       NEMOFLOW_VENV). `--offline` with no DIR re-installs nemoflow from this checkout and re-checks.
+#
 #   scripts/setup.sh --dry-run [--torch ...]   print the torch build it would install, and how; change nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage() { sed -n '2,/^set -euo/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; }
 extras=""
 torch_req=${NEMOFLOW_TORCH:-}
+offline=0
+wheels=()
+venv=${NEMOFLOW_VENV:-.venv}
+reuse=""
 dry=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --test) extras="[test]" ;;
     --torch) torch_req=${2:?--torch needs auto, cpu, cuda or a CUDA tag such as cu126}; shift ;;
     --torch=*) torch_req=${1#*=} ;;
+    --offline)
+      offline=1
+      if [ $# -gt 1 ] && [ "${2#-}" = "$2" ]; then wheels+=("$2"); shift; fi ;;
+    --venv) venv=${2:?--venv needs a path}; shift ;;
+    --reuse-torch) reuse=${2:?--reuse-torch needs a Python executable}; shift ;;
     --dry-run) dry=1 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "error: scripts/setup.sh: unknown argument '$1' (scripts/setup.sh --help)" >&2; exit 2 ;;
@@ -29,6 +44,19 @@ while [ $# -gt 0 ]; do
 done
 PY=${PYTHON:-python3}
 
+if [ "$offline" = 1 ]; then
+  [ -z "$extras" ] || { echo "error: --test needs the network (its tools are not in a wheelhouse)" >&2; exit 2; }
+  args=(install --venv "$venv" --repo "$PWD")
+  if [ -n "$reuse" ]; then args+=(--reuse-torch "$reuse"); else args+=(--python "$PY"); fi
+  # The wheelhouse's installer runs on the node's Python (the venv's own once it exists).
+  runner=$PY
+  [ -n "$reuse" ] && runner=$reuse
+  exec "$runner" devtools/wheelhouse.py "${args[@]}" ${wheels[@]+"${wheels[@]}"}
+fi
+
+if [ -n "$reuse" ] || [ "$venv" != .venv ]; then
+  echo "error: --reuse-torch and --venv go with --offline (a wheelhouse install)" >&2; exit 2
+fi
 if [ ! -x .venv/bin/python ] && [ "$dry" = 0 ]; then
   echo "==> creating .venv"
   "$PY" -m venv .venv
