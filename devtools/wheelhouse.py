@@ -690,6 +690,7 @@ def install(args, log=print) -> int:
         (site / "_nemoflow_reuse.pth").write_text("\n".join(lines) + "\n")
         (venv / "nemoflow-reuse.json").write_text(json.dumps({"python": args.reuse_torch, "dirs": reuse_dirs}) + "\n")
         log(f"==> reusing {args.reuse_torch}'s torch {torch_version} and packages ({reuse_dirs[0]})")
+        (venv / "node-freeze.txt").write_text(freeze(args.reuse_torch))
     files = {w["file"]: w for w in manifest["wheels"]}
     here = {f: d / f for d in dirs for f in files if (d / f).is_file()}
     if not state["pip_own"]:
@@ -730,6 +731,9 @@ def install_wheels(venv: Path, manifest: dict, dirs: list[Path], args, log=print
     (venv / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     missing = [w for w in manifest["wheels"] if state["own"].get(w["name"]) != w["version"]]
     if missing:
+        # What the node really has is known now: say so before the next chunk travels.
+        for p in _check_reused(venv, manifest):
+            log(f"warning: {p} (the install will stop on this: {REBUILD.format(venv=venv)})")
         chunks = sorted({w["chunk"] for w in missing})
         log(
             f"==> {len(manifest['wheels']) - len(missing)} of {len(manifest['wheels'])} wheels installed; still missing "
@@ -769,15 +773,15 @@ def _check_reused(venv: Path, manifest: dict) -> list[str]:
     return problems
 
 
+REBUILD = "rebuild it with --have {venv}/node-freeze.txt (the node's packages, written by this install)"
+
+
 def finish(venv: Path, manifest: dict, args, log=print) -> int:
     problems = _check_reused(venv, manifest)
     if problems:
         for p in problems:
             log(f"error: {p}")
-        log(
-            "error: the wheelhouse was built for other node versions: on the node run "
-            f"`{_py(venv)} -m pip list --format=freeze > node-freeze.txt`, then rebuild with --have node-freeze.txt"
-        )
+        log(f"error: the wheelhouse was built for other versions than this node's: {REBUILD.format(venv=venv)}")
         return 1
     repo = Path(args.repo).absolute()
     log(f"==> installing nemoflow from {repo} (editable, no dependencies, no network)")
@@ -823,6 +827,16 @@ def check(venv: Path, manifest: dict, repo: Path, log=print) -> int:
         log(f"    {line}")
     if proc.returncode != 0:
         return 1
+    # NeMo AutoModel compiles its Megatron dataset helper (g++ + ninja) at first use: here, not in
+    # the first training job (as scripts/setup.sh does online).
+    helper = (
+        "from nemo_automodel.components.datasets.llm.megatron.megatron_utils import compile_helper; compile_helper()"
+    )
+    if (
+        "nemo-automodel" not in left_out
+        and _run([_py(venv), "-c", helper], env=env, cwd=tempfile.gettempdir()).returncode
+    ):
+        log("warning: AutoModel's dataset helper did not compile (training will try again; it needs g++ and ninja)")
     log(f"==> ready: {venv}/bin/nemoflow")
     return 0
 

@@ -231,6 +231,7 @@ def setup_offline(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_chunks_install_one_call_at_a_time_and_the_node_is_checked_before_nemoflow(toy, tmp_path):
     """The build assumed the node has numpyish 2.5 and six 0.9 (its freeze list said so); this node
     has neither numpyish nor that six. The install carries on chunk by chunk, then stops with one
@@ -244,6 +245,8 @@ def test_chunks_install_one_call_at_a_time_and_the_node_is_checked_before_nemofl
         if i < len(chunks) - 1:
             assert proc.returncode == 0, proc.stdout + proc.stderr
             assert "still missing" in proc.stdout
+            # what the node really has is known from the first call on: said before the next chunk travels
+            assert "warning: numpyish is neither in the wheelhouse nor on the node" in proc.stdout
     assert proc.returncode == 1, proc.stdout + proc.stderr
     import six
 
@@ -252,6 +255,11 @@ def test_chunks_install_one_call_at_a_time_and_the_node_is_checked_before_nemofl
         in proc.stdout
     )
     assert f"error: app-core requires six<1.0, the node has six {six.__version__}" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == (
+        "error: the wheelhouse was built for other versions than this node's: "
+        f"rebuild it with --have {venv}/node-freeze.txt (the node's packages, written by this install)"
+    )
+    assert f"six=={six.__version__}" in (venv / "node-freeze.txt").read_text().splitlines()
     assert "installing nemoflow" not in proc.stdout
     # the carried wheels are in the venv itself; torch comes from the node through the .pth
     probe = subprocess.run(
