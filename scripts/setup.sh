@@ -63,14 +63,16 @@ if [ ! -x .venv/bin/python ] && [ "$dry" = 0 ]; then
 fi
 # The torch build: asked for, kept from the last install, or chosen for this machine's GPU.
 variant_file=.venv/.nemoflow-torch
+kept=0
 if [ -z "$torch_req" ] && [ -s "$variant_file" ]; then
   torch_req=$(cat "$variant_file")
-  kept=" (kept from the last install; --torch auto chooses again)"
+  kept=1
 fi
 torch_version=$(sed -n 's/^torch==//p' constraints.txt)
 choice=$("$PY" devtools/torch_build.py choose --torch "${torch_req:-auto}" --torch-version "$torch_version") || exit 2
 eval "$choice"
-echo "==> torch $torch_version, $TORCH_VARIANT build: ${TORCH_REASON}${kept:-}"
+[ "$kept" = 1 ] && TORCH_REASON="kept from the last install (--torch auto chooses again)"
+echo "==> torch $torch_version, $TORCH_VARIANT build: $TORCH_REASON"
 if [ "$dry" = 1 ]; then
   echo "would run: pip install --no-deps --no-index $TORCH_REQUIREMENT (a wheel already on disk)," \
     "else pip install --no-deps ${TORCH_INDEX:+--index-url $TORCH_INDEX }$TORCH_REQUIREMENT"

@@ -206,7 +206,8 @@ def run_setup(args, path_prefix: Path | None = None, **env):
 
 def test_setup_dry_run_on_an_h200_chooses_the_cuda_13_build(tmp_path):
     fake_nvidia_smi(tmp_path / "bin", H200)
-    proc = run_setup(["--dry-run"], tmp_path / "bin")
+    # --torch auto: a .venv here (CI's) keeps its build without it
+    proc = run_setup(["--dry-run", "--torch", "auto"], tmp_path / "bin")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
         "==> torch 2.13.0, cu130 build: found 1 NVIDIA GPU (NVIDIA H200), driver 580.159.03, CUDA 13.0 "
@@ -218,7 +219,7 @@ def test_setup_dry_run_on_an_h200_chooses_the_cuda_13_build(tmp_path):
 
 def test_setup_dry_run_on_driver_535_chooses_cu126_and_a_cpu_request_wins(tmp_path):
     fake_nvidia_smi(tmp_path / "bin", A100)
-    proc = run_setup(["--dry-run"], tmp_path / "bin")
+    proc = run_setup(["--dry-run", "--torch", "auto"], tmp_path / "bin")
     assert "==> torch 2.13.0, cu126 build: found 2 NVIDIA GPUs" in proc.stdout
     assert "--index-url https://download.pytorch.org/whl/cu126 torch===2.13.0+cu126" in proc.stdout
     proc = run_setup(["--dry-run"], tmp_path / "bin", NEMOFLOW_TORCH="cpu")
@@ -229,12 +230,34 @@ def test_setup_dry_run_on_driver_535_chooses_cu126_and_a_cpu_request_wins(tmp_pa
     os.path.exists("/proc/driver/nvidia") or bool(shutil.which("nvidia-smi")), reason="this machine has a GPU"
 )
 def test_setup_dry_run_without_a_gpu_keeps_the_cpu_build():
-    proc = run_setup(["--dry-run"])
+    proc = run_setup(["--dry-run", "--torch", "auto"])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == (
         "==> torch 2.13.0, cpu build: no NVIDIA GPU found (no nvidia-smi, no /proc/driver/nvidia)"
     )
     assert "torch===2.13.0+cpu" in proc.stdout
+
+
+def test_an_existing_venv_keeps_its_build_unless_torch_is_given(tmp_path):
+    checkout = tmp_path / "checkout"
+    (checkout / ".venv").mkdir(parents=True)
+    shutil.copytree(REPO / "scripts", checkout / "scripts")
+    shutil.copytree(REPO / "devtools", checkout / "devtools")
+    shutil.copy(REPO / "constraints.txt", checkout)
+    (checkout / ".venv/.nemoflow-torch").write_text("cu126\n")
+    fake_nvidia_smi(tmp_path / "bin", H200)
+    e = {k: v for k, v in os.environ.items() if k != "NEMOFLOW_TORCH"}
+    e["PATH"] = f"{tmp_path / 'bin'}{os.pathsep}{e['PATH']}"
+
+    def first_line(*args):
+        proc = subprocess.run(
+            ["bash", str(checkout / "scripts/setup.sh"), "--dry-run", *args], capture_output=True, text=True, env=e
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.splitlines()[0]
+
+    assert first_line() == "==> torch 2.13.0, cu126 build: kept from the last install (--torch auto chooses again)"
+    assert first_line("--torch", "auto").startswith("==> torch 2.13.0, cu130 build: found 1 NVIDIA GPU (NVIDIA H200)")
 
 
 def test_setup_refuses_an_unknown_build_and_argument(tmp_path):
