@@ -71,7 +71,9 @@ except ImportError:  # pragma: no cover - depends on the interpreter
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = "nemoflow-wheelhouse.json"
 FORMAT = 1
-BUILD_TOOLS = ("pip", "setuptools")  # bootstrap the venv's pip; build nemoflow itself (setuptools>=77)
+# Always carried (never the node's): pip bootstraps the venv's own pip, setuptools builds nemoflow
+# itself (pyproject.toml's build-system needs >= 77). Pinned here, not by whatever Python builds.
+BUILD_TOOLS = {"pip": "26.3", "setuptools": "84.2.1"}
 MIB = 1 << 20
 # Packages nemoflow uses only for files they ship, never importing their code beyond the package's
 # __init__ (which imports nothing else): their own requirements are not carried. mistral-common
@@ -272,6 +274,7 @@ class Plan:
     left_out: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # name -> required by
     requirements: dict[str, list[tuple[Requirement, str]]] = field(default_factory=lambda: defaultdict(list))
     warnings: list[str] = field(default_factory=list)
+    unknown_carried: list[str] = field(default_factory=list)  # the node has them, version unknown, ours are small
 
 
 class Builder:
@@ -294,6 +297,8 @@ class Builder:
         self.extras_wanted: dict[str, set[str]] = defaultdict(set)
         self.pending: dict[str, str] = {}  # name -> requirement string for pip
         self.files: dict[str, Path] = {}
+        self.trial: set[str] = set()  # node packages of unknown version, fetched to see their size
+        self.big_unknown: set[str] = set()  # ... and found bigger than --unknown-max-mb: the node's
         self.torch = self._torch_source()
 
     # which torch: the node's (listed in --have, or --without torch) or a build we carry
@@ -325,7 +330,7 @@ class Builder:
         if name in self.pins:
             return f"{name}=={self.pins[name]}"
         if name in BUILD_TOOLS:
-            return f"{name}=={_installed_version(name)}"
+            return f"{name}=={BUILD_TOOLS[name]}"
         self.plan.warnings.append(
             f"{name} is not pinned in constraints.txt: took the newest {req.specifier or 'version'}"
         )
@@ -355,7 +360,10 @@ class Builder:
             self.plan.reused[name] = {"node_version": self.have.get("torch"), "why": "the node's torch is used"}
             return
         elif name in self.have and name not in BUILD_TOOLS and name != "torch":
-            if self.args.prefer == "node" or (self.have[name] is not None and self.have[name] == self.pins.get(name)):
+            if self.have[name] is None and name not in self.big_unknown and self.args.unknown_max_mb > 0:
+                # version unknown: fetch ours and carry it if small (fetch() decides), rather than bet
+                self.trial.add(name)
+            elif self.args.prefer == "node" or (self.have[name] is not None and self.have[name] == self.pins.get(name)):
                 ok, why = reuse_decision(self.have[name], self.plan.requirements[name])
                 if ok:
                     self.plan.reused[name] = {"node_version": self.have[name], "why": why}
@@ -384,9 +392,20 @@ class Builder:
                 path = got.get(name)
                 if path is None:
                     raise WheelhouseError(f"pip fetched no wheel for {req}")
+                if name in self.trial:
+                    self.trial.discard(name)
+                    size = path.stat().st_size
+                    ok, why = reuse_decision(None, self.plan.requirements[name])
+                    if size > self.args.unknown_max_mb * MIB and ok:
+                        path.unlink()
+                        self.big_unknown.add(name)
+                        why += f"; ours is {size / MIB:.1f} MiB, over --unknown-max-mb"
+                        self.plan.reused[name] = {"node_version": None, "why": why}
+                        continue
+                    self.plan.unknown_carried.append(name)
                 self.files[name] = path
                 self.plan.carried[name] = {"version": str(_wheel_version(path)), "file": path.name}
-            for name in sorted(batch):
+            for name in sorted(n for n in batch if n in self.plan.carried):
                 self._walk(name)
 
     def _download(self, reqs: list[str], dest: Path) -> dict[str, Path]:
@@ -527,6 +546,7 @@ class Builder:
                 for name, info in sorted(self.plan.reused.items())
             },
             "files_only": sorted(self.files_only & set(self.plan.carried)),
+            "carried_over_unknown": sorted(self.plan.unknown_carried),
             "left_out": sorted(self.plan.left_out) + sorted(n for n in self.without if n not in self.plan.left_out),
             "chunks": [{"dir": d, "size": sum(sizes[f] for f in g), "files": len(g)} for d, g in zip(dirs, groups)],
             "warnings": self.plan.warnings,
@@ -538,12 +558,6 @@ class Builder:
             (out / d / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         shutil.rmtree(staging)
         return manifest
-
-
-def _installed_version(name: str) -> str:
-    from importlib.metadata import version
-
-    return version(name)
 
 
 def _wheel_version(path: Path):
@@ -570,6 +584,10 @@ def summary(manifest: dict) -> str:
             f"{n}{'==' + r['node_version'] if r['node_version'] else ''}" for n, r in manifest["reused"].items()
         ),
     ]
+    if manifest.get("carried_over_unknown"):
+        lines.append(
+            f"carried although the node has them (version unknown, small): {', '.join(manifest['carried_over_unknown'])}"
+        )
     if manifest["left_out"]:
         lines.append(f"left out: {', '.join(manifest['left_out'])}")
     for c in manifest["chunks"]:
@@ -885,6 +903,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("node", "ours"),
         default="node",
         help="a node package at another version: reuse it when every requirement accepts it (node), or carry our pin (ours)",
+    )
+    b.add_argument(
+        "--unknown-max-mb",
+        type=float,
+        default=5,
+        help="a node package listed without a version: carry ours (it shadows the node's) when its wheel is at most this big, "
+        "else take the node's (default %(default)s; 0: always the node's)",
     )
     b.add_argument("--split-mb", type=float, help="cut into chunk-N directories of at most this many MiB")
     b.add_argument("--constraints", default=str(REPO / "constraints.txt"))

@@ -55,7 +55,14 @@ def toy(tmp_path, monkeypatch):
     shutil.copy(pip_whl, index)
     shutil.copy(st_whl, index)
     pip_v, st_v = pip_whl.name.split("-")[1], st_whl.name.split("-")[1]
-    make_wheel(index, "app-core", "1.0", ["numpyish>=1.5", "torch>=2.0", "helper", "web[fast]", "six<1.0"], pad=3000)
+    make_wheel(
+        index,
+        "app-core",
+        "1.0",
+        ["numpyish>=1.5", "torch>=2.0", "helper", "web[fast]", "six<1.0", "smallpkg>=1", "bigpkg"],
+    )
+    make_wheel(index, "smallpkg", "1.0")
+    make_wheel(index, "bigpkg", "1.0", ["bigdep"], pad=8000)
     make_wheel(index, "web", "3.0", ["helper>=1.1", 'extra-dep==1.0; extra == "fast"', 'never; extra == "slow"'])
     make_wheel(index, "helper", "1.1")
     make_wheel(index, "heavy", "1.0", ["heavy-dep"], pad=3000)
@@ -69,12 +76,14 @@ def toy(tmp_path, monkeypatch):
     )
     (tmp_path / "constraints.txt").write_text(
         "app-core==1.0\nweb==3.0\nhelper==1.1\nheavy==1.0\nheavy-dep==1.0\ndata-only==1.0\nnumpyish==2.0\n"
-        f"extra-dep==1.0\ntorch==2.13.0\nsix==0.9\npip=={pip_v}\nsetuptools=={st_v}\n"
+        f"extra-dep==1.0\ntorch==2.13.0\nsix==0.9\nsmallpkg==1.0\nbigpkg==1.0\npip=={pip_v}\nsetuptools=={st_v}\n"
     )
     # The node: its torch, a numpyish that every requirement accepts, a helper too old for web, an
-    # extra-dep of unknown version (web pins it exactly), six at a version that app-core accepts.
+    # extra-dep of unknown version (web pins it exactly), six at a version that app-core accepts,
+    # and two more of unknown version: a small one (ours is carried) and a big one (the node's is used).
     (tmp_path / "node-freeze.txt").write_text(
         "# pip list --format=freeze\ntorch==2.11.0+cu130\nnumpyish==2.5\nhelper==1.0\nextra-dep\nsix==0.9\n"
+        "smallpkg\nbigpkg\n"
     )
     for k in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT"):
         monkeypatch.delenv(k, raising=False)
@@ -99,6 +108,8 @@ def build(toy: Path, *extra: str, out: str = "wh") -> dict:
         "heavy",
         "--files-only",
         "data-only",
+        "--unknown-max-mb",
+        "0.005",  # 5 kB: the toy's small wheels are under it, bigpkg is over
         *extra,
     ]
     assert wh.main(argv) == 0
@@ -118,8 +129,17 @@ def test_the_walk_carries_what_the_node_lacks_and_reuses_what_it_has(toy):
         "helper": "1.1",  # the node's 1.0 fails web's helper>=1.1
         "extra-dep": "1.0",  # web[fast] pins it exactly; the node's version is unknown
         "data-only": "1.0",  # carried, but its requirements (audio, numpyish<1.9) are not
+        "smallpkg": "1.0",  # the node's version is unknown and ours is small: ours, not a bet
     }
-    assert set(m["reused"]) == {"torch", "numpyish", "six"}
+    assert set(m["reused"]) == {
+        "torch",
+        "numpyish",
+        "six",
+        "bigpkg",
+    }  # bigpkg's requirement bigdep: the node's business
+    assert m["reused"]["bigpkg"]["node_version"] is None
+    assert "over --unknown-max-mb" in m["reused"]["bigpkg"]["why"]
+    assert m["carried_over_unknown"] == ["extra-dep", "smallpkg"]
     assert m["reused"]["numpyish"]["node_version"] == "2.5"
     assert m["reused"]["numpyish"]["requires"] == ["app-core: numpyish>=1.5"]
     assert m["torch"] == {"source": "node", "required": ["app-core: torch>=2.0"]}
