@@ -317,3 +317,16 @@ def test_a_wheelhouse_for_another_python_is_refused_with_the_fix(toy, tmp_path):
     assert proc.stderr.strip() == (
         f"error: --reuse-torch {sys.executable} is Python {v}; the wheelhouse is for 3.9: rebuild it with --python-version {v}"
     )
+
+
+def test_the_carried_setuptools_can_build_nemoflow():
+    """The node builds nemoflow with the wheelhouse's setuptools (no build isolation, no index):
+    it must satisfy pyproject.toml's build-system, whatever Python built the wheelhouse."""
+    import tomllib
+
+    requires = [
+        wh.Requirement(r) for r in tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["requires"]
+    ]
+    for req in requires:
+        assert req.name in wh.BUILD_TOOLS, f"{req.name} is not carried"
+        assert req.specifier.contains(wh.BUILD_TOOLS[req.name]), (req, wh.BUILD_TOOLS[req.name])
