@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The wheels a node without internet needs, fetched on a machine that reaches PyPI:
+#   scripts/wheelhouse.sh build --out DIR [--python-version 3.12] [--have node-freeze.txt]
+#                               [--without NAME,...] [--split-mb 60] [--torch cpu|cuNNN] [--glibc 2.28]
+#   scripts/wheelhouse.sh show DIR          what a wheelhouse holds (sizes, chunks, what the node supplies)
+#   scripts/wheelhouse.sh freeze [--python PY]   name==version of a Python's packages (for --have)
+# Install it on the node with `scripts/setup.sh --offline DIR ...` (README: "Install on a node without internet").
+# Runs on the project's .venv Python when there is one, else python3 (any Python >= 3.11 with pip).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
+exec "$PY" devtools/wheelhouse.py "$@"
