@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.support.fault_ledger"]  # the fault table (faults injected / survived) at the end
+
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -212,10 +214,3 @@ def kjv_chapters() -> list[str]:
     from workloads.demo_data import kjv_chapters as load
 
     return load()
-
-
-def pytest_terminal_summary(terminalreporter):
-    """One table of every fault injected in the session (tests record them with fault_ledger.record)."""
-    from tests.support import fault_ledger
-
-    fault_ledger.terminal_summary(terminalreporter)

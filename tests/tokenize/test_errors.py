@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import fault_ledger
 from tests.tokenize.conftest import write_jsonl
 from workloads.tokenize import InputError, OutputError, TokenizerConfig, TokenizerError, tokenize_file
 
@@ -152,7 +151,6 @@ def test_disk_full_leaves_no_final_files(tmp_path, kjv_chapters, mixtral_tokeniz
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert f"cannot write {out}/corpus_text_document" in proc.stdout
     assert_no_outputs(out)
-    fault_ledger.record("write failure (file-size limit, EFBIG) mid-way through tokenize", injected=1, survived=1)
 
 
 def test_lone_surrogate_escape_names_file_and_line(tmp_path, sp_config):

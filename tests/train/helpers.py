@@ -81,3 +81,28 @@ def deterministic_part(metrics: list[dict]) -> list[dict]:
     return [
         {k: v for k, v in m.items() if k != "tokens_per_s"} for m in metrics if not any(t in m for t in TIMING_ONLY)
     ]
+
+
+def saved_steps(*outputs: str) -> dict[int, str]:
+    """{step: "intact"} for the checkpoints the trainer's output says it saved and did not prune since (what
+    existed before a fault; AutoModel names a step directory after the 0-based step: epoch_0_step_{N-1})."""
+    import re
+
+    saved = {}
+    for line in "\n".join(outputs).splitlines():
+        if match := re.search(r"saved checkpoint \S+ \(step (\d+)", line):
+            saved[int(match.group(1))] = "intact"
+        elif match := re.search(r"pruned checkpoint \S*epoch_\d+_step_(\d+)\b", line):
+            saved.pop(int(match.group(1)) + 1, None)
+    return saved
+
+
+def checkpoints_now(run_dir: Path) -> dict[int, str]:
+    """{step: "intact" | what is wrong} of the complete checkpoints on disk, each checked against the sha256 and
+    size its MANIFEST.json recorded at save time. With ``saved_steps`` before a fault, the fault table's
+    ``Row.compare`` counts the checkpoints a fault damaged or removed as data lost."""
+    from workloads import checkpoint as ckpt
+
+    return {
+        info.step: "; ".join(ckpt.verify_manifest(info.path)) or "intact" for info in ckpt.list_checkpoints(run_dir)
+    }
