@@ -7,6 +7,7 @@ injects without the ``faults`` marker errors. The same table comes back from pyt
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -16,6 +17,7 @@ import textwrap
 import pytest
 
 from tests.conftest import REPO
+from tests.support.require import need
 
 INNER = textwrap.dedent(
     """
@@ -120,7 +122,7 @@ def _table(stdout: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize("workers", [None, "2"], ids=["one-process", "xdist"])
 def test_a_failing_fault_test_shows_a_failed_row(tmp_path, workers):
     if workers:
-        pytest.importorskip("xdist", reason="pytest-xdist is a test extra: pip install -e .[test]")
+        need(importlib.util.find_spec("xdist"), "pytest-xdist", "pip install -c constraints.txt -e .[test]")
     run = _run_inner(tmp_path, *(["-n", workers] if workers else []))
     assert run.returncode == 1, run.stdout + run.stderr  # one test failed, one errored in teardown
     rows = _table(run.stdout)
