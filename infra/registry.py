@@ -14,12 +14,20 @@ Layout under the registry URI::
 Every change is a read-modify-write of ``registry.json`` guarded by its
 ``generation`` number: a writer states the generation it read, and the commit
 is refused (:class:`ConcurrentUpdate`) when the document moved on meanwhile,
-so two refreshes never both promote from the same base. On a local registry
-the check and the write happen under an ``flock`` (so it is exact); on
-``gs://`` the check is re-done just before the write (best effort: the flow's
-concurrency limit is what keeps two refreshes apart there). The document is
-written with :func:`infra.storage.write_json` (temporary file, then rename or
-copy): a failed write leaves the previous document in place.
+so two refreshes never both promote from the same base. The read-modify-write
+is exact on both kinds of storage:
+
+- a local registry: the check and the write happen under an ``flock``;
+- ``gs://``: the document is read with its object generation and written with
+  the precondition ``ifGenerationMatch`` (GCS refuses the upload with 412 when
+  another writer replaced the object since): a writer that did not state a
+  generation re-reads and re-applies its change; one that did gets
+  :class:`ConcurrentUpdate`. An object upload is atomic on GCS: readers see the
+  old document or the new one, never a part.
+
+Elsewhere the document is written with :func:`infra.storage.write_json`
+(temporary file, then rename or copy): a failed write leaves the previous
+document in place.
 
 The registry also keeps what a continued-pretraining refresh needs between
 runs: ``processed_sources`` (every input already trained on, with its
@@ -32,8 +40,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
+import random
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,6 +55,9 @@ from infra import storage
 
 DOCUMENT = "registry.json"
 HISTORY = "history"
+# gs://: how often a writer that did not state a generation re-reads and re-applies its change after another
+# writer's commit won the race (each round, one of the racing writers commits).
+COMMIT_ATTEMPTS = 30
 
 
 class RegistryError(RuntimeError):
@@ -168,6 +182,7 @@ class ModelRegistry:
 
     def __init__(self, uri: str):
         self.uri = storage.normalize(uri)
+        self.conflicts = 0  # gs://: commits that lost a race and were re-applied (for logs and tests)
 
     @property
     def document_uri(self) -> str:
@@ -205,32 +220,101 @@ class ModelRegistry:
 
         Raises :class:`ConcurrentUpdate` if ``expected_generation`` is given and is not the current one.
         """
+        if storage.scheme(self.uri) in ("gs", "gcs"):
+            return self._commit_gcs(change, expected_generation, action)
         with self._lock():
             state = self.read()
-            if expected_generation is not None and state.generation != expected_generation:
-                raise ConcurrentUpdate(
-                    f"registry {self.uri} is at generation {state.generation}, not {expected_generation}: "
-                    "another refresh or a person changed it meanwhile; nothing was written"
-                )
-            base = state.generation
-            new = state.model_copy(deep=True)
-            description = change(new)
-            new.generation = base + 1
-            new.updated_at = now()
-            if not storage.is_local(self.uri) and self.read().generation != base:
-                raise ConcurrentUpdate(f"registry {self.uri} changed while committing generation {base + 1}")
+            new, entry = _apply(self.uri, state, change, expected_generation, action)
+            if not storage.is_local(self.uri) and self.read().generation != state.generation:
+                # other object stores: best effort (no precondition used here)
+                raise ConcurrentUpdate(f"registry {self.uri} changed while committing generation {new.generation}")
             storage.write_json(self.document_uri, new.model_dump(mode="json"))
-            # After the document: the history records what was committed, never a change that failed.
-            entry = {
-                "generation": new.generation,
-                "action": action,
-                "description": description,
-                "promoted": new.promoted,
-                "previous": state.promoted,
-                "at": new.updated_at,
-            }
-            storage.write_json(storage.join(self.uri, HISTORY, f"{new.generation:08d}.json"), entry)
+            self._write_history(entry)
             return new
+
+    def _write_history(self, entry: dict) -> None:
+        # After the document: the history records what was committed, never a change that failed.
+        storage.write_json(storage.join(self.uri, HISTORY, f"{entry['generation']:08d}.json"), entry)
+
+    def _commit_gcs(self, change, expected_generation: int | None, action: str) -> RegistryState:
+        """Read registry.json with its object generation, apply ``change``, upload only if that generation is
+        still the current one (ifGenerationMatch); on a lost race re-read and re-apply, unless the caller
+        stated the generation it based its change on."""
+        for attempt in range(COMMIT_ATTEMPTS):
+            state, object_generation = self._read_gcs()
+            new, entry = _apply(self.uri, state, change, expected_generation, action)
+            if self._upload_if_generation(_document_bytes(new), object_generation):
+                self._write_history(entry)
+                return new
+            if expected_generation is not None:
+                raise ConcurrentUpdate(
+                    f"registry {self.uri} changed while committing generation {new.generation}: another refresh "
+                    "or a person changed it meanwhile; nothing was written"
+                )
+            self.conflicts += 1
+            time.sleep(random.uniform(0, min(1.0, 0.02 * 2**attempt)))  # jitter: the racers spread out
+        raise ConcurrentUpdate(
+            f"registry {self.uri}: other writers committed first {COMMIT_ATTEMPTS} times in a row; nothing was "
+            "written (try again)"
+        )
+
+    def _gcs_object(self):
+        fs, path = storage.url_to_fs(self.document_uri)
+        bucket, key, _ = fs.split_path(path)
+        return fs, bucket, key
+
+    def _read_gcs(self) -> tuple[RegistryState, int]:
+        """The document and its object generation (0: no document yet), from one download."""
+        fs, bucket, key = self._gcs_object()
+        try:
+            headers, data = fs.call("GET", "b/{}/o/{}", bucket, key, alt="media")
+        except FileNotFoundError:
+            return RegistryState(), 0
+        generation = headers.get("x-goog-generation")
+        if generation is None:  # GCS always sends it; an emulator may not
+            generation = fs.call("GET", "b/{}/o/{}", bucket, key, json_out=True)["generation"]
+        try:
+            return RegistryState.model_validate(json.loads(data)), int(generation)
+        except ValueError as exc:
+            raise RegistryError(f"model registry {self.document_uri} is not a valid registry document: {exc}") from exc
+
+    def _upload_if_generation(self, data: bytes, generation: int) -> bool:
+        """Upload ``data`` as the document if its object generation is still ``generation`` (0: if it does not
+        exist); False when another writer's object is there now."""
+        fs, bucket, key = self._gcs_object()
+        boundary = "nemoflow-" + os.urandom(8).hex()
+        body = (
+            (
+                f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
+                + json.dumps({"name": key, "contentType": "application/json"})
+                + f"\r\n--{boundary}\r\nContent-Type: application/json\r\n\r\n"
+            ).encode()
+            + data
+            + f"\r\n--{boundary}--\r\n".encode()
+        )
+        try:
+            # gcsfs has no call for a conditional upload of a given generation: the JSON API's multipart upload
+            # through its authenticated session (fs._location is the endpoint, an emulator's too).
+            fs.call(
+                "POST",
+                f"{fs._location}/upload/storage/v1/b/{{}}/o",
+                bucket,
+                uploadType="multipart",
+                ifGenerationMatch=str(generation),
+                headers={"Content-Type": f'multipart/related; boundary="{boundary}"'},
+                data=body,
+                json_out=True,
+            )
+        except FileExistsError:  # 412 Precondition Failed: the document moved on
+            # A retried upload whose first try had landed also ends here: then the document is ours.
+            try:
+                _, current = fs.call("GET", "b/{}/o/{}", bucket, key, alt="media")
+            except FileNotFoundError:
+                return False
+            return current == data
+        finally:
+            fs.invalidate_cache(storage.url_to_fs(self.document_uri)[1])
+        return True
 
     # ------------------------------------------------------------ the operations people and flows use
 
@@ -297,6 +381,33 @@ class ModelRegistry:
             return f"serving {serving.model if serving else 'nothing'}"
 
         return self.commit(change, expected_generation, "serving")
+
+
+def _apply(uri: str, state: RegistryState, change, expected_generation: int | None, action: str):
+    """The next state (``change`` applied to a copy of ``state``) and its history entry."""
+    if expected_generation is not None and state.generation != expected_generation:
+        raise ConcurrentUpdate(
+            f"registry {uri} is at generation {state.generation}, not {expected_generation}: "
+            "another refresh or a person changed it meanwhile; nothing was written"
+        )
+    new = state.model_copy(deep=True)
+    description = change(new)
+    new.generation = state.generation + 1
+    new.updated_at = now()
+    entry = {
+        "generation": new.generation,
+        "action": action,
+        "description": description,
+        "promoted": new.promoted,
+        "previous": state.promoted,
+        "at": new.updated_at,
+    }
+    return new, entry
+
+
+def _document_bytes(state: RegistryState) -> bytes:
+    """What :func:`infra.storage.write_json` writes, so both paths produce the same document."""
+    return (json.dumps(state.model_dump(mode="json"), indent=2, sort_keys=True, default=str) + "\n").encode()
 
 
 def _promote(state: RegistryState, model_id: str) -> None:

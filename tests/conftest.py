@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.support.fault_ledger"]  # the fault table (faults injected / survived) at the end
+
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -150,15 +152,16 @@ def postgres_prefect_server(tmp_path_factory):
     """Opt-in: a real Prefect server whose database is PostgreSQL (devtools/postgres.py, which
     scripts/services-up.sh starts), in a fresh database dropped afterwards. It does NOT become the
     session's PREFECT_API_URL: tests point the processes they start at ``.api``."""
-    if os.geteuid() != 0:
-        pytest.skip("the local PostgreSQL is managed as root (devtools/postgres.py)")
+    from tests.support.require import missing, need
+
+    need(os.geteuid() == 0, "root (the local PostgreSQL is managed as root)", "run the tests as root, as CI does")
     from devtools.postgres import LocalPostgres, PostgresError
 
     pg = LocalPostgres()
     try:
         pg.up()
     except PostgresError as exc:
-        pytest.skip(f"the local PostgreSQL could not start: {exc}")
+        missing(f"the local PostgreSQL (it could not start: {exc})", "scripts/services-up.sh starts it (as root)")
     database = f"prefect_test_{os.getpid()}"
     home = tmp_path_factory.mktemp("prefect-postgres-home")
     port = free_port()
@@ -212,10 +215,3 @@ def kjv_chapters() -> list[str]:
     from workloads.demo_data import kjv_chapters as load
 
     return load()
-
-
-def pytest_terminal_summary(terminalreporter):
-    """One table of every fault injected in the session (tests record them with fault_ledger.record)."""
-    from tests.support import fault_ledger
-
-    fault_ledger.terminal_summary(terminalreporter)

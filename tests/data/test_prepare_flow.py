@@ -174,15 +174,23 @@ def open_jsonl_zst_lines(root):
         yield from read_jsonl_zst(path)
 
 
+@pytest.mark.faults
 def test_corrupt_shard_is_fetched_again_once_then_fails_naming_it(prefect_server, work_dir, tmp_path):
     """A complete download that does not extract is fetched again exactly once: a fresh copy that
     extracts is used; one that is still corrupt fails the shard, naming it."""
+    import hashlib
+
     root = tmp_path / "site"
     files = write_slimpajama_layout(root, chunks=1, shards_per_chunk=2)
     path = "/train/chunk1/example_train_0.jsonl.zst"
     good = files[0].read_bytes()
     corrupt = good[: len(good) // 2]  # a truncated archive, served whole (its length is the full response)
     assert files[0] == root / path.lstrip("/")
+    row = fault_ledger.open_row("corrupted shard (once, then at the source)")
+    corrupt_sha = hashlib.sha256(corrupt).hexdigest()
+
+    def served_corrupt(server) -> int:
+        return sum(1 for r in server.requests_for(path) if r.method == "GET" and r.sha256 == corrupt_sha)
 
     # 1. corrupt on the first download only: the second (the re-fetch) is good and the flow completes
     files[0].write_bytes(corrupt)
@@ -194,10 +202,13 @@ def test_corrupt_shard_is_fetched_again_once_then_fails_naming_it(prefect_server
             chunks="1",
             shards="0-1",
         )
-        dataset, _ = _run(config)
+        dataset, flow_run_id = _run(config)
+        row.watch_runs([flow_run_id])
+        row.injected += served_corrupt(server)
         assert server.count(path, "GET") == 2  # the first download and exactly one re-fetch
         assert server.count("/train/chunk1/example_train_1.jsonl.zst", "GET") == 1
     expected_docs = sum(1 for _ in open_jsonl_zst_lines(root))
+    row.compare({"documents": expected_docs}, {"documents": dataset.documents})  # rows of the source, tokenized
     assert dataset.documents == expected_docs  # the re-fetched shard's documents are all there
 
     # 2. corrupt at the source itself: the re-fetch is corrupt too, and the shard fails naming itself
@@ -205,12 +216,13 @@ def test_corrupt_shard_is_fetched_again_once_then_fails_naming_it(prefect_server
     with FaultServer(root) as server:
         config = PrepareConfig(name="corrupt", sources=server.url(path))
         state = prepare_dataset(config, return_state=True)
+        row.watch_runs([state.state_details.flow_run_id])
+        row.injected += served_corrupt(server)
         assert state.is_failed()
         with pytest.raises(Exception, match=r"shard \S*example_train_0\S* is corrupt even after a fresh download"):
             state.result()
         gets = server.count(path, "GET")
     assert gets == 2, f"{gets} downloads: expected the first and one re-fetch"
-    fault_ledger.record("corrupted shard (once, then at the source)", injected=2, survived=2)
 
 
 def test_malformed_line_names_file_and_line_and_finished_parts_survive(prefect_server, work_dir, tmp_path):

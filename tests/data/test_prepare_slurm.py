@@ -6,7 +6,6 @@ exactly what a cluster's login node would submit. The outputs match a local run 
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 
@@ -14,24 +13,13 @@ import pytest
 
 from flows.prepare_dataset import PrepareConfig, prepare_dataset
 from infra.executors import SlurmExecutor
+from tests.slurm.conftest import slurm_cluster  # noqa: F401 - the fixture (skips, or fails under CI=true)
 from workloads.demo_data import write_slimpajama_layout
 
 pytestmark = [pytest.mark.slurm, pytest.mark.prefect, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def slurm_cluster():
-    if os.geteuid() != 0:
-        pytest.skip("the local Slurm cluster runs its daemons as root")
-    from devtools.slurm_cluster import LocalSlurm, LocalSlurmError
-
-    try:
-        LocalSlurm().up()
-    except LocalSlurmError as exc:
-        pytest.skip(f"local Slurm could not start: {exc}")
-
-
-def test_fetch_and_tokenize_run_as_slurm_job_arrays(slurm_cluster, prefect_server, work_dir, tmp_path, monkeypatch):
+def test_fetch_and_tokenize_run_as_slurm_job_arrays(slurm_cluster, prefect_server, work_dir, tmp_path, monkeypatch):  # noqa: F811 - fixture
     monkeypatch.setattr("tasks.data.MIN_SHARDS_PER_FETCH_TASK", 2)  # 6 shards over 3 array tasks
     write_slimpajama_layout(tmp_path / "src", chunks=1, shards_per_chunk=6)
     template = str(tmp_path / "src" / "train" / "chunk{chunk}" / "example_train_{shard}.jsonl.zst")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, VENV_BIN, free_port
+from tests.support.require import need
 from tests.support.tiny import TINY_TRAIN
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
@@ -165,8 +166,7 @@ def _artifact_table(flow_run_id: str, key: str) -> list[dict]:
 
 def _ui_shows_artifacts(api: str, flow_run_id: str) -> None:
     """Open the run page like a person and find the artifacts on its Artifacts tab."""
-    if not Path("/usr/bin/chromium").exists():
-        pytest.skip("Debian chromium is not installed (scripts/setup.sh --test installs it)")
+    need(Path("/usr/bin/chromium").exists(), "Debian's chromium", "apt-get install chromium (scripts/setup.sh --test)")
     from playwright.sync_api import sync_playwright
 
     ui = api.removesuffix("/api")

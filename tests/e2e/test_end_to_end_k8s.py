@@ -41,6 +41,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, VENV_BIN, free_port
+from tests.support.require import need
 from tests.support.tiny import TINY_TRAIN
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
@@ -69,8 +70,7 @@ def shipped_image():
     from deployments.image import podman
     from deployments.image.build import build, cache_dir
 
-    if not podman.shutil.which(podman.PODMAN):
-        pytest.skip("podman is not installed (scripts/setup.sh --test installs it)")
+    need(podman.shutil.which(podman.PODMAN), "podman", "apt-get install podman (scripts/setup.sh --test)")
     tag = shipped_job_variables()["image"]
     cache_dir().mkdir(parents=True, exist_ok=True)
     with open(cache_dir() / "e2e-k8s.lock", "w") as lock:

@@ -13,6 +13,7 @@ import subprocess
 import pytest
 
 from tests.conftest import REPO, VENV_BIN, free_port
+from tests.slurm.conftest import slurm_cluster  # noqa: F401 - the fixture (skips, or fails under CI=true)
 from tests.support.tiny import TINY_TRAIN
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.prefect]
@@ -22,15 +23,7 @@ SERVE_KEY = "sk-slurm-e2e-SENTINEL-4711"
 
 
 @pytest.fixture
-def slurm_pool(prefect_server, work_dir, tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("the local Slurm cluster runs its daemons as root")
-    from devtools.slurm_cluster import LocalSlurm
-
-    try:
-        LocalSlurm().up()
-    except Exception as exc:  # noqa: BLE001 - the reason is reported
-        pytest.skip(f"local Slurm could not start: {exc}")
+def slurm_pool(prefect_server, work_dir, tmp_path, slurm_cluster):  # noqa: F811 - fixture
     from devtools.prefect_local import ensure_pools
 
     env = dict(

@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import free_port
+from tests.slurm.conftest import slurm_cluster  # noqa: F401 - the fixture (skips, or fails under CI=true)
 from tests.support.tiny import TINY_TRAIN
 
 pytestmark = pytest.mark.gcs
@@ -143,15 +144,7 @@ def test_end_to_end_with_a_gcs_work_dir_on_the_local_backend(gcs_work_dir, gcs_b
 @pytest.mark.slow
 @pytest.mark.prefect
 @pytest.mark.slurm
-def test_end_to_end_with_a_gcs_work_dir_on_slurm(gcs_work_dir, gcs_bucket, tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("the local Slurm cluster runs its daemons as root")
-    from devtools.slurm_cluster import LocalSlurm
-
-    try:
-        LocalSlurm().up()
-    except Exception as exc:  # noqa: BLE001 - the reason is reported
-        pytest.skip(f"local Slurm could not start: {exc}")
+def test_end_to_end_with_a_gcs_work_dir_on_slurm(gcs_work_dir, gcs_bucket, tmp_path, slurm_cluster):  # noqa: F811 - fixture
     summary = _run_and_check(
         {"kind": "slurm", "partition": "cpu"},
         {"source": "python-env"},

@@ -43,24 +43,45 @@ def pid_in(path: Path, timeout: float = 120) -> int:
     return int(wait_for(lambda: path.exists() and path.read_text().strip(), timeout, f"{path.name}"))
 
 
+def _task_runs(plane, flow_run_id) -> dict[str, str]:
+    """The flow run's task runs in the server's database: {id: name}."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with plane.api.settings(), get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {str(r.id): r.name for r in runs}
+
+
 def test_killed_run_and_server_restart_do_not_block_the_next_run(control_plane, tmp_path):
     plane = control_plane
     deployment = plane.deploy("tests/faults/flows.py:holds_refresh_lock")
     plane.worker()
+    killed_row = fault_ledger.open_row("kill -9 of the worker and the flow-run process")
+    restart_row = fault_ledger.open_row("Prefect server restart with a run's slots held")
 
     first = plane.run(deployment, directory=str(tmp_path))
+    killed_row.watch_runs([first.id], lambda: plane.api.settings())
     flow_pid = pid_in(tmp_path / f"flow-{first.id}.pid")
     job_pid = pid_in(tmp_path / f"job-{first.id}.pid")
     assert plane.active_slots(CONCURRENCY_LIMIT) == 1
     assert plane.deployment_slots(deployment) == 1
     time.sleep(2)  # past the run's first heartbeat
+    finished_step = {"prepare-count": (tmp_path / "prepare-count").read_text()}  # the cached step, done
+    recorded = _task_runs(plane, first.id)
+    assert recorded
 
     # The fault: worker and flow-run process SIGKILLed (nothing in them can clean up), server restarted.
-    plane.kill_worker()
+    worker_pid = plane.kill_worker()  # SIGKILL
     os.kill(flow_pid, signal.SIGKILL)
+    for pid in (worker_pid, flow_pid):
+        wait_for(lambda pid=pid: not processes.pid_alive(pid), 10, f"the end of pid {pid}")
+        killed_row.injected += 1
     # The stage job dies with the flow run that started it (no orphan at 100% CPU).
     wait_for(lambda: not processes.pid_alive(job_pid), 10, f"the end of the orphaned stage job {job_pid}")
-    restart_s = plane.restart_server()
+    restart_s = plane.restart_server()  # asserts the server was down before it started again
+    restart_row.injected += 1
+    restart_row.compare(recorded, _task_runs(plane, first.id))  # the run's records survived the restart
     plane.worker()  # a new worker, as after a reboot
     killed = time.monotonic()
 
@@ -82,18 +103,18 @@ def test_killed_run_and_server_restart_do_not_block_the_next_run(control_plane, 
     # The next run runs normally (not "Cancelled: Deployment concurrency limit reached") and does not
     # redo the step the killed run finished.
     second = plane.run(deployment, directory=str(tmp_path))
+    restart_row.watch_runs([second.id], lambda: plane.api.settings())
     pid_in(tmp_path / f"job-{second.id}.pid")
     (tmp_path / "release").touch()
     state = plane.wait_state(second.id, lambda s: s.is_final(), 120, "final")
     assert state.is_completed(), state
     assert (tmp_path / "result.json").exists()
+    killed_row.compare(finished_step, {"prepare-count": (tmp_path / "prepare-count").read_text()})
     assert (tmp_path / "prepare-count").read_text() == "1", "the finished step ran again"
     print(
         f"server restart {restart_s:.1f}s; Crashed {crashed_after:.0f}s and global slot free "
         f"{freed_after:.0f}s after the kill; the next run completed"
     )
-    fault_ledger.record("kill -9 of the worker and the flow-run process", injected=2, survived=2)
-    fault_ledger.record("Prefect server restart with a run's slots held", injected=1, survived=1)
 
 
 def test_demo_down_while_a_stage_job_runs_leaves_no_orphan(control_plane, tmp_path):
@@ -101,11 +122,14 @@ def test_demo_down_while_a_stage_job_runs_leaves_no_orphan(control_plane, tmp_pa
     plane = control_plane
     deployment = plane.deploy("tests/faults/flows.py:runs_a_stage_job", concurrency_limit=None)
     plane.worker()
+    row = fault_ledger.open_row("`nemoflow demo --down` during a stage job")
     run = plane.run(deployment, directory=str(tmp_path))
+    row.watch_runs([run.id], lambda: plane.api.settings())
     flow_pid = pid_in(tmp_path / f"flow-{run.id}.pid")
     job_pid = pid_in(tmp_path / f"job-{run.id}.pid")
     stopped = plane.stop_all()  # what `nemoflow demo --down` runs after the endpoint
     assert "server" in stopped and f"worker-{plane.pool}" in stopped
+    row.injected += 1
     wait_for(lambda: not processes.pid_alive(job_pid), 15, f"the end of the stage job {job_pid}")
     wait_for(lambda: not processes.pid_alive(flow_pid), 15, f"the end of the flow-run process {flow_pid}")
     # The next `nemoflow demo` finds the run in a final state that says what happened.
@@ -113,4 +137,3 @@ def test_demo_down_while_a_stage_job_runs_leaves_no_orphan(control_plane, tmp_pa
     state = plane.wait_state(run.id, lambda s: s.is_final(), ZOMBIE_AFTER_S + 60, "final")
     assert state.is_crashed() or state.is_cancelled(), state
     print(f"after --down: {state.name}: {state.message}")
-    fault_ledger.record("`nemoflow demo --down` during a stage job", injected=1, survived=1)

@@ -72,9 +72,13 @@ def test_job_and_its_children_die_with_the_flow_run_process(tmp_path, sig):
     marker = tmp_path / "pids"
     runner = subprocess.Popen([sys.executable, "-c", RUNNER, JOB, str(marker)], cwd=REPO, start_new_session=True)
     try:
+        row = fault_ledger.open_row(f"flow-run process killed ({sig.name}) during a stage job")
         pids = _pids(marker)
         assert all(processes.pid_alive(p) for p in pids)
+        assert runner.poll() is None
         runner.send_signal(sig)  # SIGTERM: Python's default handler ends it without running any cleanup
+        assert runner.wait(10) == -sig
+        row.injected += 1
         took = _gone_within(pids, 10)
         assert took is not None, f"the job {pids} outlived its flow-run process"
     finally:
@@ -83,7 +87,6 @@ def test_job_and_its_children_die_with_the_flow_run_process(tmp_path, sig):
         for pid in pids if "pids" in locals() else []:
             if processes.pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    fault_ledger.record(f"flow-run process killed ({sig.name}) during a stage job", injected=1, survived=1)
 
 
 def test_guard_reports_the_command_exit_like_the_command(tmp_path):

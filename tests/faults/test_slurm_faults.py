@@ -68,17 +68,20 @@ def _slurm_run(plane, tmp_path):
 @pytest.mark.slow
 def test_cancelling_a_slurm_flow_run_scancels_its_stage_jobs(control_plane, slurm, tmp_path):  # noqa: F811 - fixture
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.responses import SetStateStatus
     from prefect.states import Cancelling
 
     plane = control_plane
+    row = fault_ledger.open_row("Slurm flow run cancelled during a stage job")
     run, stage = _slurm_run(plane, tmp_path)
+    row.watch_runs([run.id], lambda: plane.api.settings())
     with plane.api.settings(), get_client(sync_client=True) as client:
-        client.set_flow_run_state(run.id, Cancelling(), force=True)  # what the UI's Cancel does
+        accepted = client.set_flow_run_state(run.id, Cancelling(), force=True)  # what the UI's Cancel does
+    row.injected += accepted.status is SetStateStatus.ACCEPT
     _wait(lambda: _job_state(stage) == "CANCELLED", 60, f"stage job {stage} CANCELLED")
     state = plane.wait_state(run.id, lambda s: s.is_final(), 60, "final")
     assert state.is_cancelled(), state
     _wait(lambda: jobs_under(tmp_path) == [], 30, "no job of the run left in squeue")
-    fault_ledger.record("Slurm flow run cancelled during a stage job", injected=1, survived=1)
 
 
 @pytest.mark.prefect
@@ -86,16 +89,18 @@ def test_cancelling_a_slurm_flow_run_scancels_its_stage_jobs(control_plane, slur
 def test_a_slurm_flow_run_killed_hard_takes_its_stage_jobs_with_it(control_plane, slurm, tmp_path):  # noqa: F811 - fixture
     """The flow-run process is SIGKILLed (the OOM killer, say): nothing in it can cancel its stage job."""
     plane = control_plane
+    row = fault_ledger.open_row("Slurm flow-run job SIGKILLed during a stage job")
     run, stage = _slurm_run(plane, tmp_path)
+    row.watch_runs([run.id], lambda: plane.api.settings())
     flow_job = plane.flow_run(run.id).infrastructure_pid
     assert flow_job and flow_job != stage
     os.kill(int((tmp_path / "flow.pid").read_text()), signal.SIGKILL)  # the one-machine cluster: same host
+    row.injected += 1  # the process existed (else os.kill raises)
     state = plane.wait_state(run.id, lambda s: s.is_final(), 90, "final")
     assert state.is_crashed(), state
     assert f"Slurm job {flow_job} ended" in state.message, state.message
     _wait(lambda: _job_state(stage) == "CANCELLED", 60, f"stage job {stage} CANCELLED")
     _wait(lambda: jobs_under(tmp_path) == [], 30, "no job of the run left in squeue")
-    fault_ledger.record("Slurm flow-run job SIGKILLed during a stage job", injected=1, survived=1)
 
 
 # A job that checkpoints each step (atomically), resumes from its checkpoint, and goes fast once resumed.
@@ -132,20 +137,23 @@ def _counter(tmp_path: Path, target: int) -> tuple[JobSpec, Path]:
 
 def test_scancel_of_a_stage_job_is_reported_and_a_rerun_resumes(backend, tmp_path):  # noqa: F811 - fixture
     spec, ckpt = _counter(tmp_path, 40)
+    row = fault_ledger.open_row("scancel of a Slurm stage job")
     thread, box, lines, job_id = _start(backend, spec)
     SlurmCLI().scancel([job_id])  # an operator (or a higher-priority job's admin) cancels it
     thread.join(60)
     result = box["result"]
+    row.injected += result.state is JobState.CANCELLED  # Slurm says it was cancelled
     assert result.state is JobState.CANCELLED, result
     done = int(ckpt.read_text())  # a whole number: the checkpoint is replaced atomically, never half-written
     assert 5 <= done < 40
     ckpt.with_suffix(".resumed").touch()
     lines.clear()
     rerun = backend.run(spec, lines.append)
+    resumed_from = next((int(x.split()[2]) for x in lines if x.startswith("resume from ")), 0)
+    row.count_lost(max(0, done - resumed_from))  # steps checkpointed before the cancel, done again
     assert rerun.state is JobState.COMPLETED, rerun
     assert any(line.startswith(f"resume from {done}") for line in lines), lines[:5]
     assert [int(x.split()[1]) for x in lines if x.startswith("step ")] == list(range(done + 1, 41))
-    fault_ledger.record("scancel of a Slurm stage job", injected=1, survived=1)
 
 
 def _node() -> str:
@@ -161,6 +169,7 @@ def _others_running(ours: str) -> list[str]:
 def test_node_down_requeues_the_job_and_it_resumes(backend, tmp_path):  # noqa: F811 - fixture
     spec, ckpt = _counter(tmp_path, 30)
     backend.options.max_resubmits = 2
+    row = fault_ledger.open_row("Slurm node set DOWN (job requeued or resubmitted)")
     thread, box, lines, job_id = _start(backend, spec)
     # The node is shared: take it down only while no one else's job runs there, for about a second.
     deadline = time.monotonic() + 90
@@ -172,9 +181,11 @@ def test_node_down_requeues_the_job_and_it_resumes(backend, tmp_path):  # noqa: 
         pytest.skip("other jobs kept running on the shared node for 90 s: not taking it down under them")
     node = _node()
     try:
+        checkpointed = int(ckpt.read_text())  # progress saved before the node goes down
         subprocess.run(
             ["scontrol", "update", f"nodename={node}", "state=down", "reason=nemoflow-fault-test"], check=True
         )
+        row.injected += 1
         ckpt.with_suffix(".resumed").touch()
         time.sleep(1)
     finally:
@@ -183,9 +194,9 @@ def test_node_down_requeues_the_job_and_it_resumes(backend, tmp_path):  # noqa: 
     result = box["result"]
     assert result.state is JobState.COMPLETED, (result, lines[-20:])
     resumed = [line for line in lines if line.startswith("resume from ")]
+    row.count_lost(max(0, checkpointed - (int(resumed[0].split()[2]) if resumed else 0)))
     assert resumed and int(resumed[0].split()[2]) >= 5, lines[:40]
     assert ckpt.read_text() == "30"
     print("\n".join(line for line in lines if line.startswith("[slurm]") or "resume" in line))
     # the first attempt's job may linger as COMPLETING until the node has answered again
     _wait(lambda: jobs_under(tmp_path) == [], 60, "no job of the test left in squeue")
-    fault_ledger.record("Slurm node set DOWN (job requeued or resubmitted)", injected=1, survived=1)

@@ -3,12 +3,13 @@
 GCS faults come from a fault proxy in front of the real GCS emulator (gcsfs talks HTTP to it);
 a host name that cannot resolve is a ``.invalid`` name (RFC 2606); a full disk is a small tmpfs.
 Each test checks that the run tells the truth (verified output, or one clear line and nothing
-half-written under the final name) and records its counts for the faults summary.
+half-written under the final name); its row in the fault table counts what the fault servers served.
 """
 
 from __future__ import annotations
 
 import hashlib
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from tests.conftest import REPO
 from tests.support import fault_ledger
 from tests.support.fault_proxy import gcs_behind, unresolvable_gcs
 from tests.support.fault_server import Fault
-from tests.support.tmpfs import resize, tmpfs
+from tests.support.tmpfs import is_full, resize, tmpfs
 
 from .conftest import SHARD
 
@@ -36,11 +37,25 @@ def one_line(text: str) -> None:
     assert "\n" not in text and "Traceback" not in text, text
 
 
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def does_not_resolve(host: str) -> bool:
+    """The fault is in place: the name really does not resolve here."""
+    try:
+        socket.getaddrinfo(host, 443)
+    except socket.gaierror:
+        return True
+    return False
+
+
 @pytest.mark.gcs
 def test_shard_download_survives_gcs_5xx_429_resets_and_timeouts(gcs_endpoint, gcs_bucket, tmp_path):
     data = bytes(range(256)) * 80_000  # 20 MB: three 8 MiB range reads, so a resume skips finished blocks
     uri = f"{gcs_bucket}/{OBJECT}"
     storage.write_bytes(uri, data)
+    row = fault_ledger.open_row("gcs 5xx/429/reset/timeout: shard download")
     faults = {
         META: [Fault(status=503)],
         MEDIA: [
@@ -61,6 +76,8 @@ def test_shard_download_survives_gcs_5xx_429_resets_and_timeouts(gcs_endpoint, g
         elapsed = time.monotonic() - started
         media = proxy.seen(MEDIA)
         injected = proxy.injected_count() - sum(1 for i in proxy.injected if i.fault == Fault())
+        row.injected += injected
+    row.compare({OBJECT: sha256(data)}, {OBJECT: sha256((tmp_path / "x.zst").read_bytes())})
     assert (tmp_path / "x.zst").read_bytes() == data
     assert result.sha256 == hashlib.sha256(data).hexdigest() and not result.skipped
     assert injected == 6 and proxy.pending() == 0
@@ -72,7 +89,6 @@ def test_shard_download_survives_gcs_5xx_429_resets_and_timeouts(gcs_endpoint, g
     assert elapsed >= 1.0  # the 429's Retry-After: 1 was honoured
     assert any("retrying in 1.0s" in line for line in lines)
     assert not (tmp_path / "x.zst.part").exists()
-    fault_ledger.record("gcs 5xx/429/reset/timeout: shard download", injected=injected, survived=injected)
 
 
 @pytest.mark.gcs
@@ -81,6 +97,7 @@ def test_gcs_credentials_refused_fail_at_once_in_one_line(gcs_endpoint, gcs_buck
     uri = f"{gcs_bucket}/{OBJECT}"
     storage.write_bytes(uri, b"x" * 1000)
     bucket = gcs_bucket.removeprefix("gs://")
+    row = fault_ledger.open_row(f"gcs {status}: shard download")
     with gcs_behind(gcs_endpoint) as proxy:
         # Every object request in the bucket is refused (gcsfs also lists the prefix when it stats).
         proxy.add_faults(rf"^GET /(download/)?storage/v1/b/{bucket}/o", *[Fault(status=status)] * 50)
@@ -90,7 +107,9 @@ def test_gcs_credentials_refused_fail_at_once_in_one_line(gcs_endpoint, gcs_buck
         with pytest.raises(FetchError) as probed:
             probe(uri)
         elapsed = time.monotonic() - started
+        row.injected += proxy.injected_count()
         assert proxy.count(META + "$") == 2  # one metadata request each: refused credentials are not retried
+    row.compare({OBJECT: sha256(b"x" * 1000)}, {OBJECT: sha256(storage.read_bytes(uri))})  # the source is intact
     message = str(err.value)
     one_line(message)
     assert f"{gcs_bucket}/{OBJECT}" in message and f"object '{OBJECT}'" in message
@@ -98,7 +117,6 @@ def test_gcs_credentials_refused_fail_at_once_in_one_line(gcs_endpoint, gcs_buck
     assert str(probed.value) == message
     assert elapsed < 2
     assert not any(tmp_path.iterdir())
-    fault_ledger.record(f"gcs {status}: shard download", injected=2, survived=2)
 
 
 @pytest.mark.gcs
@@ -112,7 +130,9 @@ def test_missing_gcs_object_or_bucket_fails_at_once(gcs_bucket, tmp_path):
 
 
 def test_unresolvable_gcs_host_is_retried_briefly_then_one_line(tmp_path):
+    row = fault_ledger.open_row("gcs host does not resolve: shard download")
     with unresolvable_gcs() as host:
+        row.injected += does_not_resolve(host)
         started = time.monotonic()
         with pytest.raises(FetchError) as err:
             download("gs://bucket/raw/x.jsonl.zst", str(tmp_path / "x.zst"), backoff=0.2)
@@ -124,7 +144,6 @@ def test_unresolvable_gcs_host_is_retried_briefly_then_one_line(tmp_path):
     assert err.value.transient is False  # a task retry would not resolve it either
     assert elapsed < 5
     assert not any(tmp_path.iterdir())
-    fault_ledger.record("gcs host does not resolve: shard download", injected=1, survived=1)
 
 
 def test_cli_with_unresolvable_gcs_prints_one_error_line(tmp_path):
@@ -152,11 +171,14 @@ def test_disk_full_mid_download_then_a_rerun_resumes(server, corpus, tmp_path):
     """ENOSPC while writing: one line, no file under the final name; with space, only the rest is fetched."""
     shards = ["/train/chunk1/example_train_0.jsonl.zst", "/train/chunk1/example_train_1.jsonl.zst"]
     sizes = [(corpus / s.lstrip("/")).stat().st_size for s in shards]
+    row = fault_ledger.open_row("disk full (tmpfs): shard download")
     with tmpfs(tmp_path / "disk", "size=512k") as disk:
         dests = [disk / "chunk1" / s.rsplit("/", 1)[1] for s in shards]
         first = download(server.url(shards[0]), str(dests[0]))
+        before = fault_ledger.checksums(dests[0])  # what existed before the disk filled up
         with pytest.raises(FetchError) as err:
             download(server.url(shards[1]), str(dests[1]))
+        row.injected += is_full(disk)  # ENOSPC for real, not a simulated error
         message = str(err.value)
         one_line(message)
         assert "ran out of space" in message and "a new run continues from there" in message
@@ -166,23 +188,26 @@ def test_disk_full_mid_download_then_a_rerun_resumes(server, corpus, tmp_path):
         resize(disk, "4m")
         gets_before = server.count()
         again = [download(server.url(s), str(d)) for s, d in zip(shards, dests)]
+        row.compare(before, fault_ledger.checksums(dests[0]))
     assert again[0].skipped and again[0].sha256 == first.sha256  # finished work is not redone
     assert not again[1].skipped and again[1].attempts == 1
     resumed = server.requests_for(shards[1])[-1]
     assert resumed.headers["Range"] == f"bytes={kept}-" and resumed.status == 206
     assert server.count() == gets_before + 1
     assert again[1].sha256 == hashlib.sha256((corpus / shards[1].lstrip("/")).read_bytes()).hexdigest()
-    fault_ledger.record("disk full: shard download", injected=1, survived=1)
 
 
 def test_http_faults_counted(server, corpus, tmp_path):
     """The HTTP fault server's faults through the same stack, counted for the summary."""
     faults = [Fault(status=503, retry_after="0"), Fault(reset_at=50_000), Fault(delay=2.0), Fault(truncate_at=9000)]
+    row = fault_ledger.open_row("http 503/reset/timeout/truncation: shard download")
     server.add_faults(SHARD, *faults)
     result = download(server.url(SHARD), str(tmp_path / "x.zst"), backoff=0.01, timeout=1)
+    row.injected += server.injected_count(SHARD)
+    source, copy = (corpus / SHARD.lstrip("/")).read_bytes(), (tmp_path / "x.zst").read_bytes()
+    row.compare({SHARD: sha256(source)}, {SHARD: sha256(copy)})
     assert (tmp_path / "x.zst").read_bytes() == (corpus / SHARD.lstrip("/")).read_bytes()
     assert result.attempts == len(faults) + 1
-    fault_ledger.record("http 503/reset/timeout/truncation: shard download", injected=4, survived=4)
 
 
 def test_unresolvable_gcs_glob_fails_in_one_line():

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from tests.support.fault_server import FaultServer
+from tests.support.require import need
 from tests.support.tmpfs import tmpfs  # noqa: F401 - re-exported for the tests here
 
 MKSQUASHFS = shutil.which("mksquashfs")
 
 
 def make_squashfs(src_dir: Path, out: Path) -> Path:
-    if MKSQUASHFS is None:
-        pytest.skip("mksquashfs not installed (Debian package squashfs-tools, see scripts/debian-packages.txt)")
+    need(MKSQUASHFS, "mksquashfs", "apt-get install squashfs-tools (scripts/setup.sh --test)")
     subprocess.run(
         [MKSQUASHFS, str(src_dir), str(out), "-noappend", "-quiet", "-no-progress", "-comp", "gzip"],
         check=True,

@@ -17,6 +17,8 @@ import pytest
 from infra import images
 from infra.backends.local import LocalBackend
 from infra.images import EnrootNotFound, ImageError, RegistryCredentialsError, convert_image, plan_conversion
+from tests.slurm.conftest import slurm_cluster  # noqa: F401 - the fixture (skips, or fails under CI=true)
+from tests.support.require import need
 
 from .conftest import leftovers
 
@@ -60,8 +62,7 @@ def read_record(path: Path) -> dict[str, str]:
 
 @pytest.fixture
 def stand_in_enroot(tmp_path, monkeypatch, kjv_chapters):
-    if shutil.which("mksquashfs") is None:
-        pytest.skip("mksquashfs not installed")
+    need(shutil.which("mksquashfs"), "mksquashfs", "apt-get install squashfs-tools (scripts/setup.sh --test)")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     enroot = bin_dir / "enroot"
@@ -183,21 +184,9 @@ def test_failed_import_leaves_no_image(registry_env, tmp_path, stand_in_enroot, 
     assert not any(p.endswith(".sqsh") for p in leftovers(dest))
 
 
-def _slurm_up() -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=10)
-    except subprocess.TimeoutExpired:
-        return False
-    return out.returncode == 0 and any(s.strip() in ("idle", "mix", "alloc") for s in out.stdout.splitlines())
-
-
 @pytest.mark.slurm
-def test_missing_enroot_on_slurm_node_fails_clearly(registry_env, tmp_path, capsys):
+def test_missing_enroot_on_slurm_node_fails_clearly(registry_env, tmp_path, capsys, slurm_cluster):  # noqa: F811 - fixture
     """Submitted to the local Slurm cluster, whose node has no enroot: a clear failure, fast."""
-    if not _slurm_up():
-        pytest.skip("no local Slurm cluster (nemoflow local-slurm up)")
     if shutil.which("enroot"):
         pytest.skip("enroot is installed on this node")
     registry_env(NEMOFLOW_REGISTRY_PASSWORD=SECRET)

@@ -3,7 +3,7 @@
 GCS faults come from a fault proxy in front of the real GCS emulator; an unresolvable host is a
 ``.invalid`` name; a full disk is a small tmpfs; a damaged image is a real mksquashfs image whose
 body was replaced. Each test checks that staging tells the truth: a verified image, or one clear
-line with nothing under the final name.
+line with nothing under the final name. Each row of the fault table counts what the fault servers served.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from tests.conftest import REPO
 from tests.support import fault_ledger
 from tests.support.fault_proxy import gcs_behind, unresolvable_gcs
 from tests.support.fault_server import Fault, FaultServer
+from tests.support.tmpfs import is_full
 
 from .conftest import leftovers, tmpfs
 
@@ -38,6 +40,14 @@ def sha256(path) -> str:
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
+def does_not_resolve(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, 443)
+    except socket.gaierror:
+        return True
+    return False
+
+
 @pytest.mark.gcs
 def test_image_copy_survives_gcs_5xx_429_resets_and_timeouts(
     gcs_endpoint, gcs_bucket, sqsh_image, tmp_path, monkeypatch
@@ -48,6 +58,7 @@ def test_image_copy_survives_gcs_5xx_429_resets_and_timeouts(
     monkeypatch.setattr(images, "TIMEOUT_S", 1.0)
     chunk = 512 << 10  # four range reads for the ~1.6 MiB image
     lines: list[str] = []
+    row = fault_ledger.open_row("gcs 5xx/429/reset/timeout: image copy")
     with gcs_behind(gcs_endpoint) as proxy:
         proxy.add_faults(META, Fault(status=503), Fault(status=429, retry_after="1"))  # the probe retries both
         proxy.add_faults(MEDIA, Fault(), Fault(reset_at=100_000), Fault(delay=3.0), Fault(status=500))
@@ -56,6 +67,8 @@ def test_image_copy_survives_gcs_5xx_429_resets_and_timeouts(
         elapsed = time.monotonic() - started
         ranges = [r.headers.get("Range") for r in proxy.seen(MEDIA)]
         injected = sum(1 for i in proxy.injected if i.fault != Fault())
+        row.injected += injected
+    row.compare({"image": sha256(sqsh_image)}, {"image": sha256(staged.uri)})
     assert sha256(staged.uri) == sha256(sqsh_image)
     assert staged.checksum == "md5:" + hashlib.md5(sqsh_image.read_bytes()).hexdigest()
     assert injected == 5 and proxy.pending() == 0
@@ -64,7 +77,6 @@ def test_image_copy_survives_gcs_5xx_429_resets_and_timeouts(
     assert sum("resuming at byte 524288" in line for line in lines) == 3
     assert elapsed >= 1.0  # Retry-After: 1 on the probe was honoured
     assert leftovers(tmp_path / "images") == ["nemo-test.sqsh", "nemo-test.sqsh.meta.json"]
-    fault_ledger.record("gcs 5xx/429/reset/timeout: image copy", injected=injected, survived=injected)
 
 
 @pytest.mark.gcs
@@ -78,24 +90,28 @@ def test_unreachable_gcs_image_fails_at_once_in_one_line(
     src = f"{gcs_bucket}/containers/nemo-test.sqsh"
     storage.put_file(str(sqsh_image), src)
     bucket = gcs_bucket.removeprefix("gs://")
+    row = fault_ledger.open_row(f"gcs {status}: image copy")
     with gcs_behind(gcs_endpoint) as proxy:
         proxy.add_faults(rf"^GET /(download/)?storage/v1/b/{bucket}/o", *[Fault(status=status)] * 50)
         started = time.monotonic()
         with pytest.raises(ImageNotFound) as err:
             copy_image(src, str(tmp_path / "images"))
         elapsed = time.monotonic() - started
+        row.injected += proxy.injected_count()
         assert proxy.count(META) == 1  # not retried
+    row.compare({"source": sha256(sqsh_image)}, {"source": hashlib.sha256(storage.read_bytes(src)).hexdigest()})
     text = str(err.value)
     assert "\n" not in text and message in text and "containers/nemo-test.sqsh" in text
     assert not err.value.transient and elapsed < 2
     assert leftovers(tmp_path / "images") == []
-    fault_ledger.record(f"gcs {status}: image copy", injected=1, survived=1)
 
 
 def test_unresolvable_gcs_image_cli_prints_one_line(tmp_path):
     """`nemoflow stage-image` with a bucket behind a name that does not resolve: one error line, quickly."""
     env = {"NEMOFLOW_GCS_ENDPOINT": "http://nemoflow-gcs.invalid:9023", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     argv = ["stage-image", "gs://bucket/containers/nemo.sqsh", "--dest", str(tmp_path / "images"), "--no-prefect"]
+    row = fault_ledger.open_row("gcs host does not resolve: image copy")
+    row.injected += does_not_resolve("nemoflow-gcs.invalid")
     started = time.monotonic()
     run = subprocess.run(
         [sys.executable, "-m", "nemoflow.cli", *argv], capture_output=True, text=True, cwd=REPO, env=env, timeout=120
@@ -113,7 +129,6 @@ def test_unresolvable_gcs_image_cli_prints_one_line(tmp_path):
         with pytest.raises(ImageError) as err:
             copy_image("gs://bucket/containers/nemo.sqsh", str(tmp_path / "images"))
     assert not err.value.transient  # the stage-image task does not retry it for minutes either
-    fault_ledger.record("gcs host does not resolve: image copy", injected=1, survived=1)
 
 
 def test_disk_full_mid_image_copy_then_a_rerun_succeeds(sqsh_image, tmp_path, monkeypatch):
@@ -122,8 +137,10 @@ def test_disk_full_mid_image_copy_then_a_rerun_succeeds(sqsh_image, tmp_path, mo
     source.parent.mkdir()
     shutil.copyfile(sqsh_image, source)
     monkeypatch.setattr(images, "PROGRESS_EVERY", 64 << 10)
+    row = fault_ledger.open_row("disk full (tmpfs): image copy")
     with tmpfs(tmp_path / "disk", "size=4m") as disk:
         filler = disk / "another-writer.bin"
+        full = []
 
         def fill_the_disk(copied: int, total: int | None) -> None:
             if not filler.exists():
@@ -132,16 +149,18 @@ def test_disk_full_mid_image_copy_then_a_rerun_succeeds(sqsh_image, tmp_path, mo
                         while True:
                             fh.write(b"\0" * (64 << 10))
                             fh.flush()
+                full.append(is_full(disk))  # ENOSPC for real
 
         with pytest.raises(ImageDestinationError) as err:
             copy_image(str(source), str(disk), chunk=64 << 10, progress=fill_the_disk)
+        row.injected += sum(full)
         text = str(err.value)
         assert "\n" not in text and re.match(rf"{disk} ran out of space after [\d.]+ (B|KiB) of 1\.\d MiB", text), text
         assert leftovers(disk) == ["another-writer.bin"]  # no temporary, nothing under the final name
         filler.unlink()
         staged = copy_image(str(source), str(disk))
+        row.compare({"image": sha256(sqsh_image)}, {"image": sha256(staged.uri)})
         assert not staged.cached and sha256(staged.uri) == sha256(sqsh_image)
-    fault_ledger.record("disk full: image copy", injected=1, survived=1)
 
 
 # ---------------------------------------------------------------- a sound superblock on a bad body
@@ -158,16 +177,19 @@ def random_body(sqsh_image, tmp_path):
     return bad
 
 
-def test_random_body_behind_a_valid_superblock_is_refused(random_body, tmp_path):
+def test_random_body_behind_a_valid_superblock_is_refused(random_body, sqsh_image, tmp_path):
     dest = tmp_path / "images"
+    row = fault_ledger.open_row("corrupted image (random body)")
+    corrupt = sha256(random_body)
+    row.injected += corrupt != sha256(sqsh_image)  # copied from a local path
     with pytest.raises(ImageVerificationError, match=r"squashfs file system is damaged .*\(unsquashfs -l: .+\)"):
         copy_image(str(random_body), str(dest))
     assert leftovers(dest) == []
     with FaultServer(random_body.parent, checksums=("x-goog-hash",)) as server:  # checksum matches: still refused
         with pytest.raises(ImageVerificationError, match="damaged"):
             copy_image(server.url("nemo-test.sqsh"), str(dest))
+        row.injected += sum(1 for r in server.requests if r.method == "GET" and r.sha256 == corrupt)  # served
     assert leftovers(dest) == []
-    fault_ledger.record("corrupted image (random body)", injected=2, survived=2)
 
 
 @pytest.mark.gcs

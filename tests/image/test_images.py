@@ -25,6 +25,7 @@ from infra.images import (
     parse_docker_ref,
 )
 from tests.support.fault_server import Fault
+from tests.support.require import need
 
 from .conftest import leftovers, make_squashfs, tmpfs
 
@@ -42,8 +43,7 @@ def md5(path) -> str:
 
 def test_superblock_matches_unsquashfs(sqsh_image):
     """Our reader agrees with squashfs-tools' own reader on a real image."""
-    if shutil.which("unsquashfs") is None:
-        pytest.skip("unsquashfs not installed")
+    need(shutil.which("unsquashfs"), "unsquashfs", "apt-get install squashfs-tools (scripts/setup.sh --test)")
     report = subprocess.run(["unsquashfs", "-s", str(sqsh_image)], capture_output=True, text=True, check=True).stdout
     block = images.read_superblock(str(sqsh_image))
     assert f"Number of inodes {block.inodes}" in report

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -17,11 +16,12 @@ import pytest
 
 from infra.interactive import InteractiveRequest, attach_argv, container_spec, parse_granted, salloc_argv
 from infra.slurm.options import SlurmOptions
+from tests.slurm.conftest import slurm_cluster  # noqa: F401 - the fixture
 
 NEMOFLOW = str(Path(sys.executable).parent / "nemoflow")
 # The one-machine cluster is shared: other sessions' jobs may hold its two CPUs for a while.
 WAIT = 600
-slurm = pytest.mark.skipif(shutil.which("salloc") is None, reason="needs the local Slurm (nemoflow local-slurm up)")
+slurm = pytest.mark.usefixtures("slurm_cluster")  # started if needed; skips, or fails under CI=true
 
 
 def test_salloc_takes_the_presets_partition_gpus_and_labels():

@@ -21,6 +21,7 @@ from infra.k8s.options import K8sOptions, K8sOptionsError
 from infra.k8s.render import ConfigError, ManifestWriteError, load_yaml_config, write_manifests
 from nemoflow.cli import main as cli
 from tests.k8s.test_manifests import validate
+from tests.support.require import need
 
 
 @pytest.mark.parametrize(
@@ -192,8 +193,7 @@ def test_yaml_config_errors_are_one_line(tmp_path):
 @contextlib.contextmanager
 def read_only_mount(path):
     path.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a read-only tmpfs needs root (CI runs as root)")
+    need(os.geteuid() == 0, "root (to mount a read-only tmpfs)", "run the tests as root, as CI does")
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], check=True)
     try:
         yield path

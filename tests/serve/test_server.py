@@ -9,6 +9,7 @@ import pytest
 import sentencepiece
 
 from tests.serve.conftest import MODEL_NAME
+from tests.support.require import missing
 
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
@@ -25,7 +26,10 @@ def complete(url: str, **body) -> dict:
 
 @pytest.fixture(scope="module")
 def client(live_server):
-    openai = pytest.importorskip("openai")
+    try:
+        import openai
+    except ImportError:
+        missing("the openai client", "pip install -c constraints.txt -e .[test]")
     return openai.OpenAI(base_url=live_server + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 

@@ -32,12 +32,17 @@ def cleanup(work_dir):
         services.stop_service(entry.name, grace_s=1)
 
 
+@pytest.mark.faults
 def test_busy_port_fails_before_starting_anything(work_dir, cleanup, tmp_path):
     marker = tmp_path / "started"
+    row = fault_ledger.open_row("port clash when starting a server")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
+        with pytest.raises(OSError):  # the clash is real: nothing else can bind the port now
+            socket.create_server(("127.0.0.1", port)).close()
+        row.injected += 1
         spec = ServiceSpec(name="busy", command=[sys.executable, "-c", f"open({str(marker)!r}, 'w')"], port=port)
         with pytest.raises(services.PortInUseError) as info:
             services.start_service(spec, tmp_path / "logs", ready_timeout_s=5)
@@ -49,7 +54,6 @@ def test_busy_port_fails_before_starting_anything(work_dir, cleanup, tmp_path):
     assert not (tmp_path / "logs").exists(), "the command was started although the port was busy"
     assert not marker.exists()
     assert services.list_services() == []
-    fault_ledger.record("port clash when starting a server", injected=1, survived=1)
 
 
 def test_never_ready_times_out_with_log_tail_and_leaves_nothing(work_dir, cleanup, tmp_path):

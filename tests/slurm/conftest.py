@@ -14,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.require import missing
+
 DATA = Path(__file__).parent / "data"
+
+
+SLURM_HOW = "run the tests as root with Debian's slurm packages (scripts/services-up.sh starts the local cluster)"
 
 
 def _cannot_start_reason() -> str | None:
@@ -29,17 +34,18 @@ def _cannot_start_reason() -> str | None:
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """The running local cluster (started if needed); skips with the reason where it cannot run."""
+    """The running local cluster (started if needed); skips with the reason where it cannot run (fails
+    under CI=true: tests/support/require.py)."""
     reason = _cannot_start_reason()
     if reason:
-        pytest.skip(reason)
+        missing(f"the local Slurm cluster ({reason})", SLURM_HOW)
     from devtools.slurm_cluster import LocalSlurm, LocalSlurmError
 
     cluster = LocalSlurm()
     try:
         cluster.up()
     except LocalSlurmError as exc:
-        pytest.skip(f"local Slurm could not start: {exc}")
+        missing(f"the local Slurm cluster (it could not start: {exc})", SLURM_HOW)
     return cluster
 
 

@@ -25,6 +25,7 @@ Used by the dataset download tests and reusable for any stage that downloads ove
 from __future__ import annotations
 
 import base64
+import dataclasses
 import email.utils
 import hashlib
 import os
@@ -68,6 +69,10 @@ class Fault:
     redirect: str | None = None
     before: Callable[[], None] | None = None
 
+    def misbehaves(self) -> bool:
+        """True unless this fault serves normally (a ``before`` hook alone changes nothing on the wire)."""
+        return dataclasses.replace(self, before=None) != Fault()
+
 
 @dataclass
 class Request:
@@ -77,6 +82,8 @@ class Request:
     headers: dict[str, str]
     status: int | None = None
     attempt: int = 0  # n-th GET of this path (HEADs are 0)
+    fault: Fault | None = None  # the fault applied, if it misbehaves
+    sha256: str | None = None  # of the file as served (before any cut), when a file was served
 
 
 @dataclass(frozen=True)
@@ -166,6 +173,11 @@ class FaultServer:
         with self._lock:
             return sum(1 for r in self.requests if r.method == method and (path is None or r.path == _norm(path)))
 
+    def injected_count(self, path: str | None = None) -> int:
+        """Requests answered with a fault that misbehaves (a status, a delay, a cut, ...): what was injected."""
+        with self._lock:
+            return sum(1 for r in self.requests if r.fault is not None and (path is None or r.path == _norm(path)))
+
     def requests_for(self, path: str) -> list[Request]:
         with self._lock:
             return [r for r in self.requests if r.path == _norm(path)]
@@ -187,9 +199,10 @@ class FaultServer:
             state = self._state(path)
             state.gets += 1
             record.attempt = state.gets
-            if state.faults:
-                return state.faults.pop(0)
-            return self.always.get(path)
+            fault = state.faults.pop(0) if state.faults else self.always.get(path)
+            if fault is not None and fault.misbehaves():
+                record.fault = fault
+            return fault
 
     def _digests(self, file: Path) -> _Digests:
         """Hashes of ``file`` as it is now (not cached: a test may rewrite it within one clock tick)."""
@@ -273,6 +286,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         size = file.stat().st_size
         digests = srv._digests(file)
+        record.sha256 = digests.sha256
         etag = f'"{fault.etag or digests.sha256}"'
         start, end = 0, size - 1
         status = 200

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.require import missing
 from tests.tokenize.reference import _bytes_to_unicode  # GPT-2 byte-to-unicode table, one copy
 
 CACHE = Path(os.environ.get("NEMOFLOW_TEST_CACHE", Path.home() / ".cache" / "nemoflow-test"))
@@ -92,7 +93,10 @@ def gpt2_files() -> tuple[Path, Path]:
         )
         sdists = sorted((CACHE / "whisper-sdist").glob("openai_whisper-*.tar.gz"))
         if proc.returncode != 0 or not sdists:
-            pytest.skip(f"PyPI unreachable: cannot download {WHISPER} for the GPT-2 BPE files: {proc.stderr[-300:]}")
+            missing(
+                f"{WHISPER} from PyPI for the GPT-2 BPE files (download failed: {proc.stderr[-300:]})",
+                "let pip reach PyPI once (the sdist is cached under ~/.cache afterwards)",
+            )
     out.mkdir(parents=True, exist_ok=True)
     with tarfile.open(sdists[-1]) as tar:
         member = next(m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken"))

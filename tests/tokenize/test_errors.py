@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support import fault_ledger
+from tests.support.tmpfs import tmpfs
 from tests.tokenize.conftest import write_jsonl
 from workloads.tokenize import InputError, OutputError, TokenizerConfig, TokenizerError, tokenize_file
 
@@ -123,36 +123,24 @@ def test_missing_input_and_unwritable_output(tmp_path, sp_config):
         tokenize_file(str(src), "/proc/nemoflow-test/out", sp_config)
 
 
-DISK_FULL = """
-import resource, signal, sys
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # writes past 200 kB fail: EFBIG
-from workloads.tokenize import tokenize_file, TokenizerConfig, OutputError
-try:
-    tokenize_file(sys.argv[1], sys.argv[2], TokenizerConfig(type="GPTSentencePieceTokenizer", model=sys.argv[3]),
-                  batch_bytes=64 << 10)
-except OutputError as exc:
-    print("OutputError:", exc)
-    sys.exit(3)
-"""
-
-
-def test_disk_full_leaves_no_final_files(tmp_path, kjv_chapters, mixtral_tokenizer_model):
-    """A real failing write (file-size limit: EFBIG, as ENOSPC would) mid-way through the .bin."""
+@pytest.mark.faults
+def test_disk_full_leaves_no_final_files_and_keeps_earlier_outputs(tmp_path, kjv_chapters, sp_config):
+    """A real full disk (a 256 KiB tmpfs: ENOSPC) mid-way through the .bin: one error naming the output, no
+    file under a final name, and the dataset already finished on that disk unchanged."""
+    row = fault_ledger.open_row("disk full (tmpfs) mid-way through tokenize")
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in kjv_chapters[:400]])
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = subprocess.run(
-        [sys.executable, "-c", DISK_FULL, str(src), str(out / "corpus"), str(mixtral_tokenizer_model)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    assert f"cannot write {out}/corpus_text_document" in proc.stdout
-    assert_no_outputs(out)
-    fault_ledger.record("write failure (file-size limit, EFBIG) mid-way through tokenize", injected=1, survived=1)
+    earlier = write_jsonl(tmp_path / "earlier.jsonl", [{"text": t} for t in kjv_chapters[:10]])
+    with tmpfs(tmp_path / "disk", "size=256k") as out:
+        tokenize_file(str(earlier), str(out / "earlier"), sp_config)
+        before = fault_ledger.checksums(out)
+        assert sorted(before) == ["earlier_text_document.bin", "earlier_text_document.idx"]
+        with pytest.raises(
+            OutputError, match=f"cannot write {out}/corpus_text_document.bin/.idx: No space left"
+        ) as err:
+            tokenize_file(str(src), str(out / "corpus"), sp_config, batch_bytes=64 << 10)
+        row.injected += getattr(err.value.__cause__, "errno", None) == errno.ENOSPC
+        row.compare(before, fault_ledger.checksums(out))
+        assert fault_ledger.checksums(out) == before  # no final file of the failed run, no temporary left
 
 
 def test_lone_surrogate_escape_names_file_and_line(tmp_path, sp_config):

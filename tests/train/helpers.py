@@ -81,3 +81,51 @@ def deterministic_part(metrics: list[dict]) -> list[dict]:
     return [
         {k: v for k, v in m.items() if k != "tokens_per_s"} for m in metrics if not any(t in m for t in TIMING_ONLY)
     ]
+
+
+def saved_steps(*outputs: str) -> dict[int, str]:
+    """{step: "intact"} for the checkpoints the trainer's output says it saved and did not prune since (what
+    existed before a fault; AutoModel names a step directory after the 0-based step: epoch_0_step_{N-1})."""
+    import re
+
+    saved = {}
+    for line in "\n".join(outputs).splitlines():
+        if match := re.search(r"saved checkpoint \S+ \(step (\d+)", line):
+            saved[int(match.group(1))] = "intact"
+        elif match := re.search(r"pruned checkpoint \S*epoch_\d+_step_(\d+)\b", line):
+            saved.pop(int(match.group(1)) + 1, None)
+    return saved
+
+
+def checkpoints_now(run_dir: Path) -> dict[int, str]:
+    """{step: "intact" | what is wrong} of the saved checkpoints on disk: every file torch.distributed.checkpoint's
+    metadata names is there and long enough for the bytes it records, and a Hugging Face export, where one was
+    made, matches the sha256 and size its MANIFEST.json recorded. With ``saved_steps`` before a fault, the fault
+    table's ``Row.compare`` counts the checkpoints a fault damaged or removed as data lost."""
+    from workloads import checkpoint as ckpt
+
+    found = {}
+    for info in ckpt.saved_checkpoints(run_dir):
+        problems = dcp_problems(info.step_dir / "model") + dcp_problems(info.step_dir / "optim")
+        if info.exported:
+            problems += ckpt.verify_manifest(info.consolidated)
+        found[info.step] = "; ".join(problems) or "intact"
+    return found
+
+
+def dcp_problems(path: Path) -> list[str]:
+    """What is wrong with one torch.distributed.checkpoint directory (its .metadata and the data it indexes)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - any unreadable metadata is damage to report
+        return [f"{path.name}/.metadata unreadable: {exc}"]
+    problems = []
+    for item in (metadata.storage_data or {}).values():
+        file = path / item.relative_path
+        if not file.is_file():
+            problems.append(f"{path.name}/{item.relative_path}: missing")
+        elif file.stat().st_size < item.offset + item.length:
+            problems.append(f"{path.name}/{item.relative_path}: shorter than its recorded data")
+    return sorted(set(problems))

@@ -9,6 +9,7 @@ is ever taken for a checkpoint, and that a re-run resumes from the newest comple
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -19,7 +20,17 @@ import pytest
 
 from infra import failpoints
 from tests.support import fault_ledger
-from tests.train.helpers import REPO, deterministic_part, read_metrics, run_trainer, tiny_config, write_config
+from tests.support.require import need
+from tests.train.helpers import (
+    REPO,
+    checkpoints_now,
+    deterministic_part,
+    read_metrics,
+    run_trainer,
+    saved_steps,
+    tiny_config,
+    write_config,
+)
 from workloads import checkpoint as ckpt
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Transformer Engine and Apex")
@@ -57,7 +68,10 @@ def test_killed_right_after_a_save_resumes_from_the_one_before(tmp_path, train_d
     resumes from step 4 to the uninterrupted run's numbers."""
     run_dir = tmp_path / "run"
     config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
+    row = fault_ledger.open_row("training job SIGKILLed during a background checkpoint write")
     crashed = run_trainer(config_path, **failpoints.env(train__crash_after_save_at_step=8))
+    row.injected += crashed.returncode == -signal.SIGKILL
+    row.compare(saved_steps(crashed.stdout), checkpoints_now(run_dir))  # what was saved before the kill
     assert crashed.returncode == -signal.SIGKILL, crashed.stdout[-3000:] + crashed.stderr[-3000:]
     assert (_step_dir(run_dir, 8) / ckpt.INCOMPLETE).exists()  # whatever the writer finished: unpublished
     assert [c.step for c in ckpt.saved_checkpoints(run_dir)] == [4]
@@ -67,7 +81,6 @@ def test_killed_right_after_a_save_resumes_from_the_one_before(tmp_path, train_d
     assert "at step 4 (consumed_samples=32)" in resumed.stdout
     assert deterministic_part(read_metrics(run_dir)) == deterministic_part(reference_run["metrics"])
     assert [c.step for c in ckpt.saved_checkpoints(run_dir)] == [8, 12]
-    fault_ledger.record("training job SIGKILLed during a background checkpoint write", injected=1, survived=1)
 
 
 @pytest.mark.slow
@@ -83,7 +96,11 @@ def test_killed_export_is_never_a_checkpoint_and_a_rerun_exports_it(tmp_path, re
         shutil.rmtree(info.path)
     assert ckpt.list_checkpoints(run_dir) == [] and [c.step for c in ckpt.saved_checkpoints(run_dir)] == [8, 12]
 
+    row = fault_ledger.open_row("export process SIGKILLed before its manifest")
+    before = checkpoints_now(run_dir)
     killed = run_trainer(config_path, **failpoints.env(consolidate__crash_before_manifest=True))
+    row.injected += f"(exit -{int(signal.SIGKILL)})" in killed.stderr  # the trainer saw its export killed
+    row.compare(before, checkpoints_now(run_dir))
     assert killed.returncode == 1, killed.stdout[-3000:] + killed.stderr[-3000:]
     last = killed.stderr.strip().splitlines()[-1]
     assert last.startswith("error: the export of ") and "the saved checkpoints are intact" in last, last
@@ -98,7 +115,6 @@ def test_killed_export_is_never_a_checkpoint_and_a_rerun_exports_it(tmp_path, re
     assert ckpt.verify_manifest(exported.path) == []
     reference = ckpt.latest_checkpoint(reference_run["run_dir"])
     assert _weights(exported.path) == _weights(reference.path)  # the same tensors as the uninterrupted export
-    fault_ledger.record("export process SIGKILLed before its manifest", injected=1, survived=1)
 
 
 @pytest.mark.slow
@@ -109,6 +125,8 @@ def test_export_killed_from_outside_leaves_no_checkpoint(tmp_path, reference_run
     run_dir = tmp_path / "run"
     shutil.copytree(reference_run["run_dir"], run_dir, symlinks=True)
     step_dir = _step_dir(run_dir, 8)
+    row = fault_ledger.open_row("export process SIGKILLed mid-way (run by hand)")
+    before = checkpoints_now(run_dir)
     proc = subprocess.Popen(
         [sys.executable, "-m", "workloads.consolidate", str(step_dir)],
         cwd=REPO,
@@ -125,6 +143,8 @@ def test_export_killed_from_outside_leaves_no_checkpoint(tmp_path, reference_run
     finally:
         proc.kill()
     proc.wait()
+    row.injected += proc.returncode == -signal.SIGKILL and weights.exists()  # killed after writing its weights
+    row.compare(before, checkpoints_now(run_dir))
     assert proc.returncode == -signal.SIGKILL
     assert not (ckpt.consolidated_dir(step_dir) / ckpt.MANIFEST).exists()
     assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [12]
@@ -141,7 +161,6 @@ def test_export_killed_from_outside_leaves_no_checkpoint(tmp_path, reference_run
     assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [8, 12]
     meta = json.loads((ckpt.consolidated_dir(step_dir) / ckpt.META).read_text())
     assert meta["step"] == 8 and (ckpt.consolidated_dir(step_dir) / ckpt.TOKENIZER).exists()
-    fault_ledger.record("export process SIGKILLed mid-way (run by hand)", injected=1, survived=1)
 
 
 def test_export_refuses_what_is_not_a_saved_checkpoint(tmp_path, reference_run):
@@ -167,11 +186,15 @@ def test_export_refuses_what_is_not_a_saved_checkpoint(tmp_path, reference_run):
 def test_too_little_shared_memory_saves_synchronously(tmp_path, train_dataset, reference_run):
     """A node whose /dev/shm cannot hold the staging copy (a container's default 64 MiB, here 1 MiB): one
     warning line, synchronous saves, the same numbers; never a bus error."""
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare (util-linux) to give the trainer its own small /dev/shm")
+    need(
+        shutil.which("unshare") and os.geteuid() == 0,
+        "unshare and root (a private /dev/shm mount)",
+        "util-linux, as root",
+    )
     run_dir = tmp_path / "run"
     config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
     trainer = f"{sys.executable} -m workloads.train --config {config_path}"
+    row = fault_ledger.open_row("/dev/shm too small for checkpoint staging (1 MiB tmpfs)")
     proc = subprocess.run(
         [
             "unshare",
@@ -190,11 +213,12 @@ def test_too_little_shared_memory_saves_synchronously(tmp_path, train_dataset, r
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     warning = next((line for line in proc.stdout.splitlines() if "saving synchronously" in line), None)
+    row.injected += warning is not None and "but 0.0 GiB is available" in warning  # it saw the 1 MiB /dev/shm
+    row.compare(saved_steps(proc.stdout), checkpoints_now(run_dir))
     assert warning and warning.startswith("warning: asynchronous checkpoints need "), proc.stdout[-3000:]
     metrics = read_metrics(run_dir)
     assert not [m for m in metrics if "checkpoint_wait_s" in m]  # synchronous: nothing left to wait for
     assert deterministic_part(metrics) == deterministic_part(reference_run["metrics"])
-    fault_ledger.record("/dev/shm too small for checkpoint staging (1 MiB tmpfs)", injected=1, survived=1)
 
 
 def _env() -> dict:

@@ -111,20 +111,24 @@ def test_trained_checkpoint_passes_and_loss_matches_trainer(trained):
     assert report["val_loss"] == pytest.approx(meta["val_loss"], abs=1e-4)
 
 
+@pytest.mark.faults
 def test_corrupted_file_fails_checksum(trained, tmp_path):
     from workloads.validate_checkpoint import validate
 
+    row = fault_ledger.open_row("corrupted checkpoint file (one flipped byte)")
+    original = fault_ledger.checksums(trained)
     bad = _copy(trained, tmp_path / "consolidated")
     data = bytearray((bad / WEIGHTS).read_bytes())
     data[-100] ^= 0xFF  # a flipped bit deep in the weights: same size, different content
     (bad / WEIGHTS).write_bytes(bytes(data))
+    row.injected += fault_ledger.checksums(bad)[WEIGHTS] != original[WEIGHTS]
     report = validate(bad, threshold=9.5, num_batches=1)
+    row.compare(original, fault_ledger.checksums(trained))  # validating the copy left the original as it was
     checks = _by_name(report)
     assert not report["passed"]
     assert checks["files_complete"]["passed"]
     assert not checks["checksums"]["passed"]
     assert f"{WEIGHTS}: sha256" in checks["checksums"]["detail"]
-    fault_ledger.record("corrupted checkpoint file (one flipped byte)", injected=1, survived=1)
 
 
 def test_missing_file_fails_completeness(trained, tmp_path):

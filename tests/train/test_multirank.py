@@ -22,7 +22,15 @@ import pytest
 
 from infra import failpoints
 from tests.support import fault_ledger
-from tests.train.helpers import deterministic_part, read_metrics, run_trainer, tiny_config, write_config
+from tests.train.helpers import (
+    checkpoints_now,
+    deterministic_part,
+    read_metrics,
+    run_trainer,
+    saved_steps,
+    tiny_config,
+    write_config,
+)
 from workloads import checkpoint as ckpt
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*Transformer Engine and Apex")]
@@ -145,12 +153,16 @@ def _tensors(path) -> dict[str, tuple]:
     return found
 
 
+@pytest.mark.faults
 def test_two_ddp_ranks_killed_in_a_save_resume_with_the_same_numbers(tmp_path, runs):
     """A DDP run killed inside its step-6 save resumes from step 3 and ends as the uninterrupted run."""
     _, whole_dir, config = runs("ddp")
     run_dir = tmp_path / "run"
     config_path = write_config({**config, "run_dir": str(run_dir)}, tmp_path / "config.json")
+    row = fault_ledger.open_row("2-rank DDP training job SIGKILLed mid-checkpoint")
     crashed = run_trainer(config_path, nproc=2, **failpoints.env(train__crash_in_save_at_step=6))
+    row.injected += f"exitcode  : -{int(signal.SIGKILL)}" in crashed.stdout + crashed.stderr  # torchrun saw it
+    row.compare(saved_steps(crashed.stdout), checkpoints_now(run_dir))
     assert crashed.returncode != 0, crashed.stdout + crashed.stderr
     assert f"exitcode  : -{int(signal.SIGKILL)}" in crashed.stdout + crashed.stderr  # torchrun saw the kill
     assert [c.step for c in ckpt.saved_checkpoints(run_dir)] == [3] and ckpt.list_checkpoints(run_dir) == []
@@ -164,4 +176,3 @@ def test_two_ddp_ranks_killed_in_a_save_resume_with_the_same_numbers(tmp_path, r
     assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [c.step for c in ckpt.list_checkpoints(whole_dir)]
     for info in ckpt.list_checkpoints(run_dir):
         assert ckpt.verify_manifest(info.path) == []
-    fault_ledger.record("2-rank DDP training job SIGKILLed mid-checkpoint", injected=1, survived=1)

@@ -15,9 +15,11 @@ from infra import failpoints
 from tests.support import fault_ledger
 from tests.train.helpers import (
     REPO,
+    checkpoints_now,
     deterministic_part,
     read_metrics,
     run_trainer,
+    saved_steps,
     tiny_config,
     trainer_env,
     write_config,
@@ -119,19 +121,24 @@ def _wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 300) ->
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_preempted_then_killed_then_resumed_matches_uninterrupted(tmp_path, train_dataset, reference_run):
     """SIGTERM at step 6 (Slurm pre-emption), SIGKILL at step 10, then a clean finish: the same numbers."""
     run_dir = tmp_path / "run"
     config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
+    row = fault_ledger.open_row("training job SIGTERMed (pre-emption), then SIGKILLed mid-step")
 
     proc = _start(config_path, **failpoints.env(train__pause_after_step=6))
     try:
-        _wait_for_line(proc, "step=6 ")
+        before = "".join(_wait_for_line(proc, "step=6 "))
+        assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
+        row.injected += 1
         rest = proc.stdout.read()
         proc.wait(timeout=120)
     finally:
         proc.kill()
+    row.compare(saved_steps(before), checkpoints_now(run_dir))
     assert proc.returncode == EXIT_PREEMPTED, rest
     assert "received a stop signal: checkpoint saved at step 6" in rest
     assert ckpt.saved_checkpoints(run_dir)[-1].step == 6
@@ -147,6 +154,8 @@ def test_preempted_then_killed_then_resumed_matches_uninterrupted(tmp_path, trai
         proc.wait(timeout=30)
     finally:
         proc.kill()
+    row.injected += proc.returncode == -signal.SIGKILL
+    row.compare(saved_steps(before, rest, "".join(seen)), checkpoints_now(run_dir))
     assert proc.returncode == -signal.SIGKILL
     assert any("at step 6 (consumed_samples=48)" in line for line in seen), seen
     # Killed after step 10: the last saved checkpoint is step 8; steps 9-10 are redone.
@@ -158,14 +167,17 @@ def test_preempted_then_killed_then_resumed_matches_uninterrupted(tmp_path, trai
     # Same data order, optimizer, schedule and RNG: the numbers of the uninterrupted run, bit for bit on CPU.
     # (AutoModel does not validate on a pre-emption checkpoint, so there is no extra val_loss either.)
     assert deterministic_part(read_metrics(run_dir)) == deterministic_part(reference_run["metrics"])
-    fault_ledger.record("training job SIGTERMed (pre-emption), then SIGKILLed mid-step", injected=2, survived=2)
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_crash_during_save_leaves_no_complete_checkpoint(tmp_path, train_dataset, reference_run):
     run_dir = tmp_path / "run"
     config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
+    row = fault_ledger.open_row("training job SIGKILLed mid-checkpoint")
     crashed = run_trainer(config_path, **failpoints.env(train__crash_in_save_at_step=8))
+    row.injected += crashed.returncode == -signal.SIGKILL  # it died of the kill inside the save
+    row.compare(saved_steps(crashed.stdout), checkpoints_now(run_dir))
     assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
     half = _step_dir(run_dir, 8)
     # AutoModel's interrupted save: weights written, never published (its marker stays), no manifest.
@@ -177,7 +189,6 @@ def test_crash_during_save_leaves_no_complete_checkpoint(tmp_path, train_dataset
     assert "at step 4 (consumed_samples=32)" in resumed.stdout
     assert not (half / ".incomplete").exists()
     assert deterministic_part(read_metrics(run_dir)) == deterministic_part(reference_run["metrics"])
-    fault_ledger.record("training job SIGKILLed mid-checkpoint", injected=1, survived=1)
 
 
 def test_out_of_memory_exits_75_and_backend_reports_it(tmp_path, train_dataset):
