@@ -109,7 +109,7 @@ def _start(config_path: Path, **env) -> subprocess.Popen:
     )
 
 
-def _wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 300) -> list[str]:
+def _wait_for_line(proc: subprocess.Popen, prefix: str | tuple[str, ...], timeout: float = 300) -> list[str]:
     seen = []
     deadline = time.monotonic() + timeout
     for line in proc.stdout:
@@ -146,10 +146,12 @@ def test_preempted_then_killed_then_resumed_matches_uninterrupted(tmp_path, trai
 
     proc = _start(config_path, **failpoints.env(train__pause_after_step=10))
     try:
-        seen = _wait_for_line(proc, "step=10 ")
-        # The save of step 8 is written in the background and published as soon as it is written (the paused
-        # loop keeps publishing), not only at the next save: wait for that, then kill.
-        seen += _wait_for_line(proc, f"saved checkpoint {_step_dir(run_dir, 8)} ")
+        # The save of step 8 is written in the background and published as soon as it is written (between
+        # steps, or while paused), not only at the next save: wait for it and for step 10, then kill.
+        published = f"saved checkpoint {_step_dir(run_dir, 8)} "
+        seen = _wait_for_line(proc, ("step=10 ", published))
+        seen += [] if any(x.startswith(published) for x in seen) else _wait_for_line(proc, published)
+        seen += [] if any(x.startswith("step=10 ") for x in seen) else _wait_for_line(proc, "step=10 ")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
