@@ -13,7 +13,9 @@ retried and then succeeds.
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
+import re
 import sys
 from pathlib import Path
 
@@ -46,6 +48,7 @@ def _run(task_fn, *args) -> tuple[dict, int]:
             "message": state.message or "",
             "result": state.result() if state.is_completed() else None,
             "task_run_id": str(state.state_details.task_run_id),
+            "flow_run_id": str(state.state_details.flow_run_id),
         }
 
     final = one_task()
@@ -96,6 +99,40 @@ def test_server_without_its_api_key_is_not_retried(prefect_server, work_dir, che
     first = state["message"].splitlines()[0]
     assert "exited with code 1 before it became ready" in first, state["message"]
     assert "NEMOFLOW_SERVE_API_KEY is not set or empty" in first, state["message"]
+    # What `nemoflow demo` prints for a failed run: each failed stage and its cause, read from the API.
+    from devtools.prefect_local import failure_causes
+
+    (cause,) = failure_causes(prefect_server, state["flow_run_id"])
+    assert cause.startswith("deploy-") and ": ServiceNotReady: service 'nokey' exited with code 1" in cause, cause
+    assert cause.endswith("(its value, not the name, is the key)"), cause  # one line: the server's own
+
+
+@pytest.mark.slurm
+def test_slurm_server_without_its_api_key_fails_at_once(prefect_server, work_dir, checkpoint, monkeypatch):
+    """The issue's case on the real local Slurm, through the deploy stage itself (its own retries): the
+    server job on a node (every interface) without NEMOFLOW_SERVE_API_KEY exits while starting; the stage
+    makes one attempt (before: three, ~45 s) and its state message's first line is the server's cause."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("sbatch") is None:
+        pytest.skip("needs the local Slurm cluster (root, scripts/services-up.sh)")
+    from infra.settings import reload_settings
+    from tasks.refs import CheckpointRef
+    from tasks.serve import deploy_inference
+
+    monkeypatch.delenv("NEMOFLOW_SERVE_API_KEY", raising=False)
+    reload_settings()
+    executor = {"kind": "slurm", "partition": "cpu"}
+    state, run_count = _run(
+        deploy_inference, CheckpointRef(uri=str(checkpoint), step=0), executor, free_port(), "nokey"
+    )
+    assert state["type"] == "FAILED"
+    assert run_count == 1, state["message"]
+    first = state["message"].splitlines()[0]
+    assert re.search(r"service 'nokey' \(Slurm job \d+\) exited with code 1 before it became ready: serve: ", first)
+    assert first.endswith(
+        "NEMOFLOW_SERVE_API_KEY is not set or empty; export the key in it (its value, not the name, is the key)"
+    )
 
 
 # A server that SIGKILLs itself on its first start and serves /health on the second.
