@@ -60,6 +60,7 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from infra import processes
+from infra.run_slots import ZOMBIE_AUTOMATION
 from infra.settings import DEFAULT_HOME
 
 DEFAULT_PORT = 4200
@@ -69,7 +70,6 @@ SERVER_SETTINGS = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.c
 # Flow runs' heartbeat interval, seconds (Prefect's minimum is 30), and how long without one makes a zombie.
 HEARTBEAT_S = 30
 ZOMBIE_AFTER_S = 90
-ZOMBIE_AUTOMATION = "nemoflow: crash flow runs whose heartbeats stopped"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 AUTH_USER = "nemoflow"
 
@@ -173,11 +173,15 @@ def demo_auth_string() -> SecretStr:
     configured = get_current_settings().api.auth_string
     if configured is not None and configured.get_secret_value():
         return configured
-    path = auth_string_path()
+    return secret_file(auth_string_path(), lambda: f"{AUTH_USER}:{secrets.token_urlsafe(24)}")
+
+
+def secret_file(path: Path, make) -> SecretStr:
+    """The secret in ``path``, created once with ``make()`` and mode 0600 (never readable by others), then reused."""
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        value = f"{AUTH_USER}:{secrets.token_urlsafe(24)}"
-        with contextlib.suppress(FileExistsError):  # another demo wrote it first: read theirs
+        value = make()
+        with contextlib.suppress(FileExistsError):  # another process wrote it first: read theirs
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as fh:
                 fh.write(value + "\n")
@@ -218,6 +222,53 @@ def log_tail(name: str, lines: int = 20) -> str:
     if not log.exists():
         return ""
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def cancel_active_runs(echo=print, timeout: float = 45.0) -> list[str]:
+    """Cancel the flow runs still in progress in the pools of the workers we started, and wait for them.
+
+    Before ``--down`` stops the workers: a cancelled run's worker ends its infrastructure (a Slurm
+    flow-run job is scancelled, and with it its stage jobs; a local process is killed), which a
+    stopped worker no longer could. Does nothing when our server is not running. Names of the runs.
+    """
+    if running("server") is None:
+        return []
+    pools = [p.stem.removeprefix("worker-") for p in state_dir().glob("worker-*.pid") if running(p.stem)]
+    if not pools:
+        return []
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        WorkPoolFilter,
+        WorkPoolFilterName,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelling
+
+    try:
+        api = PrefectApi.from_settings()
+    except ControlPlaneError:
+        return []
+    live = FlowRunFilter(
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.RUNNING]))
+    )
+    with api.settings(), get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=pools)), flow_run_filter=live
+        )
+        for run in runs:
+            client.set_flow_run_state(run.id, Cancelling(message="nemoflow demo --down"), force=True)
+            echo(f"cancelling flow run {run.name} (its worker ends its jobs)")
+        deadline = time.monotonic() + timeout
+        pending = {run.id for run in runs}
+        while pending and time.monotonic() < deadline:
+            time.sleep(1)
+            pending = {i for i in pending if not (client.read_flow_run(i).state or Cancelling()).is_final()}
+    if pending:
+        echo(f"note: {len(pending)} flow run(s) still not cancelled after {timeout:g} s")
+    return [run.name for run in runs]
 
 
 def stop_all(echo=print) -> list[str]:
@@ -264,6 +315,8 @@ def ensure_server(port: int = DEFAULT_PORT, timeout: float = 120.0, auth: bool =
     configured = configured_api_url()
     if configured:
         candidates.append((configured, f"the Prefect API at {configured}"))
+        # A local URL that does not answer names the port to start the server on (the one the user chose).
+        port = _local_port(configured) or port
     local = f"http://127.0.0.1:{port}/api"
     if local != configured:
         candidates.append((local, f"the Prefect server already running at {local}"))
@@ -294,6 +347,16 @@ def ensure_server(port: int = DEFAULT_PORT, timeout: float = 120.0, auth: bool =
             raise ControlPlaneError(f"the Prefect server exited while starting:\n{log_tail('server')}")
         time.sleep(0.5)
     raise ControlPlaneError(f"the Prefect server did not become healthy in {timeout:.0f}s:\n{log_tail('server')}")
+
+
+def _local_port(url: str) -> int | None:
+    """The port of ``http://127.0.0.1:PORT/api`` (or localhost), None for any other URL."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme == "http" and parts.hostname in ("127.0.0.1", "localhost") and parts.path.rstrip("/") == "/api":
+        return parts.port
+    return None
 
 
 def _check_credentials(api: PrefectApi, auth: bool, what: str) -> None:
@@ -485,16 +548,29 @@ def deploy(names: list[str] | None, api: PrefectApi) -> str:
     return prefect_cli(args, api).stdout
 
 
-def ensure_worker(pool: str, pool_type: str, api: PrefectApi, echo=print) -> int:
-    """A worker for ``pool`` in the background (started unless ours runs); its pid."""
+def ensure_worker(
+    pool: str, pool_type: str, api: PrefectApi, echo=print, extra_env: dict[str, str] | None = None
+) -> int:
+    """A worker for ``pool`` in the background (started unless ours runs); its pid.
+
+    ``extra_env`` reaches the worker's flow runs (a Slurm flow run gets it through sbatch's
+    environment): a worker of ours that was started with other values is restarted, so the
+    values in force are always the ones given. Only a hash of them is kept on disk.
+    """
     name = f"worker-{pool}"
+    stamp = state_dir() / f"{name}.env.sha256"
+    wanted = hashlib.sha256(json.dumps(sorted((extra_env or {}).items())).encode()).hexdigest()
     pid = running(name)
     if pid is not None:
-        return pid
+        if stamp.exists() and stamp.read_text() == wanted:
+            return pid
+        processes.stop(pid, group=True, grace_s=5, terms=2)  # Prefect workers drain on the first SIGTERM
+        echo(f"restarted the {pool_type} worker for pool {pool!r}: its environment changed")
     # Poll every second instead of Prefect's 10 s: a cached re-run then starts at once. Flow runs inherit
     # the worker's environment: they send heartbeats, so a run whose process dies is marked Crashed.
-    env = _env(PREFECT_WORKER_QUERY_SECONDS="1", **heartbeat_env(), **api.client_env())
+    env = _env(PREFECT_WORKER_QUERY_SECONDS="1", **heartbeat_env(), **api.client_env(), **(extra_env or {}))
     pid = _start_background(name, [prefect_bin(), "worker", "start", "--pool", pool, "--type", pool_type], env)
+    stamp.write_text(wanted)
     echo(f"started a {pool_type} worker for pool {pool!r} (pid {pid}, log: {log_path(name)})")
     return pid
 
@@ -574,6 +650,54 @@ def _comparable(automation) -> dict:
     data = automation.model_dump(mode="json", include={"name", "description", "enabled", "trigger", "actions"})
     data["trigger"].pop("id", None)
     return data
+
+
+def failure_causes(api: PrefectApi | str, flow_run_id: str) -> list[str]:
+    """One line per failed stage of a flow run (its subflows included): ``stage: cause``.
+
+    Read from the Prefect API: the failed task runs' state messages (what the UI shows), first
+    line, without Prefect's "Task run encountered an exception" prefix. A run without a failed
+    task gives its own state message.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterParentFlowRunId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    api = _as_api(api)
+    with api.settings(), get_client(sync_client=True) as client:
+        run = client.read_flow_run(flow_run_id)
+        runs = [run.id]
+        frontier = [run.id]
+        while frontier:  # subflows, and theirs
+            children = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=frontier))
+            )
+            frontier = [child.id for child in children if child.id not in runs]
+            runs += frontier
+        failed = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=runs)),
+            task_run_filter=TaskRunFilter(
+                state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.FAILED, StateType.CRASHED]))
+            ),
+        )
+    causes = []
+    for task_run in sorted(failed, key=lambda t: t.end_time or t.created):
+        message = _first_line((task_run.state.message if task_run.state else "") or "")
+        causes.append(f"{task_run.name}: {message.removeprefix('Task run encountered an exception ')}")
+    if not causes and run.state is not None:
+        causes.append(f"{run.name}: {run.state.name}: {_first_line(run.state.message or '')}")
+    return causes
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
 def ui_url(api: PrefectApi | str, flow_run_id: str) -> str:

@@ -18,9 +18,14 @@ The held-out set both models are compared on is recorded in the registry (``held
 validation split of the dataset the first promoted model was trained on, with its split, seed and
 sequence length. It never changes across refreshes, so losses are comparable over the lineage.
 
-Never two at once: the deployments have ``concurrency_limit: 1`` (CANCEL_NEW), and the flow takes
-the global concurrency limit ``cpt-refresh`` (1 slot) before it reads the registry, giving up
-after ``lock_timeout_s``; the registry commit also checks the generation it started from.
+Never two at once: the flow takes the global concurrency limit ``cpt-refresh`` (1 slot, whatever
+deployment or pool started it) before it reads the registry. A run that cannot take it within
+``lock_timeout_s`` ends ``Cancelled`` having done nothing, and its state message (what ``--watch``
+and the UI show) names the run that holds the slot, its last heartbeat and when the slot frees if that
+run is dead; ``nemoflow refresh --wait`` starts a refresh once the slot is free instead. (The check is
+the flow's own, not a deployment ``concurrency_limit``: Prefect cancels for that before the flow
+starts, with a message of its own that names no holder.) The registry commit also checks the
+generation it started from.
 
 A crashed refresh never blocks the next ones: its global slot is a lease of ``LOCK_LEASE_S`` that only
 a live holder renews, and a run whose process dies is marked Crashed by the heartbeat automation
@@ -38,6 +43,7 @@ from typing import Literal
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
+from prefect.states import Cancelled, State
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flows.prepare_dataset import PrepareConfig, prepare_dataset
@@ -138,6 +144,14 @@ class RefreshFailed(RuntimeError):
     pass
 
 
+class RefreshRefused(RefreshFailed):
+    """Another refresh holds the slot: this one did nothing (the flow ends Cancelled with this message)."""
+
+
+# The start of a refused run's state message (``nemoflow refresh --wait`` recognises it).
+REFUSED = "another cpt-refresh holds the 'cpt-refresh' concurrency limit"
+
+
 def architecture_of(checkpoint: str) -> dict:
     """TrainConfig model fields read from a checkpoint's config.json and meta.json (CPT keeps the shape)."""
     config = storage.read_json(storage.join(checkpoint, "config.json"))
@@ -234,20 +248,97 @@ def refresh_lock(timeout_s: float) -> Iterator[None]:
                 )
             )
         except TimeoutError as exc:
-            message = (
-                f"another cpt-refresh holds the '{CONCURRENCY_LIMIT}' concurrency limit; this run did "
-                f"nothing (waited {timeout_s:g}s; a crashed holder's slot is freed within ~{LOCK_LEASE_S + 15} s)"
-            )
-            _failure_artifact(message)
-            raise RefreshFailed(message) from exc
+            message = f"{REFUSED}: {_holder()}; this run did nothing (waited {timeout_s:g} s). {WAIT_HINT}"
+            _failure_artifact(message, outcome="REFUSED (another refresh runs)")
+            raise RefreshRefused(message) from exc
+        _record_holder(held)
         yield
 
 
+WAIT_HINT = "To start one that waits for the slot: nemoflow refresh --wait"
+
+
+# The Prefect variable naming the flow run that holds the slot (the API cannot list a limit's holders).
+HOLDER_VARIABLE = "cpt_refresh_slot_holder"
+
+
+def _record_holder(held: contextlib.ExitStack) -> None:
+    """Name this run as the slot's holder in :data:`HOLDER_VARIABLE`, until it lets the slot go."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import VariableCreate, VariableUpdate
+
+    me = str(flow_run.id) if flow_run.id else None
+    if me is None:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            if client.read_variable_by_name(HOLDER_VARIABLE) is not None:  # a dead holder's: the slot is ours now
+                client.update_variable(VariableUpdate(name=HOLDER_VARIABLE, value=me))
+            else:
+                client.create_variable(VariableCreate(name=HOLDER_VARIABLE, value=me))
+    except Exception as exc:  # noqa: BLE001 - only a refused run's message needs it; the refresh goes on
+        logger().warning("could not record this run as the slot's holder: %s", exc)
+        return
+
+    def release() -> None:
+        with contextlib.suppress(Exception), get_client(sync_client=True) as client:  # a dead API: it is stale then
+            current = client.read_variable_by_name(HOLDER_VARIABLE)
+            if current is not None and current.value == me:
+                client.delete_variable_by_name(HOLDER_VARIABLE)
+
+    held.callback(release)
+
+
+def _holder() -> str:
+    """Who holds the slot, from the API: the run the holder variable names (and any other live
+    cpt-refresh run), with its last heartbeat and when its slot frees if it is dead."""
+    from prefect import get_client
+
+    from infra.run_slots import slot_holders
+
+    try:
+        with get_client(sync_client=True) as client:
+            named = client.read_variable_by_name(HOLDER_VARIABLE)
+        ids = [str(named.value)] if named is not None and named.value else []
+        holders = slot_holders("cpt-refresh", run_ids=ids, exclude=str(flow_run.id) if flow_run.id else None)
+    except Exception as exc:  # noqa: BLE001 - the refusal matters more than its details
+        return f"(the holder could not be read from the API: {type(exc).__name__}: {exc})"
+    if not holders:
+        # Killed runs already marked Crashed: only their leases hold the slot, until nobody renews them.
+        return (
+            "no cpt-refresh run is alive; the slot is a dead run's and frees when its lease lapses "
+            f"(within ~{LOCK_LEASE_S + 15} s of the run's death)"
+        )
+    return "held by " + "; and ".join(h.describe() for h in holders)
+
+
 @flow(name="cpt-refresh", log_prints=True)
-def cpt_refresh(config: CptRefreshConfig | None = None) -> dict:
+def cpt_refresh(config: CptRefreshConfig | None = None) -> dict | State:
     config = config or CptRefreshConfig()
-    with refresh_lock(config.lock_timeout_s):
-        return _refresh(config)
+    try:
+        with refresh_lock(config.lock_timeout_s):
+            return _refresh(config)
+    except RefreshRefused as exc:  # raised only by the lock: the refresh itself never started
+        logger().warning("%s", exc)
+        _refused_event(str(exc))
+        return Cancelled(message=str(exc))  # the run's final state: the UI shows it on the run's page
+
+
+def _refused_event(message: str) -> None:
+    """An event about this run whose resource name is the refusal: `prefect deployment run --watch`
+    prints the run's events (not its logs, unless the server streams them), so it shows why."""
+    from prefect.events import emit_event
+
+    if flow_run.id:
+        emit_event(
+            event="nemoflow.cpt-refresh.refused",
+            resource={
+                "prefect.resource.id": f"nemoflow.concurrency-limit.{CONCURRENCY_LIMIT}",
+                "prefect.resource.name": message,
+            },
+            related=[{"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run"}],
+            payload={"message": message},
+        )
 
 
 def _refresh(config: CptRefreshConfig) -> dict:
@@ -399,11 +490,19 @@ def _train_and_decide(config, registry, state, base_generation, promoted, new, r
     return summary
 
 
-def _failure_artifact(message: str, new: list | None = None) -> None:
-    lines = ["# CPT refresh FAILED", "", message, "", "The promoted model keeps serving; the registry is unchanged."]
+def _failure_artifact(message: str, new: list | None = None, outcome: str = "FAILED") -> None:
+    lines = [
+        f"# CPT refresh {outcome}",
+        "",
+        message,
+        "",
+        "The promoted model keeps serving; the registry is unchanged.",
+    ]
     if new:
         lines += ["", "New sources (still pending):", ""] + [f"- `{s.url}`" for s in new]
-    create_markdown_artifact(key="cpt-refresh-report", markdown="\n".join(lines), description="refresh failed")
+    create_markdown_artifact(
+        key="cpt-refresh-report", markdown="\n".join(lines), description=f"refresh {outcome.split()[0].lower()}"
+    )
 
 
 def _report_artifacts(

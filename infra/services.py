@@ -66,12 +66,33 @@ class PortInUseError(ServiceError):
 
 
 class ServiceNotReady(ServiceError):
-    """The server exited or did not become ready; the message carries its last log lines."""
+    """The server exited or did not become ready; the message carries its last log lines.
 
-    def __init__(self, message: str, log_tail: list[str]):
+    ``exit_code`` is the server's own exit status when it exited before it was ready (None when
+    it never answered in time). A server that exits by itself while starting refused its
+    configuration or input (a missing API key, an unreadable checkpoint, a bad flag): starting it
+    again cannot help, so ``transient`` is False and the deploy stage does not retry it. Only a
+    server killed by a signal (negative code) may succeed on a second start. The first line ends
+    with the server's last log line, its one-line cause (the server prints its fatal error last).
+    """
+
+    def __init__(self, message: str, log_tail: list[str], exit_code: int | None = None, where: str = ""):
         self.log_tail = log_tail
+        self.exit_code = exit_code
+        self.transient = exit_code is not None and exit_code < 0
+        cause = last_line(log_tail) if exit_code is not None else None
+        first = f"{message}: {cause}" if cause else message
         tail = "\n".join(log_tail)
-        super().__init__(message + (f"\nlast {len(log_tail)} log lines:\n{tail}" if tail else "\n(the log is empty)"))
+        super().__init__(
+            first
+            + (f"\n{where}" if where else "")
+            + (f"\nlast {len(log_tail)} log lines:\n{tail}" if tail else "\n(the log is empty)")
+        )
+
+
+def last_line(lines: list[str]) -> str | None:
+    """The last non-blank line (stripped), or None."""
+    return next((line.strip() for line in reversed(lines) if line.strip()), None)
 
 
 class ServiceHandle(BaseModel):
@@ -308,9 +329,10 @@ def _await_ready(
         code = proc.poll()
         if code is not None:
             raise ServiceNotReady(
-                f"service '{handle.name}' exited with code {code} before it became ready "
-                f"(command: {' '.join(handle.command)}; log: {handle.log_path})",
+                f"service '{handle.name}' exited with code {code} before it became ready",
                 log_tail(handle.log_path),
+                exit_code=code,
+                where=f"command: {' '.join(handle.command)}; log: {handle.log_path}",
             )
         status = probe(health, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
         if status == 200:

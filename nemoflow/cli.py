@@ -29,6 +29,7 @@ COMMANDS = [
     "image",
     "interactive",
     "render_dpo",
+    "refresh",
 ]
 
 DESCRIPTION = """\

@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 from infra import storage
 from infra.executors import Executor
 from infra.jobs import ImageRef, JobSpec, Resources, workload_job
-from tasks.common import cache_policy, logger, run_job
+from tasks.common import cache_policy, logger, run_job, transient_only
 from tasks.refs import CheckpointRef, DatasetRef
 from workloads.train_config import parse_blend
 
@@ -126,23 +126,12 @@ def report_markdown(report: ValidationReport) -> str:
     return "\n".join(lines)
 
 
-def _retry_unless_checks_failed(task, task_run, state) -> bool:
-    """Retry infrastructure failures, not a checkpoint that failed its checks."""
-    try:
-        state.result()
-    except CheckpointValidationFailed:
-        return False
-    except Exception:  # noqa: BLE001 - any other failure is infrastructure: retry
-        return True
-    return True
-
-
 @task(
     name="validate-checkpoint",
     task_run_name="validate step {ckpt.step}",
     retries=1,
     retry_delay_seconds=10,
-    retry_condition_fn=_retry_unless_checks_failed,
+    retry_condition_fn=transient_only(CheckpointValidationFailed),  # not a checkpoint that failed its checks
     cache_policy=cache_policy(
         "workloads.validate_checkpoint", "workloads.checkpoint", "workloads.staging", "tasks.checkpoint"
     ),

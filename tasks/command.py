@@ -55,7 +55,7 @@ from infra import storage
 from infra.executors import Executor
 from infra.jobs import ImageRef, JobSpec, Resources, workload_job
 from infra.settings import get_settings
-from tasks.common import cache_policy, logger, run_job
+from tasks.common import cache_policy, logger, run_job, transient_only
 from tasks.refs import CheckpointRef, DatasetRef
 from workloads.train_config import parse_blend
 
@@ -288,6 +288,7 @@ def build_convert_job(converter: ConverterConfig, checkpoint: Path, output: str,
     task_run_name="train with {config.command}",
     retries=2,
     retry_delay_seconds=10,
+    retry_condition_fn=transient_only(),
     cache_policy=cache_policy(*COMMAND_MODULES),
     persist_result=True,
 )

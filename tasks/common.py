@@ -5,6 +5,12 @@ carry content fingerprints: a source's etag/size/checksum, a tokenizer file's
 hash, the flags) plus a hash of the source files of the code that produces its
 output (:class:`CodeVersion`), not only the task function's own source.
 Results are small pydantic models persisted to the configured result storage.
+
+Retries: every task that has retries retries only transient failures
+(:func:`transient_only`, its ``retry_condition_fn``). A failure caused by the
+configuration or the input (a missing key, an invalid value, a refused path, a job
+that exits ``ExitCode.BAD_CONFIG``, a server that exits while starting) fails at once
+with its cause, instead of being run again to the same end.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import contextvars
 import hashlib
 import importlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +27,7 @@ from prefect.cache_policies import INPUTS, CachePolicy
 
 from infra import storage
 from infra.executors import get_backend
-from infra.jobs import JobFailed, JobResult, JobSpec, JobState
+from infra.jobs import ExitCode, JobFailed, JobResult, JobSpec, JobState
 from infra.settings import get_settings
 
 
@@ -117,3 +124,71 @@ def _flow_run_id() -> str | None:
 
     run_id = flow_run.root_flow_run_id or flow_run.id
     return str(run_id) if run_id else None
+
+
+# ---------------------------------------------------------------- retries
+
+# Errors of the input or the configuration: the same call fails the same way again. (ValueError
+# covers pydantic's ValidationError and nemoflow's own configuration errors: SettingsError,
+# K8sOptionsError, SlurmPreflightError, SourceError, CredentialInParameter, ParallelismError, ...)
+DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    TypeError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
+
+
+def is_deterministic(exc: BaseException, also: tuple[type[BaseException], ...] = ()) -> bool:
+    """True when running the same stage again cannot succeed: its configuration or input is wrong.
+
+    In order: an error that says itself whether it is ``transient`` (transfers, images, a server that
+    exited while starting) is believed; a job that failed is deterministic when it exited
+    ``ExitCode.BAD_CONFIG`` or ran out of memory (the same job needs the same memory again), and transient
+    otherwise (a crash, a lost node, a time limit: a retry resumes from its checkpoint); the
+    :data:`DETERMINISTIC_ERRORS` and the task's own ``also`` (a checkpoint that failed its checks) are
+    deterministic. Anything else, a connection reset, an API outage, a time-out, is transient.
+    """
+    if isinstance(exc, also):
+        return True
+    transient = getattr(exc, "transient", None)
+    if isinstance(transient, bool):
+        return not transient
+    if isinstance(exc, JobFailed):
+        out_of_memory = exc.result.state is JobState.OUT_OF_MEMORY or exc.result.exit_code == ExitCode.OUT_OF_MEMORY
+        return exc.result.exit_code == ExitCode.BAD_CONFIG or out_of_memory
+    return isinstance(exc, DETERMINISTIC_ERRORS)
+
+
+def first_line(exc: BaseException) -> str:
+    """``Type: the first line of the message`` (the one-line cause)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def transient_only(*also: type[BaseException]) -> Callable[[Any, Any, Any], bool]:
+    """The ``retry_condition_fn`` of every task that has retries: retry transient failures only.
+
+        @task(retries=2, retry_delay_seconds=10, retry_condition_fn=transient_only())
+        @task(retries=1, retry_condition_fn=transient_only(CheckpointValidationFailed))
+
+    ``also`` names the task's own deterministic outcomes (exceptions that mean "checked, and the
+    answer is no"). A failure that is not retried is logged with its one-line cause.
+    """
+
+    def retry_if_transient(task, task_run, state) -> bool:
+        try:
+            state.result()
+        except Exception as exc:  # noqa: BLE001 - classified, not swallowed: Prefect raises it after
+            if is_deterministic(exc, also):
+                logger().error(
+                    "not retried (a configuration or input error: retrying cannot help): %s", first_line(exc)
+                )
+                return False
+            return True
+        return True
+
+    retry_if_transient.transient_only = also  # marks the shared condition (a test checks every task uses it)
+    return retry_if_transient

@@ -58,7 +58,7 @@ from infra import storage
 from infra.executors import Executor
 from infra.jobs import ImageRef, JobFailed, JobSpec, Resources, workload_job
 from infra.settings import get_settings
-from tasks.common import CodeVersion, cache_policy, code_fingerprint, logger, run_job
+from tasks.common import CodeVersion, cache_policy, code_fingerprint, logger, run_job, transient_only
 from tasks.refs import DatasetRef, TokenizerRef
 from workloads.fetch_array import FetchOptions, FetchPlan
 from workloads.jsonl import MAX_LINE_BYTES
@@ -487,18 +487,13 @@ def _failed_table(failures: dict[str, str], total: int) -> None:
     )
 
 
-def _retry_unless_shards_failed(task, task_run, state) -> bool:
-    """Each shard was already retried with backoff inside the job: retry the step only when the job
-    itself failed (a task killed, a node lost), not for shards that failed on their own."""
-    return not isinstance(state.data, ShardsFailed)
-
-
 @task(
     name="fetch-shards",
     task_run_name="download and extract {n} shard(s)",
     retries=1,
     retry_delay_seconds=30,
-    retry_condition_fn=_retry_unless_shards_failed,
+    # each shard was retried with backoff inside the job: retry the step only when the job itself failed
+    retry_condition_fn=transient_only(ShardsFailed),
     # Never cached: it is called only when shards are pending, and each shard's own record (its
     # sidecar) is the content-addressed cache a retry or a re-run consults.
     cache_policy=NO_CACHE,
@@ -568,6 +563,7 @@ def tokenize_cache_policy():
     task_run_name="tokenize {n} part(s)",
     retries=2,
     retry_delay_seconds=10,
+    retry_condition_fn=transient_only(),
     cache_policy=tokenize_cache_policy(),
     cache_expiration=timedelta(days=30),
     persist_result=True,
@@ -692,6 +688,7 @@ def auto_blend_text(blend: list) -> str:
     task_run_name="blend {name}",
     retries=RETRIES,
     retry_delay_seconds=5,
+    retry_condition_fn=transient_only(),
     cache_policy=cache_policy("tasks.data"),
     cache_expiration=timedelta(days=30),
     persist_result=True,

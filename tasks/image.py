@@ -45,7 +45,7 @@ from infra.executors import Executor, as_executor, get_backend
 from infra.jobs import ImageRef, Resources
 from infra.secrets import CredentialFree
 from infra.settings import get_settings
-from tasks.common import code_fingerprint, logger
+from tasks.common import code_fingerprint, logger, transient_only
 
 CODE_MODULES = ("infra.images", "infra.environment", "tasks.image")
 
@@ -125,19 +125,6 @@ def image_cache_key(context, parameters: dict[str, Any]) -> str | None:
     return key
 
 
-def _retry_transient(task, task_run, state) -> bool:
-    """Retry a dropped or corrupted transfer; not a missing source, bad reference or missing enroot."""
-    try:
-        state.result()
-    except images.ImageError as exc:
-        return exc.transient
-    except (ConnectionError, TimeoutError):
-        return True
-    except Exception:  # noqa: BLE001 - anything else is not a transient transfer failure
-        return False
-    return False
-
-
 def artifact_markdown(ref: ImageRef, facts: dict[str, Any]) -> str:
     copied = facts.get("bytes_copied", 0)
     rows = [
@@ -195,7 +182,7 @@ def _executor_kind() -> str:
     persist_result=True,
     retries=2,
     retry_delay_seconds=[10, 60],
-    retry_condition_fn=_retry_transient,
+    retry_condition_fn=transient_only(),  # a dropped or corrupted transfer; not a missing source or enroot
     task_run_name=lambda: f"stage-image-{_executor_kind()}",
 )
 def stage_image(

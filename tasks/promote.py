@@ -29,7 +29,7 @@ from infra.executors import Executor, as_executor, get_backend
 from infra.jobs import ImageRef, JobSpec, Resources, ServiceInfo, workload_job
 from infra.settings import SERVE_API_KEY_ENV
 from infra.sources import expand_sources
-from tasks.common import logger, run_job
+from tasks.common import logger, run_job, transient_only
 from tasks.refs import CheckpointRef, EndpointRef
 from tasks.serve import EngineOptions, build_serve_spec, local_checkpoint, service_name
 from tasks.smoke import smoke_test
@@ -108,6 +108,7 @@ def build_compare_job(
     task_run_name="candidate vs promoted on the held-out set",
     retries=1,
     retry_delay_seconds=5,
+    retry_condition_fn=transient_only(),
 )
 def compare_on_held_out(
     candidate: CheckpointRef,

@@ -40,7 +40,7 @@ from infra import services, storage
 from infra.executors import Executor, as_executor, get_backend
 from infra.jobs import ImageRef, Resources, ServiceInfo, ServiceSpec, workload_service
 from infra.settings import SERVE_API_KEY_ENV, get_settings
-from tasks.common import code_fingerprint, logger
+from tasks.common import code_fingerprint, logger, transient_only
 from tasks.refs import CheckpointRef, EndpointRef
 
 DEFAULT_PORT = 8000
@@ -298,17 +298,6 @@ Stop it: `nemoflow serve stop {key}`
     )
 
 
-def _retry_transient(task, task_run, state) -> bool:
-    """Retry a deploy that met an unreachable API or a slow start; not a server that exited or a bad config."""
-    try:
-        state.result()
-    except (ValueError, services.ServiceNotReady):
-        return False
-    except Exception:  # noqa: BLE001 - connection resets, API outages, time-outs: start again
-        return True
-    return False
-
-
 @task(
     name="deploy-inference",
     task_run_name="deploy {model_name} on port {port}",
@@ -316,7 +305,7 @@ def _retry_transient(task, task_run, state) -> bool:
     persist_result=True,
     retries=2,
     retry_delay_seconds=[5, 30],
-    retry_condition_fn=_retry_transient,
+    retry_condition_fn=transient_only(),  # an unreachable API or a slow start; not a server that exited
 )
 def deploy_inference(
     checkpoint: CheckpointRef,

@@ -35,10 +35,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from infra import registry as reg
 from infra import secrets, storage
 from infra.executors import Executor
-from infra.jobs import ExitCode, ImageRef, JobFailed, JobSpec, Resources, workload_job
+from infra.jobs import ImageRef, JobSpec, Resources, workload_job
 from infra.secrets import CredentialFree
 from infra.settings import get_settings, redact
-from tasks.common import cache_policy, logger, run_job
+from tasks.common import cache_policy, logger, run_job, transient_only
 from tasks.refs import CheckpointRef
 from workloads import chat_data
 from workloads.sft import SftConfig
@@ -264,25 +264,12 @@ def build_sft_job(config: SftConfig, image: ImageRef | None = None, validate_to:
     )
 
 
-def _retry_if_resumable(task, task_run, state) -> bool:
-    """Retry (resume from the checkpoint) unless retrying cannot help: bad input, out of memory."""
-    try:
-        state.result()
-    except JobFailed as exc:
-        return exc.result.exit_code not in (ExitCode.BAD_CONFIG, ExitCode.OUT_OF_MEMORY)
-    except (ValueError, FileNotFoundError):
-        return False
-    except Exception:  # noqa: BLE001 - a crash or a lost worker: the retry resumes
-        return True
-    return True
-
-
 @task(
     name="fine-tune",
     task_run_name="sft of step {base.step}",
     retries=2,
     retry_delay_seconds=10,
-    retry_condition_fn=_retry_if_resumable,
+    retry_condition_fn=transient_only(),  # a retry resumes from the checkpoint; not bad input or OOM
     cache_policy=cache_policy(*SFT_MODULES),
     persist_result=True,
 )
@@ -351,22 +338,12 @@ def report_markdown(report: SftReport) -> str:
     return "\n".join(lines)
 
 
-def _retry_unless_checks_failed(task, task_run, state) -> bool:
-    try:
-        state.result()
-    except (SftValidationFailed, ValueError):
-        return False
-    except Exception:  # noqa: BLE001 - infrastructure: retry
-        return True
-    return True
-
-
 @task(
     name="validate-sft",
     task_run_name="check sft step {checkpoint.step}",
     retries=1,
     retry_delay_seconds=10,
-    retry_condition_fn=_retry_unless_checks_failed,
+    retry_condition_fn=transient_only(SftValidationFailed),
     cache_policy=cache_policy(*SFT_MODULES),
     persist_result=True,
 )

@@ -24,11 +24,11 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra import storage
 from infra.executors import Executor
-from infra.jobs import ExitCode, ImageRef, JobFailed, JobSpec, JobState, Resources, workload_job
+from infra.jobs import ImageRef, JobSpec, Resources, workload_job
 from infra.settings import get_settings
-from tasks.common import cache_policy, logger, run_job
+from tasks.common import cache_policy, logger, run_job, transient_only
 from tasks.refs import CheckpointRef, DatasetRef
-from workloads.train_config import ParallelismError, TrainConfig, check_parallelism, parse_blend
+from workloads.train_config import TrainConfig, check_parallelism, parse_blend
 
 TRAIN_MODULES = (
     "workloads.train",
@@ -247,26 +247,12 @@ def _artifact_key(run_dir: str) -> str:
     return "loss-curve-" + hashlib.sha256(run_dir.encode()).hexdigest()[:10]
 
 
-def _retry_if_resumable(task, task_run, state) -> bool:
-    """Retry (and so resume) after pre-emption, time limits, node failures or a crash; not when
-    retrying cannot help: out of memory (exit 75) or a bad configuration (exit 2)."""
-    try:
-        state.result()
-    except JobFailed as exc:
-        return exc.result.state is not JobState.OUT_OF_MEMORY and exc.result.exit_code != ExitCode.BAD_CONFIG
-    except (ValueError, ParallelismError):
-        return False
-    except Exception:  # noqa: BLE001 - a crash or lost worker: retry resumes from the checkpoint
-        return True
-    return True
-
-
 @task(
     name="pretrain",
     task_run_name="pretrain {config.arch}",
     retries=2,
     retry_delay_seconds=10,
-    retry_condition_fn=_retry_if_resumable,
+    retry_condition_fn=transient_only(),  # a crash or a lost node resumes; not bad config or OOM
     cache_policy=cache_policy(*TRAIN_MODULES),
     persist_result=True,
 )

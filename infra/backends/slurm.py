@@ -43,6 +43,8 @@ from infra.jobs import (
     ServiceInfo,
     ServiceSpec,
 )
+from infra.services import ServiceNotReady
+from infra.services import log_tail as file_tail
 from infra.settings import DEFAULT_HOME, get_settings, redact
 from infra.slurm.commands import SlurmCLI, SlurmCommandError
 from infra.slurm.options import SbatchRequest, SlurmOptions, merge, parse_labels_comment
@@ -395,6 +397,21 @@ class SlurmBackend(Backend):
                         on_log(redact(line))
                 status = self.watcher.status(job_id)
                 if status.state.is_terminal:
+                    for line in tail.read(final=True):
+                        if on_log is not None:
+                            on_log(redact(line))
+                    lines = file_tail(log_path, 20)  # the file's last lines, also those forwarded already
+                    if status.state in (JobState.FAILED, JobState.OUT_OF_MEMORY):
+                        # The server exited by itself while starting (as a local one reports it: the same
+                        # error, its exit code and its last line, the cause; not retried by the stage).
+                        code = status.exit_code if status.exit_code is not None else 1
+                        raise ServiceNotReady(
+                            f"service '{spec.name}' (Slurm job {job_id}) exited with code {code} before it "
+                            f"became ready" + (" (out of memory)" if status.state is JobState.OUT_OF_MEMORY else ""),
+                            lines[-20:],
+                            exit_code=code,
+                            where=f"log: {log_path}",
+                        )
                     raise JobFailed(
                         spec.name,
                         JobResult(
@@ -403,7 +420,7 @@ class SlurmBackend(Backend):
                             state=status.state,
                             exit_code=status.exit_code,
                             reason=f"service job ended before it was ready: {status.reason or status.state.value}",
-                            log_tail=tail.read(final=True)[-20:],
+                            log_tail=lines[-20:],
                         ),
                     )
                 if url is None and status.state is JobState.RUNNING:

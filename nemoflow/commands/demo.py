@@ -16,6 +16,9 @@ POOLS = {
 }
 
 
+# Where `demo --backend slurm` keeps the endpoint key it generates (the server binds every interface there).
+ENDPOINT_KEY_FILE = "serve-api-key"
+
 AUTH_HELP = (
     "run the Prefect API with HTTP Basic authentication: the server gets PREFECT_SERVER_API_AUTH_STRING, "
     "workers and the CLI PREFECT_API_AUTH_STRING (yours if set, else one generated into "
@@ -36,16 +39,25 @@ Run the whole lifecycle on the embedded default and watch it:
      heartbeats, and an automation marks a run Crashed when they stop (its process died), which
      frees its concurrency slots;
   4. `prefect deployment run end-to-end/<pool> --watch`;
-  5. print the run's UI link, the dataset and checkpoint URIs and the smoke-test answer.
+  5. print the run's UI link, the dataset and checkpoint URIs and the smoke-test answer
+     (or, when the run fails, each failed stage with its one-line cause).
 The inference server stays up after the run (`nemoflow serve stop nemoflow-demo`, or `--down`).
-A second run with nothing changed finishes with every stage Cached.""",
+A second run with nothing changed finishes with every stage Cached.
+
+--backend slurm serves from a Slurm node, bound to every interface, so the endpoint needs an API
+key: NEMOFLOW_SERVE_API_KEY if set, else one generated into ~/.nemoflow/serve-api-key (mode 0600)
+and reused; clients send it as `Authorization: Bearer KEY`.""",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--backend", choices=sorted(POOLS), default="local", help="work pool to run on (default: local)"
     )
     parser.add_argument("--port", type=int, default=4200, help="port of the local Prefect server if one is started")
-    parser.add_argument("--down", action="store_true", help="stop the demo's worker, server and inference endpoint")
+    parser.add_argument(
+        "--down",
+        action="store_true",
+        help="cancel the demo's runs in progress (and their jobs), stop its worker, server and inference endpoint",
+    )
     parser.add_argument("--auth", action="store_true", help=AUTH_HELP)
     parser.set_defaults(func=run)
 
@@ -72,11 +84,52 @@ def _stop_endpoint() -> None:
             print(f"note: could not reach Slurm to stop nemoflow-demo: {exc}", file=sys.stderr)
 
 
+def endpoint_key(echo=print) -> tuple[dict[str, str], str, str]:
+    """The endpoint key for a server on a cluster node: (environment for the worker, where it is kept,
+    the shell expression that gives it).
+
+    The user's NEMOFLOW_SERVE_API_KEY when set; else one generated once into
+    ``$NEMOFLOW_HOME/serve-api-key`` (mode 0600, like ``--auth``'s Prefect auth string) and reused.
+    It reaches the flow run through the worker's environment (sbatch's, for a Slurm flow run),
+    the server job by name, and the smoke test from the flow run's settings; never argv or a log.
+    """
+    import secrets
+    from pathlib import Path
+
+    from devtools import prefect_local as pl
+    from infra.settings import DEFAULT_HOME, SERVE_API_KEY_ENV, get_settings, reload_settings
+
+    configured = get_settings().serve_api_key
+    if configured is not None and configured.get_secret_value().strip():
+        return (
+            {SERVE_API_KEY_ENV: configured.get_secret_value()},
+            f"{SERVE_API_KEY_ENV} (yours)",
+            f"${SERVE_API_KEY_ENV}",
+        )
+    path = Path(os.environ.get("NEMOFLOW_HOME", DEFAULT_HOME)) / ENDPOINT_KEY_FILE
+    new = not path.exists()
+    key = pl.secret_file(path, lambda: "nf-" + secrets.token_hex(24)).get_secret_value()
+    if new:
+        echo(f"generated an API key for the endpoint into {path} (mode 0600; set {SERVE_API_KEY_ENV} to use yours)")
+    os.environ[SERVE_API_KEY_ENV] = key
+    reload_settings()
+    return {SERVE_API_KEY_ENV: key}, f"{_display(str(path))} (mode 0600)", f"$(cat {_display(str(path))})"
+
+
+def _display(path: str) -> str:
+    home = os.path.expanduser("~")
+    return "~" + path[len(home) :] if path.startswith(home + os.sep) else path
+
+
 def run(args) -> int:
     from devtools import prefect_local as pl
     from infra.settings import get_settings
 
     if args.down:
+        try:
+            pl.cancel_active_runs()
+        except Exception as exc:  # noqa: BLE001 - the server may be unreachable: stop what we can
+            print(f"note: could not cancel the runs in progress: {exc}", file=sys.stderr)
         _stop_endpoint()
         if not pl.stop_all():
             print("nothing to stop")
@@ -98,7 +151,8 @@ def run(args) -> int:
     pl.ensure_zombie_automation(api)
     if not pl.deploy_if_changed(api):
         print("prefect.yaml is already deployed (unchanged)")
-    pl.ensure_worker(pool, worker_type, api)
+    worker_env, key_where, key_shell = endpoint_key() if args.backend == "slurm" else ({}, None, None)
+    pl.ensure_worker(pool, worker_type, api, extra_env=worker_env)
 
     print(f"$ prefect deployment run {deployment} --watch")
     proc = subprocess.Popen(
@@ -126,8 +180,15 @@ def run(args) -> int:
     print(f"flow run:    {pl.ui_url(api, flow_run_id)}")
     summary_uri = os.path.join(get_settings().work_dir, "flow-runs", f"{flow_run_id}.json")
     if code != 0 or not os.path.exists(summary_uri):
-        print(f"the run did not complete (exit {code}); its page above shows which stage failed and why")
-        print(f"worker log:  {pl.log_path('worker-' + pool)}")
+        print(f"the run did not complete (exit {code})")
+        try:
+            for cause in pl.failure_causes(api, flow_run_id):
+                print(f"failed:      {cause}")
+        except Exception as exc:  # noqa: BLE001 - the API may be gone; the page and the log still say why
+            print(f"(could not read the failed stages from the Prefect API: {exc})")
+        print(
+            f"details:     {pl.ui_url(api, flow_run_id)} (logs of each stage); worker log {pl.log_path('worker-' + pool)}"
+        )
         return code or 1
     import json
 
@@ -135,6 +196,9 @@ def run(args) -> int:
     print(f"dataset:     {summary['dataset']}")
     print(f"checkpoint:  {summary['checkpoint']}  (val loss {summary['val_loss']:.3f})")
     print(f"endpoint:    {summary['endpoint']}  (model {summary['model']})")
+    if key_where is not None:
+        print(f"api key:     {key_where}; every request sends it:")
+        print(f'             curl -H "Authorization: Bearer {key_shell}" {summary["endpoint"]}/v1/models')
     answer = summary["answer"]
     more = f" ... ({len(answer)} characters: the whole answer is in the run's smoke-test artifact)"
     print(f"smoke test:  {summary['prompt']!r} -> {answer[:160]!r}{more if len(answer) > 160 else ''}")

@@ -23,7 +23,12 @@ builders and rendered by the executor's backend, without submitting anything:
 `train:`, `serve:`); NEMOFLOW_K8S_* / NEMOFLOW_SLURM_* fill executor options it
 leaves out. Secrets are referenced by name (secretKeyRef, sbatch's environment),
 never written. The blend weights and the run directory come from the prepared
-dataset when it exists (render after prepare-dataset for exact paths)."""
+dataset when it exists (render after prepare-dataset for exact paths).
+
+On Kubernetes every path is on the workspace PVC (mounted at /nemo-workspace): when
+NEMOFLOW_WORK_DIR is left at its default (~/.nemoflow/work, which pods cannot see), the
+objects are rendered for NEMOFLOW_WORK_DIR=/nemo-workspace/nemoflow, the work dir of
+prefect.yaml's k8s deployments; a work dir you set outside the PVC is an error naming it."""
 
 
 def register(sub) -> None:
@@ -124,8 +129,51 @@ def memory_plan_text(config) -> str:
     return f"pretrain: {plan.summary()}{where}\n{plan.report()}\n"
 
 
+def k8s_work_dir(config) -> str | None:
+    """The work dir to render a Kubernetes run with, when it must differ from the configured one.
+
+    Pods see only the workspace PVC (and gs://), so a local work dir outside it cannot be the run's.
+    Left at its default, it becomes ``<workspace_mount>/nemoflow`` (prefect.yaml's k8s deployments
+    set NEMOFLOW_WORK_DIR=/nemo-workspace/nemoflow); set by the user, it is an error naming the variable.
+    """
+    from infra import storage
+    from infra.settings import get_settings
+
+    executor = config.executor
+    if executor.kind != "k8s" or not executor.pvc_name:
+        return None
+    settings = get_settings()
+    if not storage.is_local(settings.work_dir):
+        return None
+    path = os.path.abspath(storage.local_path(settings.work_dir))
+    root = executor.workspace_mount.rstrip("/")
+    if path == root or path.startswith(root + "/"):
+        return None
+    wanted = f"{root}/nemoflow"
+    if "work_dir" in settings.model_fields_set:
+        raise ValueError(
+            f"NEMOFLOW_WORK_DIR={settings.work_dir} is outside the workspace PVC ({root}), the only local path "
+            f"Kubernetes pods see: set NEMOFLOW_WORK_DIR={wanted} (what prefect.yaml's k8s deployments set) "
+            "or a gs:// URI"
+        )
+    return wanted
+
+
 def run(args) -> int:
-    config = build_config(load_config(args.config), args.backend)
+    data = load_config(args.config)
+    config = build_config(data, args.backend)
+    work_dir = k8s_work_dir(config)
+    if work_dir is not None:
+        from infra.settings import reload_settings
+
+        os.environ["NEMOFLOW_WORK_DIR"] = work_dir
+        reload_settings()
+        config = build_config(data, args.backend)  # paths derived from the work dir follow it
+        print(
+            f"rendering for NEMOFLOW_WORK_DIR={work_dir}, the k8s deployments' work dir on the workspace PVC "
+            "(the default ~/.nemoflow/work is not visible to pods; set NEMOFLOW_WORK_DIR to choose another)",
+            file=sys.stderr,
+        )
     files = render_run(config)
     if config.train.gpus_per_node:
         files["train-memory-plan.txt"] = memory_plan_text(config)
