@@ -44,6 +44,13 @@ Run the whole lifecycle on the embedded default and watch it:
 The inference server stays up after the run (`nemoflow serve stop nemoflow-demo`, or `--down`).
 A second run with nothing changed finishes with every stage Cached.
 
+On a machine with NVIDIA GPUs (--gpus auto, the default) the local demo trains a 0.25B-parameter
+Llama on all of them (torchrun, bf16-mixed, each layer compiled), validates on one and serves on
+one (the built-in engine on the GPU; vLLM where it is installed): the run's parameters say so in
+the UI. --gpus 0 runs the CPU demo anyway; --gpus N asks for N (refused in one line, before
+anything starts, when this machine cannot give them). GPUs the driver lists but torch cannot use
+(a CPU build of torch, a CUDA build newer than the driver) stop the demo with the fix.
+
 --backend slurm serves from a Slurm node, bound to every interface, so the endpoint needs an API
 key: NEMOFLOW_SERVE_API_KEY if set, else one generated into ~/.nemoflow/serve-api-key (mode 0600)
 and reused; clients send it as `Authorization: Bearer KEY`.""",
@@ -59,7 +66,59 @@ and reused; clients send it as `Authorization: Bearer KEY`.""",
         help="cancel the demo's runs in progress (and their jobs), stop its worker, server and inference endpoint",
     )
     parser.add_argument("--auth", action="store_true", help=AUTH_HELP)
+    parser.add_argument(
+        "--gpus",
+        default="auto",
+        help="local backend: auto (default) = every GPU torch can use here, else the CPU demo; 0 = the CPU demo; "
+        "N = N GPUs (refused when this machine has fewer)",
+    )
     parser.set_defaults(func=run)
+
+
+def demo_gpus(choice: str, backend: str) -> int:
+    """How many GPUs the demo trains on: ``auto`` = every GPU torch can use on this machine (0 without an NVIDIA
+    GPU); a number is checked. GPUs the driver lists but torch cannot use stop the demo with the fix
+    (infra/gpus.py), rather than a CPU demo on a GPU machine."""
+    from infra import gpus
+
+    if choice != "auto" and not choice.isdigit():
+        raise ValueError(f"--gpus {choice!r}: give auto, 0 or a number of GPUs")
+    if backend != "local":
+        if choice not in ("auto", "0"):
+            raise ValueError(f"--gpus {choice} is for --backend local (the Slurm demo runs its CPU configuration)")
+        return 0
+    if choice == "0":
+        return 0
+    machine = gpus.probe()
+    if choice == "auto":
+        if not machine.names:
+            return 0
+        gpus.check_request(1, machine, what="the GPU demo (--gpus auto)")
+        return machine.usable
+    gpus.check_request(int(choice), machine, what=f"the GPU demo (--gpus {choice})")
+    return int(choice)
+
+
+def training_speed(checkpoint: str) -> str | None:
+    """One line from the run's metrics.jsonl: steps, median tokens/s (and MFU, peak GPU memory on GPUs)."""
+    import json
+    import statistics
+    from pathlib import Path
+
+    try:
+        metrics_path = Path(checkpoint).parents[3] / "metrics.jsonl"
+        steps = [json.loads(line) for line in metrics_path.read_text().splitlines() if '"loss"' in line]
+    except (OSError, IndexError, ValueError):
+        return None
+    if not steps:
+        return None
+    later = steps[1:] or steps  # the first logged window holds compilation and start-up
+    line = f"{steps[-1]['step']} steps, {statistics.median(m['tokens_per_s'] for m in later):,.0f} tokens/s"
+    if any("mfu" in m for m in later):
+        line += f", MFU {statistics.median(m['mfu'] for m in later if 'mfu' in m):.1%}"
+    if any("peak_mem_gib" in m for m in later):
+        line += f", peak GPU memory {max(m.get('peak_mem_gib', 0) for m in later):.1f} GiB"
+    return line
 
 
 def _stop_endpoint() -> None:
@@ -137,6 +196,22 @@ def run(args) -> int:
 
     started = time.monotonic()
     pool, worker_type, deployment = POOLS[args.backend]
+    try:
+        n_gpus = demo_gpus(str(args.gpus), args.backend)
+    except ValueError as exc:
+        from nemoflow.cli import UserError
+
+        raise UserError(str(exc)) from None
+    params: list[str] = []
+    if n_gpus:
+        import json
+
+        from flows.end_to_end import demo_gpu_config
+        from infra import gpus
+
+        names = gpus.probe().names
+        print(f"GPU demo: {n_gpus} x {names[0]} (a 0.25B Llama; --gpus 0 for the CPU demo)")
+        params = ["--params", json.dumps({"config": demo_gpu_config(n_gpus)})]
     if args.backend == "slurm":
         subprocess.run([sys.executable, "-m", "nemoflow.cli", "local-slurm", "up"], check=True)
     try:
@@ -154,9 +229,12 @@ def run(args) -> int:
     worker_env, key_where, key_shell = endpoint_key() if args.backend == "slurm" else ({}, None, None)
     pl.ensure_worker(pool, worker_type, api, extra_env=worker_env)
 
-    print(f"$ prefect deployment run {deployment} --watch")
+    print(
+        f"$ prefect deployment run {deployment} --watch"
+        + (" --params '{\"config\": <the GPU demo>}'" if params else "")
+    )
     proc = subprocess.Popen(
-        [pl.prefect_bin(), "deployment", "run", deployment, "--watch", "--watch-interval", "1"],
+        [pl.prefect_bin(), "deployment", "run", deployment, *params, "--watch", "--watch-interval", "1"],
         cwd=str(pl.REPO_ROOT),
         env=dict(os.environ, **api.client_env()),
         stdout=subprocess.PIPE,
@@ -195,6 +273,9 @@ def run(args) -> int:
     summary = json.loads(open(summary_uri).read())
     print(f"dataset:     {summary['dataset']}")
     print(f"checkpoint:  {summary['checkpoint']}  (val loss {summary['val_loss']:.3f})")
+    speed = training_speed(summary["checkpoint"])
+    if speed:
+        print(f"training:    {speed}")
     print(f"endpoint:    {summary['endpoint']}  (model {summary['model']})")
     if key_where is not None:
         print(f"api key:     {key_where}; every request sends it:")
