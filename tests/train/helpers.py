@@ -114,7 +114,17 @@ def checkpoints_now(run_dir: Path) -> dict[int, str]:
 
 
 def dcp_problems(path: Path) -> list[str]:
-    """What is wrong with one torch.distributed.checkpoint directory (its .metadata and the data it indexes)."""
+    """What is wrong with one torch.distributed.checkpoint directory: with a ``.metadata`` (AutoModel's optimizer
+    state), every file it indexes is there and long enough for the bytes it records; without one (AutoModel
+    writes the model as Hugging Face safetensors shards, their index in each file's header), every shard's
+    header parses and its tensors' byte ranges fit in the file."""
+    if not (path / ".metadata").exists():
+        shards = sorted(path.glob("*.safetensors"))
+        return (
+            [f"{path.name}: no .metadata and no safetensors shards"]
+            if not shards
+            else [problem for shard in shards for problem in safetensors_problems(shard)]
+        )
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -129,3 +139,19 @@ def dcp_problems(path: Path) -> list[str]:
         elif file.stat().st_size < item.offset + item.length:
             problems.append(f"{path.name}/{item.relative_path}: shorter than its recorded data")
     return sorted(set(problems))
+
+
+def safetensors_problems(file: Path) -> list[str]:
+    """A safetensors file's header (8-byte length, then JSON) parses and every tensor's data lies in the file."""
+    import struct
+
+    try:
+        with open(file, "rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(length))
+    except (OSError, ValueError, struct.error) as exc:
+        return [f"{file.name}: unreadable header ({exc})"]
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if file.stat().st_size < 8 + length + end:
+        return [f"{file.name}: shorter than its tensors ({file.stat().st_size} < {8 + length + end} bytes)"]
+    return []
