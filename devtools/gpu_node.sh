@@ -20,6 +20,8 @@ VENV=$ROOT/venv
 NODE_PYTHON=${NODE_PYTHON:-$(command -v python3)}
 export NEMOFLOW_HOME=$ROOT/home NEMOFLOW_WORK_DIR=$ROOT/work PREFECT_HOME=$ROOT/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+# This copy of the repository, whatever path the editable install recorded (the copy may move between calls).
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # Multi-GPU hosts of this workplace: never NVLink multicast (it can take the host's GPUs down for others).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
@@ -61,13 +63,14 @@ case "$cmd" in
       echo "demo run $run: $(( $(date +%s) - start )) s" | tee -a "$out/demo-times.txt"
     done
     "$VENV/bin/python" -m devtools.gpu_report "$NEMOFLOW_WORK_DIR" "$out" || true
+    cp "$(ls -d "$NEMOFLOW_WORK_DIR"/runs/llama-*/metrics.jsonl | head -1)" "$out/" 2>/dev/null || true
     nemoflow demo --down >/dev/null 2>&1 || true
     ;;
   bench-checkpoints)
     out=${1:?bench-checkpoints OUT}; mkdir -p "$out"
-    "$VENV/bin/python" benchmarks/bench_train_gpu.py --model 1.1b --gpus 1 --steps 30 --warmup 5 --ckpt-every 10 \
-      --compare-no-saves --skip-reference --out "$ROOT/bench-ckpt" 2>&1 | tee "$out/bench-checkpoints.log"
-    cp "$ROOT"/bench-ckpt/*.json "$out/" 2>/dev/null || true
+    "$VENV/bin/python" benchmarks/bench_train_gpu.py --model 1.1b --gpus 1 --steps 40 --warmup 5 --ckpt-every 10 \
+      --compare-no-saves --skip-reference --out "$ROOT/bench-ckpt" "$@" 2>&1 | tee "$out/bench-checkpoints.log"
+    cp "$ROOT"/bench-ckpt/*.json "$ROOT"/bench-ckpt/*.log "$out/" 2>/dev/null || true
     ;;
   test-gpu)
     out=${1:?test-gpu OUT}; mkdir -p "$out"
@@ -75,9 +78,9 @@ case "$cmd" in
     ;;
   bench-moe)
     out=${1:?bench-moe OUT}; mkdir -p "$out"
-    "$VENV/bin/python" benchmarks/bench_train_gpu.py --model moe-0.9b --gpus 1 --steps 20 --warmup 5 --ckpt-every 1000 \
+    "$VENV/bin/python" benchmarks/bench_train_gpu.py --model moe-0.9b --gpus 1 --steps 30 --warmup 5 --ckpt-every 100 \
       --skip-reference --out "$ROOT/bench-moe" "$@" 2>&1 | tee "$out/bench-moe.log"
-    cp "$ROOT"/bench-moe/*.json "$out/" 2>/dev/null || true
+    cp "$ROOT"/bench-moe/*.json "$ROOT"/bench-moe/*.log "$out/" 2>/dev/null || true
     ;;
   *)
     echo "unknown command $cmd" >&2; exit 2 ;;
