@@ -195,16 +195,45 @@ def keep_staging_buffers(cuda: bool) -> None:
     On CPU (the demo, the test suite) the same path runs with what a CPU has: no pinned memory, no CUDA
     stream, the copy in the stager's background thread.
     """
-    import functools
-
     import nemo_automodel.components.checkpoint.checkpointing as checkpointing
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     options = StagingOptions(
         use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=cuda
     )
-    checkpointing.DefaultStager = functools.partial(DefaultStager, options)
+
+    def make_stager():
+        return with_atomic_copies(DefaultStager(options))
+
+    checkpointing.DefaultStager = make_stager
     checkpointing.Checkpointer._release_async_stager = staticmethod(_keep_stager)
+
+
+def with_atomic_copies(stager):
+    """The stager's deep copy treats classes, functions, ranges and properties as atomic, as Python's ``copy``
+    and torch >= 2.13's stager do. torch 2.11's StateDictStager lacks ``type`` in its table, so staging a
+    state that holds a class (reached through an object's ``__reduce_ex__``) fails with ``KeyError: <class
+    'type'>`` (seen on the H200, torch 2.11.0); the entries are added where missing."""
+    import types
+    import weakref
+
+    dispatch = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+    if dispatch is not None:
+        for atomic in (
+            type,
+            range,
+            types.BuiltinFunctionType,
+            types.FunctionType,
+            types.CodeType,
+            weakref.ref,
+            property,
+        ):
+            dispatch.setdefault(atomic, _atomic)
+    return stager
+
+
+def _atomic(x, memo, non_blocking=False):
+    return x
 
 
 def _keep_stager(context) -> None:

@@ -48,3 +48,23 @@ def test_apply_builds_a_cpu_model_through_automodel():
     model = NeMoAutoModelForCausalLM.from_config(config, torch_dtype="float32")
     assert {p.device.type for p in model.parameters()} == {"cpu"}
     assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 128)
+
+
+def test_staging_copies_a_state_that_holds_a_class_even_where_torch_forgot_type():
+    """torch 2.11's checkpoint stager has no ``type`` in its deep-copy table (seen on the H200: KeyError: <class
+    'type'> in the first save); ``with_atomic_copies`` adds it. Here the table is made to lack it, as there."""
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    options = StagingOptions(
+        use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+    )
+    state = {"weight": torch.ones(3), "kind": torch.nn.Linear, "step": 3}
+    bare = DefaultStager(options)
+    bare._state_dict_stager._deepcopy_dispatch.pop(type)
+    with pytest.raises(KeyError):
+        bare.stage(state)
+    fixed = DefaultStager(options)
+    fixed._state_dict_stager._deepcopy_dispatch.pop(type)
+    staged = automodel_shim.with_atomic_copies(fixed).stage(state)
+    assert staged["kind"] is torch.nn.Linear and torch.equal(staged["weight"], state["weight"])
