@@ -202,38 +202,20 @@ def keep_staging_buffers(cuda: bool) -> None:
         use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=cuda
     )
 
-    def make_stager():
-        return with_atomic_copies(DefaultStager(options))
+    class KeptStager(DefaultStager):
+        """A stager that outlives ``close()`` calls made after each save.
 
-    checkpointing.DefaultStager = make_stager
+        torch 2.11's ``async_save`` closes the stager it is handed once a save is written (2.13 closes only
+        stagers it created itself); a closed StateDictStager has cleared its deep-copy table and shut its
+        thread down, so the next save failed (``KeyError: <class 'type'>``, seen on the H200). The buffers
+        are freed with the process, right after training and the export.
+        """
+
+        def close(self) -> None:
+            return None
+
+    checkpointing.DefaultStager = lambda: KeptStager(options)
     checkpointing.Checkpointer._release_async_stager = staticmethod(_keep_stager)
-
-
-def with_atomic_copies(stager):
-    """The stager's deep copy treats classes, functions, ranges and properties as atomic, as Python's ``copy``
-    and torch >= 2.13's stager do. torch 2.11's StateDictStager lacks ``type`` in its table, so staging a
-    state that holds a class (reached through an object's ``__reduce_ex__``) fails with ``KeyError: <class
-    'type'>`` (seen on the H200, torch 2.11.0); the entries are added where missing."""
-    import types
-    import weakref
-
-    dispatch = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
-    if dispatch is not None:
-        for atomic in (
-            type,
-            range,
-            types.BuiltinFunctionType,
-            types.FunctionType,
-            types.CodeType,
-            weakref.ref,
-            property,
-        ):
-            dispatch.setdefault(atomic, _atomic)
-    return stager
-
-
-def _atomic(x, memo, non_blocking=False):
-    return x
 
 
 def _keep_stager(context) -> None:
