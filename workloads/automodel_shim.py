@@ -214,8 +214,40 @@ def keep_staging_buffers(cuda: bool) -> None:
         def close(self) -> None:
             return None
 
-    checkpointing.DefaultStager = lambda: KeptStager(options)
+    checkpointing.DefaultStager = lambda: with_atomic_copies(KeptStager(options))
     checkpointing.Checkpointer._release_async_stager = staticmethod(_keep_stager)
+
+
+def with_atomic_copies(stager):
+    """The stager never deep-copies classes, functions, ranges or properties: they are kept as they are, as
+    Python's ``copy`` and torch 2.13's stager do. torch 2.11's stager failed on a state that holds a class
+    (reached through an object's ``__reduce_ex__``) with ``KeyError: <class 'type'>`` (seen on the H200): its
+    deep-copy table had no entry for it. The entries are added where missing, and the copy itself returns such
+    objects at once, whatever the table holds (the recursive calls go through the instance attribute, so every
+    level of the state passes through it)."""
+    import types
+    import weakref
+
+    atomic = (type, range, types.BuiltinFunctionType, types.FunctionType, types.CodeType, weakref.ref, property)
+    inner = getattr(stager, "_state_dict_stager", None)
+    dispatch = getattr(inner, "_deepcopy_dispatch", None)
+    if dispatch is not None:
+        for kind in atomic:
+            dispatch.setdefault(kind, _atomic)
+    copy = getattr(inner, "deepcopy_with_tensor_offload", None)
+    if copy is not None:
+
+        def deepcopy_with_tensor_offload(x, memo=None, _nil=[], non_blocking=False):  # noqa: B006 - torch's signature
+            if isinstance(x, atomic):
+                return x
+            return copy(x, memo, _nil, non_blocking=non_blocking)
+
+        inner.deepcopy_with_tensor_offload = deepcopy_with_tensor_offload
+    return stager
+
+
+def _atomic(x, memo, non_blocking=False):
+    return x
 
 
 def _keep_stager(context) -> None:

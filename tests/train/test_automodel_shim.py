@@ -61,6 +61,7 @@ def test_kept_stagers_survive_the_close_torch_2_11_calls_after_each_save():
     try:
         automodel_shim.keep_staging_buffers(cuda=False)
         stager = checkpointing.DefaultStager()
+        stager._state_dict_stager._deepcopy_dispatch.pop(type)  # torch 2.11's table: no entry for classes
         state = {"weight": torch.arange(4.0), "kind": torch.nn.Linear, "groups": [{"lr": 0.1}]}
         first = stager.stage(state).result()
         stager.close()  # what torch 2.11 does after the save
@@ -71,3 +72,24 @@ def test_kept_stagers_survive_the_close_torch_2_11_calls_after_each_save():
         assert second["weight"].untyped_storage().data_ptr() == first["weight"].untyped_storage().data_ptr()
     finally:
         checkpointing.DefaultStager, checkpointing.Checkpointer._release_async_stager = saved
+
+
+def test_staging_never_copies_a_class_where_the_table_lacks_type():
+    """The failure on the H200 (torch 2.11): a class in the state met a stager whose deep-copy table had no
+    ``type`` entry. Without the entry (removed here), the state still stages, classes kept as they are."""
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    options = StagingOptions(
+        use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+    )
+    state = {"weight": torch.ones(3), "kind": torch.nn.Linear, "nested": [("adamw", torch.optim.AdamW)]}
+    bare = DefaultStager(options)
+    bare._state_dict_stager._deepcopy_dispatch.pop(type)
+    with pytest.raises(KeyError):
+        bare.stage(state)
+    fixed = automodel_shim.with_atomic_copies(DefaultStager(options))
+    fixed._state_dict_stager._deepcopy_dispatch.pop(type)
+    staged = fixed.stage(state)
+    assert staged["kind"] is torch.nn.Linear and staged["nested"][0][1] is torch.optim.AdamW
+    assert torch.equal(staged["weight"], state["weight"]) and staged["weight"] is not state["weight"]
