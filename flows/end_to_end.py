@@ -85,7 +85,7 @@ def demo_gpu_train_config(gpus: int) -> TrainConfig:
         min_lr=6e-5,
         warmup_steps=min(20, steps // 5),
         val_check_interval=max(1, steps // 3),
-        ckpt_every_n_steps=max(1, steps // 3),
+        ckpt_every_n_steps=steps,  # one save, at the end: a minutes-long run needs no intermediate ones
         limit_val_batches=8,
         save_top_k=2,
         log_every_n_steps=5,

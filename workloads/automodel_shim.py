@@ -234,6 +234,10 @@ def with_atomic_copies(stager):
     if dispatch is not None:
         for kind in atomic:
             dispatch.setdefault(kind, _atomic)
+    if inner is not None and dispatch is not None:
+        # torch 2.11 clears the inner stager after a save (its close() empties the table: the next save then
+        # recursed without end on the H200); it serves every save of the run, so it is never closed.
+        inner.close = lambda: None
     copy = getattr(inner, "deepcopy_with_tensor_offload", None)
     if copy is not None:
 
