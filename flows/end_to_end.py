@@ -296,7 +296,9 @@ def register_checkpoint(config, checkpoint, dataset, report, endpoint, image) ->
 
 def stage_times(flow_run_id) -> list[dict]:
     """Every task run of a flow run and of its subflows (prepare-dataset), oldest first, with its state and the
-    seconds it ran (a Cached stage ran none), as the Prefect API records them."""
+    seconds it ran (a Cached stage ran none), as the Prefect API records them. A subflow's own stages are
+    named with the subflow's flow (``tokenize 4 part(s) (in prepare-dataset)``), and the task run that stands
+    for the subflow call itself is left out (its state is the call's, not its stages')."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
 
@@ -305,10 +307,12 @@ def stage_times(flow_run_id) -> list[dict]:
         children = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[root]))
         )
-        names = {root: None, **{child.id: child.name for child in children}}
+        names = {root: None, **{child.id: client.read_flow(child.flow_id).name for child in children}}
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(names))))
     rows = []
     for run in sorted(runs, key=lambda r: r.expected_start_time or r.created):
+        if run.state and run.state.state_details.child_flow_run_id:
+            continue  # the subflow call: its stages follow
         subflow = names.get(run.flow_run_id)
         rows.append(
             {
