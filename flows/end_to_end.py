@@ -37,7 +37,9 @@ from workloads.train_config import TrainConfig, check_parallelism
 
 
 def demo_train_config() -> TrainConfig:
-    """A 20M-parameter Llama that learns the demo corpus visibly in about a minute on 2 CPU cores."""
+    """A 20M-parameter Llama that learns the demo corpus visibly in about a minute on 2 CPU cores: 40 steps of
+    8 x 256 tokens (the loss falls from 10.4 to about 6.3), validated twice, saved once at the end (a
+    background writer for three 80 MB saves cost the 2 cores more than it saved)."""
     return TrainConfig(
         arch="llama",
         hidden_size=256,
@@ -47,12 +49,12 @@ def demo_train_config() -> TrainConfig:
         seq_length=256,
         global_batch_size=8,
         micro_batch_size=8,
-        max_steps=60,
+        max_steps=40,
         lr=1e-3,
         min_lr=1e-4,
         warmup_steps=5,
         val_check_interval=20,
-        ckpt_every_n_steps=20,
+        ckpt_every_n_steps=40,
         limit_val_batches=4,
         save_top_k=2,
         log_every_n_steps=5,

@@ -152,7 +152,7 @@ def _make_given(name: str, cwd: Path, home: Path, tokenizer: Path, chapters: lis
     elif name == "the demo's checkpoint":
         from tests.serve.conftest import build_tiny_checkpoint
 
-        dest = home / ".nemoflow/work/runs/llama-readme0000/checkpoints/epoch_0_step_59/model/consolidated"
+        dest = home / ".nemoflow/work/runs/llama-readme0000/checkpoints/epoch_0_step_39/model/consolidated"
         dest.mkdir(parents=True)
         build_tiny_checkpoint(dest, tokenizer)
     else:
