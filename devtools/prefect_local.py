@@ -704,3 +704,31 @@ def ui_url(api: PrefectApi | str, flow_run_id: str) -> str:
     base = (api.url if isinstance(api, PrefectApi) else api).rstrip("/")
     base = base[: -len("/api")] if base.endswith("/api") else base
     return f"{base}/runs/flow-run/{flow_run_id}"
+
+
+def run_deployment(
+    api: PrefectApi, deployment: str, params: list[str] | None = None, on_run=None
+) -> tuple[str | None, int]:
+    """``prefect deployment run DEPLOYMENT [--params ...] --watch``, its output passed through line by line:
+    (the flow run's id, the command's exit code). ``on_run(flow_run_id)`` is called once the run exists."""
+    import re
+
+    proc = subprocess.Popen(
+        [prefect_bin(), "deployment", "run", deployment, *(params or []), "--watch", "--watch-interval", "1"],
+        cwd=str(REPO_ROOT),
+        env=_env(**api.client_env()),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    flow_run_id = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        match = re.search(r"UUID:\s*([0-9a-f-]{36})", line)
+        if match and flow_run_id is None:
+            flow_run_id = match.group(1)
+            if on_run is not None:
+                on_run(flow_run_id)
+    return flow_run_id, proc.wait()

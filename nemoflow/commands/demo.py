@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import time
@@ -233,23 +232,12 @@ def run(args) -> int:
         f"$ prefect deployment run {deployment} --watch"
         + (" --params '{\"config\": <the GPU demo>}'" if params else "")
     )
-    proc = subprocess.Popen(
-        [pl.prefect_bin(), "deployment", "run", deployment, *params, "--watch", "--watch-interval", "1"],
-        cwd=str(pl.REPO_ROOT),
-        env=dict(os.environ, **api.client_env()),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    flow_run_id, code = pl.run_deployment(
+        api,
+        deployment,
+        params,
+        on_run=lambda run_id: print(f"\n  watch it in the UI: {pl.ui_url(api, run_id)}\n"),
     )
-    flow_run_id = None
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        print(line, end="")
-        match = re.search(r"UUID:\s*([0-9a-f-]{36})", line)
-        if match and flow_run_id is None:
-            flow_run_id = match.group(1)
-            print(f"\n  watch it in the UI: {pl.ui_url(api, flow_run_id)}\n")
-    code = proc.wait()
     elapsed = time.monotonic() - started
     if flow_run_id is None:
         print("could not start the deployment run", file=sys.stderr)

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
-import sys
 import time
 
 DESCRIPTION = """\
@@ -101,7 +98,7 @@ def run(args) -> int:
         while True:
             if args.wait:
                 wait_for_slot(deadline, args.poll)
-            flow_run_id, code = _run_and_watch(args.deployment, api)
+            flow_run_id, code = pl.run_deployment(api, args.deployment)
             if flow_run_id is None:
                 return code or 1
             from prefect import get_client
@@ -113,26 +110,3 @@ def run(args) -> int:
                 print("another refresh took the slot first; waiting again")
                 continue
             return 0 if state is not None and state.is_completed() else (code or 1)
-
-
-def _run_and_watch(deployment: str, api) -> tuple[str | None, int]:
-    """``prefect deployment run DEPLOYMENT --watch`` with its output passed through: (flow run id, exit code)."""
-    from devtools import prefect_local as pl
-
-    proc = subprocess.Popen(
-        [pl.prefect_bin(), "deployment", "run", deployment, "--watch", "--watch-interval", "1"],
-        cwd=str(pl.REPO_ROOT),
-        env=pl._env(**api.client_env()),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    flow_run_id = None
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        sys.stdout.write(line)
-        sys.stdout.flush()
-        match = re.search(r"UUID:\s*([0-9a-f-]{36})", line)
-        if match and flow_run_id is None:
-            flow_run_id = match.group(1)
-    return flow_run_id, proc.wait()
