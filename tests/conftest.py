@@ -7,10 +7,14 @@ start them lazily, the first time a test asks.
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -25,6 +29,130 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
+
+# ---------------------------------------------------------------- one session per process
+#
+# scripts/test.sh runs pytest under pytest-xdist (``-n 4 --dist loadgroup``): every worker is a
+# session of its own, with its own Prefect server and GCS emulator (the fixtures below). Machine-wide
+# state gets a private place per process too, set here before anything imports Prefect: PREFECT_HOME
+# (the SQLite database of ephemeral servers, the profile that `prefect_local` records the API in,
+# concurrency leases) and NEMOFLOW_HOME (pid files, logs, the stage cache). Without it two workers
+# share ~/.prefect/prefect.db ("database is locked") and the user's profile leaks into the tests.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+SESSION_STATE = Path(tempfile.mkdtemp(prefix=f"nemoflow-tests-{WORKER}-"))
+os.environ["PREFECT_HOME"] = str(SESSION_STATE / "prefect-home")
+os.environ["NEMOFLOW_HOME"] = str(SESSION_STATE / "nemoflow-home")
+atexit.register(shutil.rmtree, SESSION_STATE, True)  # registered first, runs last (after Prefect's own)
+
+# Tests that must share one worker, by what they use (scripts/test.sh runs ``pytest -n 4``; tests/conftest.py's
+# scheduler below sends each group to one worker):
+# - "slurm": the one-machine Slurm cluster has 2 CPUs and one node that a test may set DOWN; two tests' jobs
+#   would wait for each other's CPUs (a flow-run job holding one while its stage job wants two waits forever).
+# - "podman": the CPU image, built once (minutes on a fresh machine) in one podman store.
+# - "train-reference": the reference training run that the training tests compare against, trained once.
+# - "control-plane": tests/faults' private Prefect server, pool and worker, started once.
+# - any module with a module-scoped fixture of its own (a served model, a trained run): its module, so the
+#   fixture is made once.
+# A test given an ``xdist_group`` marker by hand keeps it. The groups run first, in GROUP_ORDER and then the
+# ones with the most slow tests (each holds a worker until it is done), then the slow single tests, then the rest.
+GROUP_FIXTURES = {
+    "slurm_cluster": "slurm",
+    "nemoflow_image": "podman",
+    "shipped_image": "podman",
+    "reference_run": "train-reference",
+    "control_plane": "control-plane",
+}
+GROUP_ORDER = ("slurm", "podman", "train-reference", "control-plane")
+# Fixtures that make a test slow whatever its body does (marked here, so the quick tier never waits on them).
+SLOW_FIXTURES = ("reference_run", "nemoflow_image", "shipped_image", "control_plane", "cpt_env")
+GROUP_KEY = pytest.StashKey[str]()
+GROUPS_ENV = "NEMOFLOW_XDIST_GROUPS"  # the file where workers leave the test -> group table for the scheduler
+
+
+def xdist_group_of(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    if marker is not None:
+        return str(marker.args[0] if marker.args else marker.kwargs.get("name", "default"))
+    if item.get_closest_marker("slurm"):
+        return "slurm"
+    for fixture, group in GROUP_FIXTURES.items():
+        if fixture in item.fixturenames:
+            return group
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in info.name2fixturedefs.values() if info else ():
+        if any(d.scope == "module" and d.baseid.startswith("tests/") for d in defs):
+            return item.nodeid.split("::", 1)[0]
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests of SLOW_FIXTURES slow; under xdist, group the tests (above) and order the run."""
+    for item in items:
+        if not item.get_closest_marker("slow") and any(name in item.fixturenames for name in SLOW_FIXTURES):
+            item.add_marker(pytest.mark.slow)
+    if WORKER == "main":
+        return  # a plain run keeps pytest's order
+    groups: dict[str, list[pytest.Item]] = {}
+    singles: list[pytest.Item] = []
+    for item in items:
+        group = xdist_group_of(item)
+        if group is None:
+            singles.append(item)
+            continue
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(group))
+        item.stash[GROUP_KEY] = group
+        groups.setdefault(group, []).append(item)
+
+    def rank(name: str) -> tuple:
+        slow = sum(1 for i in groups[name] if i.get_closest_marker("slow"))
+        return (GROUP_ORDER.index(name) if name in GROUP_ORDER else len(GROUP_ORDER), -slow, -len(groups[name]))
+
+    ordered = [item for name in sorted(groups, key=rank) for item in groups[name]]
+    ordered += sorted(singles, key=lambda i: i.get_closest_marker("slow") is None)  # stable: file order within
+    items[:] = ordered
+
+
+def pytest_configure(config):
+    if WORKER == "main":
+        os.environ[GROUPS_ENV] = str(SESSION_STATE / "xdist-groups.json")  # the workers inherit it
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session):
+    """A worker writes the test -> group table before it reports its collection (every worker's is the same)."""
+    path = os.environ.get(GROUPS_ENV)
+    if WORKER == "main" or not path:
+        return
+    table = {item.nodeid: item.stash[GROUP_KEY] for item in session.items if GROUP_KEY in item.stash}
+    tmp = Path(f"{path}.{WORKER}")
+    tmp.write_text(json.dumps(table))
+    os.replace(tmp, path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` that reads the groups from the workers' table, in the workers' order.
+
+    pytest-xdist's own loadgroup finds a test's group in a suffix it appends to the node id; pytest 9.2 ignores
+    that assignment and every test becomes its own unit (pytest-dev/pytest-xdist#1386). A scope per group is
+    what LoadScopeScheduling distributes: one worker runs a whole group, the others take what is left.
+    """
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        table: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.table is None:
+                self.table = json.loads(Path(os.environ[GROUPS_ENV]).read_text())
+            return self.table.get(nodeid, nodeid)
+
+    config.option.loadscopereorder = False  # keep the order the workers collected in (groups first)
+    return GroupScheduling(config, log)
 
 
 def free_port() -> int:
