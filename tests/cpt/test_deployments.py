@@ -21,6 +21,7 @@ def _prefect(args: list[str], env: dict) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 def test_nightly_schedule_and_concurrency_limit_are_registered(prefect_server, work_dir):
     env = dict(os.environ, PREFECT_API_URL=prefect_server, NEMOFLOW_WORK_DIR=str(work_dir))
     _prefect(["work-pool", "create", "local", "--type", "process", "--overwrite"], env)
