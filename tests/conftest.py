@@ -8,6 +8,7 @@ start them lazily, the first time a test asks.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -32,7 +33,7 @@ VENV_BIN = Path(sys.executable).parent
 
 # ---------------------------------------------------------------- one session per process
 #
-# scripts/test.sh runs pytest under pytest-xdist (``-n 4 --dist loadgroup``): every worker is a
+# scripts/test.sh runs pytest under pytest-xdist (``-n 6 --dist loadgroup``): every worker is a
 # session of its own, with its own Prefect server and GCS emulator (the fixtures below). Machine-wide
 # state gets a private place per process too, set here before anything imports Prefect: PREFECT_HOME
 # (the SQLite database of ephemeral servers, the profile that `prefect_local` records the API in,
@@ -43,8 +44,13 @@ SESSION_STATE = Path(tempfile.mkdtemp(prefix=f"nemoflow-tests-{WORKER}-"))
 os.environ["PREFECT_HOME"] = str(SESSION_STATE / "prefect-home")
 os.environ["NEMOFLOW_HOME"] = str(SESSION_STATE / "nemoflow-home")
 atexit.register(shutil.rmtree, SESSION_STATE, True)  # registered first, runs last (after Prefect's own)
+# The Slurm tests are the longest lane (about 11 minutes alone, much of it in jobs on the cluster). slurmd starts
+# jobs at its own priority (nice 0): xdist workers run a little nicer, so those jobs get a core when they need one
+# while 6 workers share the 2 cores. NEMOFLOW_TEST_WORKER_NICE=0 turns it off.
+if WORKER != "main":
+    os.nice(int(os.environ.get("NEMOFLOW_TEST_WORKER_NICE", "5")))
 
-# Tests that must share one worker, by what they use (scripts/test.sh runs ``pytest -n 4``; tests/conftest.py's
+# Tests that must share one worker, by what they use (scripts/test.sh runs ``pytest -n 6``; the
 # scheduler below sends each group to one worker):
 # - "slurm": the one-machine Slurm cluster has 2 CPUs and one node that a test may set DOWN; two tests' jobs
 #   would wait for each other's CPUs (a flow-run job holding one while its stage job wants two waits forever).
@@ -117,6 +123,18 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     if WORKER == "main":
         os.environ[GROUPS_ENV] = str(SESSION_STATE / "xdist-groups.json")  # the workers inherit it
+
+
+def pytest_unconfigure(config):
+    """Stop the temporary Prefect server a test without ``prefect_server`` made Prefect start.
+
+    Prefect stops it at exit, but its "Stopping temporary server" log line can fail on a closed stream (seen:
+    wandb's console capture) and the server then outlives the session, one per xdist worker.
+    """
+    server = sys.modules.get("prefect.server.api.server")
+    for instance in list(getattr(getattr(server, "SubprocessASGIServer", None), "_instances", {}).values()):
+        with contextlib.suppress(Exception):
+            instance.stop()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -247,7 +265,8 @@ def prefect_server(tmp_path_factory):
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    wait_http(api + "/health", 90, proc, log)
+    # ~10 s alone; longer while every xdist worker starts its own at once on 2 cores
+    wait_http(api + "/health", 180, proc, log)
     os.environ["PREFECT_API_URL"] = api
     os.environ["PREFECT_HOME"] = str(home)
     with temporary_settings(updates={PREFECT_API_URL: api, PREFECT_HOME: str(home)}):
@@ -303,7 +322,7 @@ def postgres_prefect_server(tmp_path_factory):
         start_new_session=True,
     )
     try:
-        wait_http(api + "/health", 120, proc, log)
+        wait_http(api + "/health", 180, proc, log)
         yield PostgresPrefect(api, database, pg)
     finally:
         _stop(proc)
