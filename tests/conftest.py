@@ -135,6 +135,22 @@ def pytest_unconfigure(config):
     for instance in list(getattr(getattr(server, "SubprocessASGIServer", None), "_instances", {}).values()):
         with contextlib.suppress(Exception):
             instance.stop()
+    for pid in _children_running(b"prefect.server.api.server:create_app"):  # any Prefect lost track of
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 15)
+
+
+def _children_running(marker: bytes) -> list[int]:
+    """This process's child processes whose command line contains ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == os.getpid() and marker in Path(f"/proc/{entry}/cmdline").read_bytes():
+                found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 @pytest.hookimpl(tryfirst=True)
