@@ -7,10 +7,15 @@ start them lazily, the first time a test asks.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -27,6 +32,163 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
+
+# ---------------------------------------------------------------- one session per process
+#
+# scripts/test.sh runs pytest under pytest-xdist (``-n 6 --dist loadgroup``): every worker is a
+# session of its own, with its own Prefect server and GCS emulator (the fixtures below). Machine-wide
+# state gets a private place per process too, set here before anything imports Prefect: PREFECT_HOME
+# (the SQLite database of ephemeral servers, the profile that `prefect_local` records the API in,
+# concurrency leases) and NEMOFLOW_HOME (pid files, logs, the stage cache). Without it two workers
+# share ~/.prefect/prefect.db ("database is locked") and the user's profile leaks into the tests.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+SESSION_STATE = Path(tempfile.mkdtemp(prefix=f"nemoflow-tests-{WORKER}-"))
+os.environ["PREFECT_HOME"] = str(SESSION_STATE / "prefect-home")
+os.environ["NEMOFLOW_HOME"] = str(SESSION_STATE / "nemoflow-home")
+atexit.register(shutil.rmtree, SESSION_STATE, True)  # registered first, runs last (after Prefect's own)
+# The Slurm tests are the longest lane (about 11 minutes alone, much of it in jobs on the cluster). slurmd starts
+# jobs at its own priority (nice 0): xdist workers run a little nicer, so those jobs get a core when they need one
+# while 6 workers share the 2 cores. NEMOFLOW_TEST_WORKER_NICE=0 turns it off.
+if WORKER != "main":
+    os.nice(int(os.environ.get("NEMOFLOW_TEST_WORKER_NICE", "5")))
+
+# Tests that must share one worker, by what they use (scripts/test.sh runs ``pytest -n 6``; the
+# scheduler below sends each group to one worker):
+# - "slurm": the one-machine Slurm cluster has 2 CPUs and one node that a test may set DOWN; two tests' jobs
+#   would wait for each other's CPUs (a flow-run job holding one while its stage job wants two waits forever).
+# - "podman": the CPU image, built once (minutes on a fresh machine) in one podman store.
+# - "train-reference": the reference training run that the training tests compare against, trained once.
+# - "control-plane": tests/faults' private Prefect server, pool and worker, started once.
+# - any module with a module-scoped fixture of its own (a served model, a trained run): its module, so the
+#   fixture is made once.
+# A test given an ``xdist_group`` marker by hand keeps it. The groups run first, in GROUP_ORDER and then the
+# ones with the most slow tests (each holds a worker until it is done), then the slow single tests, then the rest.
+GROUP_FIXTURES = {
+    "slurm_cluster": "slurm",
+    "nemoflow_image": "podman",
+    "shipped_image": "podman",
+    "reference_run": "train-reference",
+    "control_plane": "control-plane",
+}
+GROUP_ORDER = ("slurm", "podman", "train-reference", "control-plane")
+# Fixtures that make a test slow whatever its body does (marked here, so the quick tier never waits on them).
+SLOW_FIXTURES = ("reference_run", "nemoflow_image", "shipped_image", "control_plane", "cpt_env")
+GROUP_KEY = pytest.StashKey[str]()
+GROUPS_ENV = "NEMOFLOW_XDIST_GROUPS"  # the file where workers leave the test -> group table for the scheduler
+
+
+def xdist_group_of(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    if marker is not None:
+        return str(marker.args[0] if marker.args else marker.kwargs.get("name", "default"))
+    if item.get_closest_marker("slurm"):
+        return "slurm"
+    for fixture, group in GROUP_FIXTURES.items():
+        if fixture in item.fixturenames:
+            return group
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in info.name2fixturedefs.values() if info else ():
+        if any(d.scope == "module" and d.baseid.startswith("tests/") for d in defs):
+            return item.nodeid.split("::", 1)[0]
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests of SLOW_FIXTURES slow; under xdist, group the tests (above) and order the run."""
+    for item in items:
+        if not item.get_closest_marker("slow") and any(name in item.fixturenames for name in SLOW_FIXTURES):
+            item.add_marker(pytest.mark.slow)
+    if WORKER == "main":
+        return  # a plain run keeps pytest's order
+    groups: dict[str, list[pytest.Item]] = {}
+    singles: list[pytest.Item] = []
+    for item in items:
+        group = xdist_group_of(item)
+        if group is None:
+            singles.append(item)
+            continue
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(group))
+        item.stash[GROUP_KEY] = group
+        groups.setdefault(group, []).append(item)
+
+    def rank(name: str) -> tuple:
+        slow = sum(1 for i in groups[name] if i.get_closest_marker("slow"))
+        return (GROUP_ORDER.index(name) if name in GROUP_ORDER else len(GROUP_ORDER), -slow, -len(groups[name]))
+
+    ordered = [item for name in sorted(groups, key=rank) for item in groups[name]]
+    ordered += sorted(singles, key=lambda i: i.get_closest_marker("slow") is None)  # stable: file order within
+    items[:] = ordered
+
+
+def pytest_configure(config):
+    if WORKER == "main":
+        os.environ[GROUPS_ENV] = str(SESSION_STATE / "xdist-groups.json")  # the workers inherit it
+
+
+def pytest_unconfigure(config):
+    """Stop the temporary Prefect server a test without ``prefect_server`` made Prefect start.
+
+    Prefect stops it at exit, but its "Stopping temporary server" log line can fail on a closed stream (seen:
+    wandb's console capture) and the server then outlives the session, one per xdist worker.
+    """
+    server = sys.modules.get("prefect.server.api.server")
+    for instance in list(getattr(getattr(server, "SubprocessASGIServer", None), "_instances", {}).values()):
+        with contextlib.suppress(Exception):
+            instance.stop()
+    for pid in _children_running(b"prefect.server.api.server:create_app"):  # any Prefect lost track of
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 15)
+
+
+def _children_running(marker: bytes) -> list[int]:
+    """This process's child processes whose command line contains ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == os.getpid() and marker in Path(f"/proc/{entry}/cmdline").read_bytes():
+                found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session):
+    """A worker writes the test -> group table before it reports its collection (every worker's is the same)."""
+    path = os.environ.get(GROUPS_ENV)
+    if WORKER == "main" or not path:
+        return
+    table = {item.nodeid: item.stash[GROUP_KEY] for item in session.items if GROUP_KEY in item.stash}
+    tmp = Path(f"{path}.{WORKER}")
+    tmp.write_text(json.dumps(table))
+    os.replace(tmp, path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` that reads the groups from the workers' table, in the workers' order.
+
+    pytest-xdist's own loadgroup finds a test's group in a suffix it appends to the node id; pytest 9.2 ignores
+    that assignment and every test becomes its own unit (pytest-dev/pytest-xdist#1386). A scope per group is
+    what LoadScopeScheduling distributes: one worker runs a whole group, the others take what is left.
+    """
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        table: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.table is None:
+                self.table = json.loads(Path(os.environ[GROUPS_ENV]).read_text())
+            return self.table.get(nodeid, nodeid)
+
+    config.option.loadscopereorder = False  # keep the order the workers collected in (groups first)
+    return GroupScheduling(config, log)
 
 
 def free_port() -> int:
@@ -121,7 +283,8 @@ def prefect_server(tmp_path_factory):
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    wait_http(api + "/health", 90, proc, log)
+    # ~10 s alone; longer while every xdist worker starts its own at once on 2 cores
+    wait_http(api + "/health", 180, proc, log)
     os.environ["PREFECT_API_URL"] = api
     os.environ["PREFECT_HOME"] = str(home)
     with temporary_settings(updates={PREFECT_API_URL: api, PREFECT_HOME: str(home)}):
@@ -178,7 +341,7 @@ def postgres_prefect_server(tmp_path_factory):
         start_new_session=True,
     )
     try:
-        wait_http(api + "/health", 120, proc, log)
+        wait_http(api + "/health", 180, proc, log)
         yield PostgresPrefect(api, database, pg)
     finally:
         _stop(proc)

@@ -58,6 +58,7 @@ def test_a_users_script_trains_from_the_contract_and_the_newest_checkpoint_is_fo
 
 
 @pytest.mark.prefect
+@pytest.mark.slow
 def test_a_checkpoint_in_another_layout_is_converted_by_the_converter(prefect_server, work_dir, small_dataset):
     import torch
     from transformers import AutoModelForCausalLM

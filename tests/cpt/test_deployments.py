@@ -22,6 +22,7 @@ def _prefect(args: list[str], env: dict) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 def test_nightly_schedule_is_registered_and_no_deployment_limit_cancels_runs(prefect_server, work_dir):
     env = dict(os.environ, PREFECT_API_URL=prefect_server, NEMOFLOW_WORK_DIR=str(work_dir))
     _prefect(["work-pool", "create", "local", "--type", "process", "--overwrite"], env)

@@ -53,6 +53,7 @@ def _run(config: PrepareConfig):
     return state.result(), state.state_details.flow_run_id
 
 
+@pytest.mark.slow
 def test_demo_dataset_matches_megatron_reader_and_blend(prefect_server, work_dir, mixtral_tokenizer_model):
     dataset, _ = _run(PrepareConfig())
 
@@ -79,6 +80,7 @@ def test_demo_dataset_matches_megatron_reader_and_blend(prefect_server, work_dir
     assert sum(read_index_counts(p)[1] for p in dataset.prefixes) == dataset.tokens
 
 
+@pytest.mark.slow
 def test_gpt_dataset_builds_from_the_blend(prefect_server, work_dir):
     dataset, _ = _run(PrepareConfig())
     import torch.distributed as dist
@@ -112,6 +114,7 @@ def test_gpt_dataset_builds_from_the_blend(prefect_server, work_dir):
     assert sample["tokens"].shape[0] == 128 and len(train) >= 64 and len(valid) >= 8
 
 
+@pytest.mark.slow
 def test_rerun_is_cached_and_added_shards_are_processed_alone(prefect_server, work_dir, tmp_path):
     source = tmp_path / "src"
     write_slimpajama_layout(source, chunks=1, shards_per_chunk=4)
@@ -225,6 +228,7 @@ def test_corrupt_shard_is_fetched_again_once_then_fails_naming_it(prefect_server
     assert gets == 2, f"{gets} downloads: expected the first and one re-fetch"
 
 
+@pytest.mark.slow
 def test_malformed_line_names_file_and_line_and_finished_parts_survive(prefect_server, work_dir, tmp_path):
     good = tmp_path / "good.jsonl"
     bad = tmp_path / "bad.jsonl"
@@ -274,6 +278,7 @@ def test_blend_weights_follow_auto_blend():
 # ----------------------------------------------------------------------------- at scale: batches, failures, kills
 
 
+@pytest.mark.slow
 def test_outputs_equal_the_primitives_applied_in_order(prefect_server, work_dir, tmp_path, mixtral_tokenizer_model):
     """Parts hold the shards in source order (chunk, then shard), N per part; their bytes are what
     extract + concatenate + tokenize give when run by hand: the batching changes no output byte."""

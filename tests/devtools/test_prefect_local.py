@@ -37,7 +37,9 @@ def shell_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def run(argv: list[str], env: dict[str, str], cwd: Path = REPO, timeout: float = 180) -> subprocess.CompletedProcess:
+# a safety net, not what is tested: `nemoflow deploy` takes ~70 s alone and 3-4x that on a 2-core machine
+# shared with 5 other pytest-xdist workers
+def run(argv: list[str], env: dict[str, str], cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 

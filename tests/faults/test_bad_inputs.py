@@ -15,6 +15,7 @@ from infra import storage
 
 
 @pytest.mark.prefect
+@pytest.mark.slow
 def test_empty_source_fails_the_tokenize_stage_naming_it_unless_allowed(prefect_server, work_dir, tmp_path):
     good = tmp_path / "good.jsonl"
     empty = tmp_path / "empty.jsonl"
@@ -36,6 +37,7 @@ def test_empty_source_fails_the_tokenize_stage_naming_it_unless_allowed(prefect_
 
 
 @pytest.mark.prefect
+@pytest.mark.slow
 def test_line_over_the_limit_fails_the_tokenize_stage_naming_shard_line_and_limit(prefect_server, work_dir, tmp_path):
     """max_line_bytes reaches the tokenize job through PrepareConfig; the error names the source shard's line."""
     src = tmp_path / "long.jsonl"

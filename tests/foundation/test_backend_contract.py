@@ -70,6 +70,7 @@ def test_doctests_of_the_contract_modules():
         assert failures == 0, name
 
 
+@pytest.mark.slow
 def test_local_backend_runs_a_distributed_job_under_torchrun(tmp_path):
     spec = workload_job(
         "ranks", "tests.support.ranks", [str(tmp_path)], nproc_per_node=2, resources=Resources(cpus_per_task=1)

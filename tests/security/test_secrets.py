@@ -64,7 +64,8 @@ def test_allowed_values_pass_both_the_validator_and_the_schema_pattern(value):
     jsonschema.validate(value, {"type": "string", "pattern": secrets.NO_CREDENTIALS_PATTERN})
 
 
-@pytest.mark.parametrize(("value", "named"), list(REFUSED.items()))
+# ids without the random TOKEN: every pytest-xdist worker must collect the same test names
+@pytest.mark.parametrize(("value", "named"), list(REFUSED.items()), ids=[v.replace(TOKEN, "TOKEN") for v in REFUSED])
 def test_literal_credentials_are_refused_by_both_without_being_repeated(value, named):
     with pytest.raises(CredentialInParameter) as info:
         check_no_credentials(value, "sources[0]")

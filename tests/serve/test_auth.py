@@ -118,6 +118,7 @@ def test_unset_key_variable_fails_at_start_naming_it(tiny_checkpoint, tmp_path):
     assert "the environment variable NEMOFLOW_NO_SUCH_VARIABLE is not set" in (tmp_path / "log").read_text()
 
 
+@pytest.mark.slow
 def test_all_interfaces_without_a_key_needs_the_opt_out(tiny_checkpoint, tmp_path):
     refused, _ = start(tiny_checkpoint, tmp_path / "refused.log", {}, host="0.0.0.0")
     assert refused.wait(timeout=60) != 0

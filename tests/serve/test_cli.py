@@ -21,6 +21,7 @@ def cleanup(work_dir):
         services.stop_service(entry.name, grace_s=1)
 
 
+@pytest.mark.slow
 def test_start_status_list_stop(work_dir, cleanup, tiny_checkpoint, capsys):
     port = free_port()
     args = ["serve", "start", "--checkpoint", str(tiny_checkpoint), "--port", str(port), "--model-name", "Tiny Llama"]
@@ -50,6 +51,7 @@ def test_start_status_list_stop(work_dir, cleanup, tiny_checkpoint, capsys):
     assert not services.pid_alive(status["pid"])
 
 
+@pytest.mark.slow
 def test_unloadable_checkpoint_fails_with_the_reason(work_dir, cleanup, tiny_checkpoint, tmp_path, capsys):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_checkpoint, broken)
@@ -95,6 +97,7 @@ def test_gs_checkpoint_is_copied_once_and_refreshed_on_change(work_dir, gcs_buck
         local_checkpoint(uri)
 
 
+@pytest.mark.slow
 def test_start_with_a_key_and_smoke_it(work_dir, cleanup, tiny_checkpoint, capsys, monkeypatch):
     import secrets
 

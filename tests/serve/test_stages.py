@@ -169,6 +169,7 @@ def smoke_down(endpoint: EndpointRef):
     return smoke_test(endpoint, retry_s=3)
 
 
+@pytest.mark.slow
 def test_smoke_failure_that_persists_names_the_endpoint_and_log(prefect_server, work_dir, cleanup, tmp_path):
     from prefect.artifacts import Artifact
 
@@ -190,6 +191,7 @@ def smoke_keyed(endpoint: EndpointRef, key_env: str):
     return smoke_test(endpoint, max_tokens=6, api_key_env=key_env)
 
 
+@pytest.mark.slow
 def test_smoke_sends_the_key_and_keeps_it_out_of_artifacts_and_logs(
     prefect_server, work_dir, cleanup, tiny_checkpoint, tmp_path, monkeypatch, caplog
 ):

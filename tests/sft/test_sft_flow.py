@@ -84,6 +84,7 @@ def test_sft_fine_tunes_checks_and_registers_with_the_parent(prefect_server, reg
     assert len(reg.ModelRegistry(registry_uri).read().models) == 2
 
 
+@pytest.mark.slow
 def test_the_check_fails_when_the_model_did_not_learn(tmp_path, base_model):
     """The base model itself, presented as the fine-tuned one: its loss is not below the base's."""
     from workloads import chat_data

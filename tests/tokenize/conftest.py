@@ -10,6 +10,7 @@ ranks, ends with. The sdist is cached under ~/.cache/nemoflow-test.
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import subprocess
@@ -70,6 +71,15 @@ def gpt2_files() -> tuple[Path, Path]:
     """(gpt2-vocab.json, gpt2-merges.txt), rebuilt from openai-whisper's sdist."""
     out = CACHE / "gpt2"
     vocab, merges = out / "gpt2-vocab.json", out / "gpt2-merges.txt"
+    if vocab.exists() and merges.exists():
+        return vocab, merges
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / "gpt2.lock", "w") as lock:  # pytest-xdist workers: one downloads and builds, the others wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_gpt2_files(out, vocab, merges)
+
+
+def _build_gpt2_files(out: Path, vocab: Path, merges: Path) -> tuple[Path, Path]:
     if vocab.exists() and merges.exists():
         return vocab, merges
     sdists = sorted((CACHE / "whisper-sdist").glob("openai_whisper-*.tar.gz"))

@@ -68,6 +68,7 @@ def test_check_names_the_split_the_prefix_and_the_fixes(refresh_sized):
     check_splits(blend, "98,1,1", ("train", "validation"), valid_data_prefix=[blend[1]])
 
 
+@pytest.mark.slow
 def test_trainer_fails_fast_instead_of_hanging(refresh_sized, tmp_path):
     """Before the check: no output for good (killed by the timeout here). Now: exit 2 and one line, at once."""
     config = write_config(tiny_config(refresh_sized, tmp_path / "run", max_steps=2), tmp_path / "run.json")
@@ -94,6 +95,7 @@ def test_trainer_fails_fast_instead_of_hanging(refresh_sized, tmp_path):
     assert check.returncode == 2 and "leaves the validation split" in check.stderr
 
 
+@pytest.mark.slow
 def test_megatron_core_reader_fails_fast_too(refresh_sized, tmp_path):
     """build_datasets (the checkpoint validator's reader) builds every split with a share, asked for or not."""
     code = (

@@ -193,6 +193,7 @@ def test_crash_during_save_leaves_no_complete_checkpoint(tmp_path, train_dataset
     assert deterministic_part(read_metrics(run_dir)) == deterministic_part(reference_run["metrics"])
 
 
+@pytest.mark.slow
 def test_out_of_memory_exits_75_and_backend_reports_it(tmp_path, train_dataset):
     from infra.jobs import ExitCode
 
@@ -216,6 +217,7 @@ def test_out_of_memory_exits_75_and_backend_reports_it(tmp_path, train_dataset):
     ), lines
 
 
+@pytest.mark.slow
 def test_bad_inputs_fail_before_training_with_clear_errors(tmp_path, train_dataset):
     missing = tiny_config(
         train_dataset, tmp_path / "run", data_prefix=[0.5, train_dataset["prefixes"][0], 0.5, str(tmp_path / "nope")]
@@ -246,6 +248,7 @@ def test_bad_inputs_fail_before_training_with_clear_errors(tmp_path, train_datas
     assert "asks for 2 training processes" in proc.stderr and "--nproc-per-node 2" in proc.stderr
 
 
+@pytest.mark.slow
 def test_mixtral_run_reports_to_wandb_only_with_key(tmp_path, train_dataset, reference_run, fake_wandb):
     """A tiny Mixtral (MoE) trains through the same engine, with WANDB_API_KEY set; the reference run had none."""
     calls = fake_wandb["calls"]
