@@ -9,6 +9,7 @@
 #   devtools/gpu_node.sh bench-checkpoints OUT   # 1.1B: a save every 10 steps against none (issue 21)
 #   devtools/gpu_node.sh test-gpu OUT            # the tests marked `gpu` (resume on the GPU)
 #   devtools/gpu_node.sh bench-moe OUT           # the Mixtral-shaped MoE, today's path against grouped GEMM
+#   devtools/gpu_node.sh profile-saves OUT       # 1.1B, two saves: cProfile of what each save blocks on
 #
 # Everything lives under /tmp (the venv, NEMOFLOW_HOME, the work dir): on the lent machines files under /tmp
 # survive between calls while the machine stays warm, and the repository copy does not. The node's Python is
@@ -81,6 +82,15 @@ case "$cmd" in
     "$VENV/bin/python" benchmarks/bench_train_gpu.py --model moe-0.9b --gpus 1 --steps 30 --warmup 5 --ckpt-every 100 \
       --skip-reference --out "$ROOT/bench-moe" "$@" 2>&1 | tee "$out/bench-moe.log" || true
     cp "$ROOT"/bench-moe/*.json "$ROOT"/bench-moe/*.log "$out/" 2>/dev/null || true
+    ;;
+  profile-saves)
+    out=${1:?profile-saves OUT}; shift; mkdir -p "$out"
+    NEMOFLOW_PROFILE_SAVES=$out/prof "$VENV/bin/python" benchmarks/bench_train_gpu.py --model 1.1b --gpus 1 --steps 22 \
+      --warmup 5 --ckpt-every 10 --skip-reference --out "$ROOT/bench-prof" "$@" > "$out/bench-prof.log" 2>&1 || true
+    for f in "$out"/prof/*.prof; do
+      "$VENV/bin/python" -c 'import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats("cumulative").print_stats(40); s.sort_stats("tottime").print_stats(15)' "$f"
+    done > "$out/profile.txt" 2>&1
+    grep -E "checkpoint_(save|wait|finalize)_s" "$out/bench-prof.log" | head
     ;;
   *)
     echo "unknown command $cmd" >&2; exit 2 ;;

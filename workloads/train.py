@@ -532,7 +532,17 @@ def build_recipe(
 
                 self.checkpointer.save_optimizer = die
             started = time.perf_counter()
+            profile = os.environ.get("NEMOFLOW_PROFILE_SAVES")  # a directory: cProfile of each save's blocking part
+            if profile:
+                import cProfile
+
+                profiler = cProfile.Profile()
+                profiler.enable()
             super().save_checkpoint(epoch, step, train_loss, val_loss, best_metric_key)
+            if profile:
+                profiler.disable()
+                Path(profile).mkdir(parents=True, exist_ok=True)
+                profiler.dump_stats(f"{profile}/save-step{done}-rank{self.dist_env.rank}.prof")
             if self.dist_env.is_main:
                 # The step directory is AutoModel's reserved (unpublished) directory until the save completes:
                 # nemoflow's record goes in with it.
