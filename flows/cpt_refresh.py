@@ -50,7 +50,6 @@ from flows.prepare_dataset import PrepareConfig, prepare_dataset
 from infra import registry as reg
 from infra import storage
 from infra.executors import Executor, default_executor
-from infra.jobs import Resources
 from infra.secrets import CredentialFree
 from infra.settings import get_settings
 from tasks.checkpoint import validate_checkpoint
@@ -58,7 +57,7 @@ from tasks.common import logger, result_storage
 from tasks.image import ImageConfig, stage_image
 from tasks.promote import compare_on_held_out, discover_new_sources, record_model, switch_serving
 from tasks.refs import CheckpointRef, TokenizerRef
-from tasks.serve import EngineOptions
+from tasks.serve import ServeConfig
 from tasks.sft import SftStageConfig, run_sft
 from tasks.train import pretrain
 from workloads.train_config import TrainConfig
@@ -87,15 +86,11 @@ class CptTrainConfig(BaseModel):
     seed: int = 1234
 
 
-class CptServeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    port: int = Field(8000, ge=1, le=65535, description="the port users call; it never changes")
-    model_name: str = "nemoflow-demo"
-    ready_timeout_s: float = Field(180, gt=0)
+class CptServeConfig(ServeConfig):
+    """The server a promoted candidate replaces without downtime (its port users call never changes)."""
+
     smoke_prompt: str = "In the beginning"
     enabled: bool = Field(True, description="switch the server to a promoted candidate without downtime")
-    resources: Resources = Field(default_factory=lambda: Resources(cpus_per_task=1), description="of the server job")
-    engine: EngineOptions = Field(default_factory=EngineOptions)
 
 
 class CptRefreshConfig(BaseModel):
@@ -454,7 +449,6 @@ def _train_and_decide(config, registry, state, base_generation, promoted, new, r
             config.serve.model_name,
             config.executor,
             image,
-            config.serve.resources,
             config.serve.engine,
             config.serve.smoke_prompt,
             config.serve.ready_timeout_s,

@@ -29,7 +29,7 @@ from infra.settings import get_settings
 from tasks.checkpoint import validate_checkpoint
 from tasks.common import result_storage
 from tasks.image import ImageConfig, stage_image
-from tasks.serve import EngineOptions, deploy_inference
+from tasks.serve import ServeConfig, deploy_inference
 from tasks.sft import SftStageConfig, run_sft
 from tasks.smoke import DEFAULT_PROMPT, SEED_MAX_TOKENS, smoke_test
 from tasks.train import pretrain
@@ -105,19 +105,6 @@ def demo_gpu_config(gpus: int) -> dict:
         "train": demo_gpu_train_config(gpus).model_dump(exclude_defaults=True),
         "serve": {"resources": {"gpus_per_node": 1, "cpus_per_task": 2}},
     }
-
-
-class ServeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    port: int = Field(8000, ge=1, le=65535)
-    model_name: str = "nemoflow-demo"
-    ready_timeout_s: float = Field(180, gt=0)
-    resources: Resources = Field(
-        default_factory=lambda: Resources(cpus_per_task=1),
-        description="of the server job; GPUs mean vLLM with tensor parallel = GPUs (engine: auto)",
-    )
-    engine: EngineOptions = Field(default_factory=EngineOptions)
 
 
 class SmokeConfig(BaseModel):
@@ -206,8 +193,7 @@ def end_to_end(config: EndToEndConfig | None = None) -> dict:
         config.serve.model_name,
         config.serve.ready_timeout_s,
         image=image,
-        resources=config.serve.resources,
-        options=config.serve.engine,
+        engine=config.serve.engine,
     )
     answer = smoke_(
         endpoint, config.smoke.prompt, config.smoke.max_tokens, config.smoke.timeout_s, shape=config.smoke.shape

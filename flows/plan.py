@@ -115,15 +115,8 @@ def planned_specs(config: EndToEndConfig) -> list[tuple[str, JobSpec | ServiceSp
         config.serve.model_name,
         backend.bind_host,
         image,
-        config.serve.resources,
         deployment_fingerprint(
-            checkpoint,
-            config.serve.port,
-            config.serve.model_name,
-            config.executor,
-            image,
-            config.serve.engine,
-            config.serve.resources,
+            checkpoint, config.serve.port, config.serve.model_name, config.executor, image, config.serve.engine
         ),
         config.serve.engine,
     )

@@ -31,8 +31,9 @@ from infra.settings import SERVE_API_KEY_ENV
 from infra.sources import expand_sources
 from tasks.common import logger, run_job, transient_only
 from tasks.refs import CheckpointRef, EndpointRef
-from tasks.serve import EngineOptions, build_serve_spec, local_checkpoint, service_name
+from tasks.serve import build_serve_spec, local_checkpoint, service_name
 from tasks.smoke import smoke_test
+from workloads.serve_engines import ServeEngineConfig
 from workloads.train_config import parse_blend
 
 _GLOB = re.compile(r"[*?\[]")
@@ -141,8 +142,7 @@ def switch_serving(
     model_name: str,
     executor: Executor | Any = None,
     image: ImageRef | None = None,
-    resources: Resources | None = None,
-    options: EngineOptions | None = None,
+    engine: ServeEngineConfig | None = None,
     smoke_prompt: str = "In the beginning",
     ready_timeout_s: float = 180,
 ) -> reg.Serving:
@@ -151,7 +151,7 @@ def switch_serving(
     log = logger()
     executor = as_executor(executor)
     backend = get_backend(executor)
-    spec = build_serve_spec(checkpoint, port, model_name, backend.bind_host, image, resources, options=options)
+    spec = build_serve_spec(checkpoint, port, model_name, backend.bind_host, image, engine=engine)
     api_key_env = SERVE_API_KEY_ENV if SERVE_API_KEY_ENV in spec.secret_env else None
     # A name of its own: the old and the new server run side by side until the switch.
     spec = spec.model_copy(

@@ -29,73 +29,61 @@ import re
 import shlex
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import CachePolicy
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from infra import services, storage
 from infra.executors import Executor, as_executor, get_backend
-from infra.jobs import ImageRef, Resources, ServiceInfo, ServiceSpec, workload_service
+from infra.jobs import ImageRef, ServiceInfo, ServiceSpec, workload_service
 from infra.settings import SERVE_API_KEY_ENV, get_settings
 from tasks.common import code_fingerprint, logger, transient_only
 from tasks.refs import CheckpointRef, EndpointRef
+from workloads.serve_engines import SERVE_ENGINES, Auto, ServeEngine, ServeEngineConfig
 
 DEFAULT_PORT = 8000
 DEFAULT_MODEL_NAME = "nemoflow-model"
-SERVER_MODULES = ("workloads.serve", "workloads.serve_http", "workloads.serve_engines", "infra.services", "tasks.serve")
-DEFAULT_RESOURCES = Resources(cpus_per_task=1)
+SERVER_MODULES = (
+    "workloads.serve",
+    "workloads.serve_http",
+    *(cls.__module__ for cls in SERVE_ENGINES),
+    "workloads.serve_engines.base",
+    "workloads.serve_engines.proxy",
+    "infra.services",
+    "tasks.serve",
+)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-class EngineOptions(BaseModel):
-    """Which inference engine serves, and how (``python -m workloads.serve`` options)."""
+class ServeConfig(BaseModel):
+    """The inference server of a flow: where users call it and which engine serves (``serve:`` in a config)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    engine: Literal["auto", "builtin", "vllm", "triton"] = Field(
-        "auto",
-        description="auto: on a server with GPUs, vLLM's OpenAI server where vLLM is installed, else the built-in "
-        "engine on the GPU (decided on the node); without GPUs the built-in engine on CPU; "
-        "triton: NeMo's Triton deploy script (in the NeMo container)",
-    )
-    max_input_len: int | None = Field(None, ge=1, description="longest prompt in tokens (vllm, triton)")
-    max_output_len: int | None = Field(None, ge=1, description="most tokens generated per request (vllm, triton)")
-    max_concurrency: int | None = Field(None, ge=1, description="built-in engine: requests generating at once")
-    max_queue: int | None = Field(None, ge=0, description="built-in engine: requests waiting; more get 429")
-    engine_args: list[str] = Field(default_factory=list, description="verbatim extra arguments for vllm/triton")
-    allow_unauthenticated: bool = Field(
-        False,
-        description="serve on a cluster without an API key (NEMOFLOW_SERVE_API_KEY); the server logs a warning",
-    )
+    port: int = Field(DEFAULT_PORT, ge=1, le=65535)
+    model_name: str = "nemoflow-demo"
+    ready_timeout_s: float = Field(180, gt=0)
+    engine: ServeEngineConfig = Field(default_factory=Auto)
 
-    def resolved_engine(self, resources: Resources) -> str:
-        if self.engine != "auto":
-            return self.engine
-        return "auto" if resources.gpus_per_node else "builtin"  # with GPUs the node decides (workloads.serve)
-
-    def args(self, resources: Resources, keyed: bool, public: bool) -> list[str]:
-        """The server's engine, sizing and authentication options."""
-        engine = self.resolved_engine(resources)
-        out = ["--engine", engine]
-        if engine != "builtin" and resources.gpus_per_node:
-            out += ["--tensor-parallel-size", str(resources.gpus_per_node)]  # tensor parallel = the GPUs given
-        for flag, value in (
-            ("--max-input-len", self.max_input_len),
-            ("--max-output-len", self.max_output_len),
-            ("--max-concurrency", self.max_concurrency),
-            ("--max-queue", self.max_queue),
-        ):
-            if value is not None:
-                out += [flag, str(value)]
-        out += [f"--engine-arg={arg}" for arg in self.engine_args]
-        if keyed:
-            out += ["--api-key-env", SERVE_API_KEY_ENV]
-        elif public and self.allow_unauthenticated:
-            out.append("--allow-unauthenticated")
-        return out
+    @model_validator(mode="before")
+    @classmethod
+    def _resources_beside_the_engine(cls, value: Any) -> Any:
+        """``serve: {resources: ...}`` (the shape before engines were values) is the engine's resources."""
+        if not isinstance(value, dict) or "resources" not in value:
+            return value
+        value = dict(value)
+        resources = value.pop("resources")
+        engine = value.get("engine", {})
+        if isinstance(engine, ServeEngine):
+            engine = engine.model_dump(exclude_unset=True)
+        if not isinstance(engine, dict):
+            return {**value, "resources": resources}  # pydantic names the bad engine value
+        if "resources" in engine:
+            raise ValueError("serve: resources is given twice (beside the engine and in it); give it in engine")
+        return {**value, "engine": {**engine, "resources": resources}}
 
 
 def service_name(model_name: str) -> str:
@@ -112,8 +100,7 @@ def deployment_fingerprint(
     model_name: str,
     executor: Any = None,
     image: ImageRef | None = None,
-    options: EngineOptions | None = None,
-    resources: Resources | None = None,
+    engine: ServeEngine | None = None,
 ) -> str:
     """What a running server must match for a re-run to reuse it (the key's presence, never its value)."""
     payload = {
@@ -122,8 +109,7 @@ def deployment_fingerprint(
         "model_name": model_name,
         "executor": as_executor(executor).kind,
         "image": image.model_dump(mode="json") if image else None,
-        "options": (options or EngineOptions()).model_dump(mode="json"),
-        "resources": (resources or DEFAULT_RESOURCES).model_dump(mode="json"),
+        "engine": (engine or Auto()).model_dump(mode="json"),
         "keyed": get_settings().serve_api_key is not None,
         "code": code_fingerprint(*SERVER_MODULES),
     }
@@ -141,28 +127,28 @@ def build_serve_spec(
     model_name: str,
     host: str,
     image: ImageRef | None = None,
-    resources: Resources | None = None,
     fingerprint: str | None = None,
-    options: EngineOptions | None = None,
+    engine: ServeEngine | None = None,
 ) -> ServiceSpec:
     """The inference server as a service of any backend (what deploy_inference and nemoflow render use).
 
     The API key travels by name: the server reads NEMOFLOW_SERVE_API_KEY, which the backend injects
     from the settings (locally, sbatch's environment) or a Kubernetes Secret key. A server bound to
-    every interface (a cluster node) requires it unless ``options.allow_unauthenticated``.
+    every interface (a cluster node) requires it unless ``engine.allow_unauthenticated``. The engine gives
+    its flags and the job's resources; nothing here depends on which engine it is.
     """
-    options = options or EngineOptions()
-    resources = resources or DEFAULT_RESOURCES
+    engine = engine or Auto()
     checkpoint_dir = checkpoint.uri if not storage.is_local(checkpoint.uri) else storage.local_path(checkpoint.uri)
     public = host not in LOOPBACK
-    keyed = get_settings().serve_api_key is not None or (public and not options.allow_unauthenticated)
+    keyed = get_settings().serve_api_key is not None or (public and not engine.allow_unauthenticated)
+    auth = ["--api-key-env", SERVE_API_KEY_ENV] if keyed else ["--allow-unauthenticated"] if public else []
     return workload_service(
         service_name(model_name),
         "workloads.serve",
-        serve_args(checkpoint_dir, port, model_name, host) + options.args(resources, keyed, public),
+        serve_args(checkpoint_dir, port, model_name, host) + engine.server_args() + auth,
         port=port,
         image=image,
-        resources=resources,
+        resources=engine.resources,
         read_only=[checkpoint_dir],
         secret_env=[SERVE_API_KEY_ENV] if keyed else [],
         fingerprint=fingerprint,
@@ -237,8 +223,7 @@ class LiveServiceCache(CachePolicy):
             model_name,
             executor,
             inputs.get("image"),
-            inputs.get("options"),
-            inputs.get("resources"),
+            inputs.get("engine"),
         )
         key = f"deploy-inference-{fingerprint}"
         try:
@@ -314,17 +299,16 @@ def deploy_inference(
     model_name: str = DEFAULT_MODEL_NAME,
     ready_timeout_s: float = 120,
     image: ImageRef | None = None,
-    resources: Resources | None = None,
-    options: EngineOptions | None = None,
+    engine: ServeEngineConfig | None = None,
 ) -> EndpointRef:
     """Serve ``checkpoint`` (OpenAI API and the seed's NeMo route) where ``executor`` says; return once
     ``/health`` answers. A start that failed for a transient reason is retried (the task's retries)."""
     log = logger()
     executor = as_executor(executor)
     backend = get_backend(executor)
-    options = options or EngineOptions()
-    fingerprint = deployment_fingerprint(checkpoint, port, model_name, executor, image, options, resources)
-    spec = build_serve_spec(checkpoint, port, model_name, backend.bind_host, image, resources, fingerprint, options)
+    engine = engine or Auto()
+    fingerprint = deployment_fingerprint(checkpoint, port, model_name, executor, image, engine)
+    spec = build_serve_spec(checkpoint, port, model_name, backend.bind_host, image, fingerprint, engine)
     if "--allow-unauthenticated" in spec.command:
         log.warning("%s serves on %s without an API key (allow_unauthenticated)", spec.name, backend.bind_host)
     log.info("starting %s on the %s backend: %s", spec.name, backend.name, shlex.join(spec.command))

@@ -60,9 +60,9 @@ def register(sub) -> None:
         action="store_true",
         help="allow a non-loopback --host without an API key (the server logs a warning)",
     )
-    start.add_argument(
-        "--engine", choices=["builtin", "vllm", "triton"], default="builtin", help="inference engine (default builtin)"
-    )
+    from workloads.serve_engines import ENGINES
+
+    start.add_argument("--engine", choices=list(ENGINES), default="builtin", help="inference engine (default builtin)")
     start.add_argument("--max-concurrency", type=int, help="requests generating at once (built-in engine)")
     start.add_argument("--max-queue", type=int, help="requests waiting; more get 429 (built-in engine)")
     start.set_defaults(func=run_start)

@@ -496,7 +496,8 @@ async def test_deploy_inference_stage_on_kubernetes(prefect_server, ready, make_
 
     from infra.executors import K8sExecutor
     from tasks.refs import CheckpointRef, ImageRef
-    from tasks.serve import EngineOptions, deploy_inference, stop_inference
+    from tasks.serve import deploy_inference, stop_inference
+    from workloads.serve_engines import Auto
 
     backend = make_backend(ready)
     monkeypatch.setattr(K8sExecutor, "backend", lambda self: backend)
@@ -528,7 +529,7 @@ async def test_deploy_inference_stage_on_kubernetes(prefect_server, ready, make_
     assert "sk-serve-SENTINEL" not in json.dumps(deployment)
     assert deployment["metadata"]["annotations"]["nemoflow.io/fingerprint"]  # what a re-run compares
     # The explicit opt-out: no key, and the server is told so (it logs the warning).
-    open_endpoint = await asyncio.to_thread(deploy, options=EngineOptions(allow_unauthenticated=True))
+    open_endpoint = await asyncio.to_thread(deploy, engine=Auto(allow_unauthenticated=True))
     container = ready.live("apps/v1/deployments")[0]["spec"]["template"]["spec"]["containers"][0]
     assert "--allow-unauthenticated" in container["command"] and open_endpoint.api_key_env is None
     with disable_run_logger():

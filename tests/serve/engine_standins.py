@@ -63,7 +63,7 @@ def triton(argv: list[str]) -> int:
 
     import uvicorn
 
-    from workloads.serve import Engine, ServerState, create_app
+    from workloads.serve_engines.builtin import Engine, ServerState, create_app
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf_model_id_path", required=True)

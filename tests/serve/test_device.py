@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.serve.conftest import serve_command
-from workloads import serve
+from workloads.serve_engines import auto
 
 
 def test_auto_is_builtin_without_a_gpu(monkeypatch, tmp_path):
@@ -22,24 +22,24 @@ def test_auto_is_builtin_without_a_gpu(monkeypatch, tmp_path):
     fake_vllm.write_text("#!/bin/sh\nexit 0\n")
     fake_vllm.chmod(fake_vllm.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(serve, "_gpu_visible", lambda: False)
-    assert serve.resolve_engine("auto") == "builtin"  # vLLM installed, but no GPU: the CPU engine
+    monkeypatch.setattr(auto, "_gpu_visible", lambda: False)
+    assert auto.resolve_engine("auto") == "builtin"  # vLLM installed, but no GPU: the CPU engine
 
 
 def test_auto_on_a_gpu_takes_vllm_only_where_it_is_installed(monkeypatch, tmp_path):
-    monkeypatch.setattr(serve, "_gpu_visible", lambda: True)
+    monkeypatch.setattr(auto, "_gpu_visible", lambda: True)
     monkeypatch.setenv("PATH", str(tmp_path))  # no vllm anywhere
-    assert serve.resolve_engine("auto", vllm_executable="vllm-not-here") == "builtin"
+    assert auto.resolve_engine("auto", vllm_executable="vllm-not-here") == "builtin"
     fake_vllm = tmp_path / "vllm"
     fake_vllm.write_text("#!/bin/sh\nexit 0\n")
     fake_vllm.chmod(fake_vllm.stat().st_mode | stat.S_IEXEC)
-    assert serve.resolve_engine("auto") == "vllm"
-    assert serve.resolve_engine("builtin") == "builtin" and serve.resolve_engine("triton") == "triton"
+    assert auto.resolve_engine("auto") == "vllm"
+    assert auto.resolve_engine("builtin") == "builtin" and auto.resolve_engine("triton") == "triton"
 
 
 def test_cuda_visible_devices_empty_means_no_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert serve._gpu_visible() is False
+    assert auto._gpu_visible() is False
 
 
 def test_device_cuda_without_a_gpu_fails_with_one_line(tiny_checkpoint, tmp_path):

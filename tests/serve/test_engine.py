@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from workloads.serve import Engine, SamplingParams
+from workloads.serve_engines.builtin import Engine, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,9 @@ import pytest
 
 from tests.conftest import free_port, wait_http
 from tests.serve.conftest import MODEL_NAME
-from workloads.serve_engines import triton_argv, triton_cwd, visible_gpus, vllm_argv, vllm_env
+from workloads.serve_engines.base import visible_gpus
+from workloads.serve_engines.triton import triton_argv, triton_cwd
+from workloads.serve_engines.vllm import vllm_argv, vllm_env
 
 REPO = Path(__file__).resolve().parents[2]
 STANDINS = Path(__file__).with_name("engine_standins.py")

@@ -1,4 +1,4 @@
-"""GPU engines behind ``python -m workloads.serve``: vLLM's OpenAI server, or NeMo's Triton deploy.
+"""The proxy and supervisor in front of an engine that runs as a child process (vLLM, NeMo's Triton deploy).
 
     python -m workloads.serve --engine vllm --checkpoint DIR --port 8000 --host 0.0.0.0 \\
         --model-name NAME --api-key-env NEMOFLOW_SERVE_API_KEY [--tensor-parallel-size N]
@@ -17,8 +17,10 @@ Everything else goes to vLLM unchanged (streaming included), so the OpenAI API i
 NeMo's Triton REST service speaks only the NeMo shape, so with ``--engine triton`` the proxy
 answers the NeMo shape, ``/v1/models`` and ``/health``; OpenAI routes get a 404 that says so.
 
-The engine's command line comes from pure functions (:func:`vllm_argv`, :func:`triton_argv`) of our
-options; the API key is never on it: vLLM reads it from ``VLLM_API_KEY`` in its environment (vLLM's
+The engine's command line comes from pure functions of its options (``vllm.vllm_argv``,
+``triton.triton_argv``), and what differs between engines is a value (:class:`EngineTarget`: its
+command, health path, whether it speaks OpenAI, its NeMo-shape adapter): the proxy never asks which
+engine it fronts. The API key is never on it: vLLM reads it from ``VLLM_API_KEY`` in its environment (vLLM's
 own variable), NeMo's REST service has no key and listens on loopback only. The child stays in this
 process's group (a group kill stops both); when the engine exits, the proxy exits with its code;
 when the proxy is told to stop (SIGTERM), it stops the engine.
@@ -28,27 +30,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fastapi import Request  # at module level: FastAPI resolves the handlers' string annotations here
 
+from workloads.serve_engines.base import ENGINE_HOST
 from workloads.serve_http import (
     DEFAULT_MAX_BODY_BYTES,
     APIError,
     ApiKeyAuth,
     NemoSampling,
-    bad_request,
     install_blue_green,
     install_error_handlers,
     json_object,
@@ -60,150 +60,29 @@ from workloads.serve_http import (
 
 log = logging.getLogger("nemoflow.serve")
 
-ENGINE_HOST = "127.0.0.1"
 STOP_GRACE_S = 30
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "upgrade", "te", "trailer", "host", "content-length"}
-
-
-# ---------------------------------------------------------------- command lines (pure)
-
-
-def visible_gpus(environ: dict[str, str] | None = None) -> int:
-    """GPUs this process was given (Slurm and the NVIDIA device plugin set CUDA_VISIBLE_DEVICES)."""
-    environ = os.environ if environ is None else environ
-    devices = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    if not devices or devices in ("-1", "none", "void", "NoDevFiles"):
-        return 0
-    return len([d for d in devices.split(",") if d.strip()])
-
-
-def vllm_argv(
-    checkpoint: str,
-    *,
-    model_name: str,
-    port: int,
-    tensor_parallel_size: int,
-    host: str = ENGINE_HOST,
-    max_model_len: int | None = None,
-    extra: Sequence[str] = (),
-    executable: str = "vllm",
-) -> list[str]:
-    """``vllm serve`` for one checkpoint (vLLM's flag names; its parser checked them, see the README).
-
-    >>> vllm_argv("/ckpt", model_name="m", port=9000, tensor_parallel_size=4)[:5]
-    ['vllm', 'serve', '/ckpt', '--host', '127.0.0.1']
-    """
-    argv = [
-        executable,
-        "serve",
-        checkpoint,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--served-model-name",
-        model_name,
-        "--tensor-parallel-size",
-        str(tensor_parallel_size),
-    ]
-    if max_model_len:
-        argv += ["--max-model-len", str(max_model_len)]
-    return argv + list(extra)
-
-
-def vllm_env(api_key: str | None, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The engine's environment: ours, plus the key as ``VLLM_API_KEY`` (never on its command line)."""
-    env = dict(os.environ if environ is None else environ)
-    env.pop("VLLM_API_KEY", None)
-    if api_key:
-        env["VLLM_API_KEY"] = api_key
-    return env
-
-
-def triton_argv(
-    checkpoint: str,
-    *,
-    model_name: str,
-    model_type: str,
-    triton_port: int,
-    service_port: int,
-    tensor_parallel_size: int,
-    max_input_len: int,
-    max_output_len: int,
-    host: str = ENGINE_HOST,
-    script: str = "/opt/NeMo/scripts/deploy/nlp/deploy_triton.py",
-    model_repository: str | None = None,
-    extra: Sequence[str] = (),
-    python: str = "python",
-) -> list[str]:
-    """NeMo's ``deploy_triton.py`` exporting a Hugging Face checkpoint to TensorRT-LLM, serving it on
-    Triton with NeMo's REST service (the seed's path). Flag names are NeMo's.
-
-    ``--start_rest_service`` is ``type=bool`` in NeMo's parser: any non-empty string is true, so it
-    is given "True". ``model_type`` is the checkpoint's architecture (``LlamaForCausalLM``,
-    ``MixtralForCausalLM``), the key of NeMo's Hugging Face export table.
-    """
-    argv = [
-        python,
-        script,
-        "--hf_model_id_path",
-        checkpoint,
-        "--model_type",
-        model_type,
-        "--triton_model_name",
-        model_name,
-        "--triton_port",
-        str(triton_port),
-        "--triton_http_address",
-        host,
-        "--tensor_parallelism_size",
-        str(tensor_parallel_size),
-        "--max_input_len",
-        str(max_input_len),
-        "--max_output_len",
-        str(max_output_len),
-        "--start_rest_service",
-        "True",
-        "--service_http_address",
-        host,
-        "--service_port",
-        str(service_port),
-    ]
-    if model_repository:
-        argv += ["--triton_model_repository", model_repository]
-    return argv + list(extra)
-
-
-def triton_cwd(script: str) -> str:
-    """NeMo's checkout root: deploy_triton.py writes, and its REST service reads, the relative path
-    ``nemo/deploy/service/config.json``, so the script must run from there."""
-    return str(Path(script).resolve().parents[3])
-
-
-def checkpoint_architecture(checkpoint: Path) -> str:
-    try:
-        config = json.loads((checkpoint / "config.json").read_text())
-        return str(config["architectures"][0])
-    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise SystemExit(
-            f"serve: --engine triton needs {checkpoint}/config.json with an 'architectures' entry "
-            f"(the Hugging Face export's model type): {exc}"
-        ) from exc
 
 
 # ---------------------------------------------------------------- the engines, as the proxy sees them
 
 
+# The engine's answer to NeMo's REST shape: (client, target, prompt, sampling) -> the generated text.
+NemoAdapter = Callable[[Any, "EngineTarget", str, NemoSampling], Awaitable[str]]
+
+
 @dataclass
 class EngineTarget:
-    """Where the engine listens and how the proxy talks to it."""
+    """Where the engine listens and how the proxy talks to it (built by the engine's module)."""
 
-    kind: str  # "vllm" | "triton"
+    kind: str  # the engine's name, for logs, /health and errors
     argv: list[str]
     env: dict[str, str] = field(repr=False)
     base_url: str  # the engine's OpenAI server (vllm) or NeMo's REST service (triton)
     health_path: str
     model_name: str
+    nemo: NemoAdapter  # how the engine answers NeMo's REST shape
+    openai: bool = False  # the engine serves the OpenAI API itself: the proxy forwards those routes
     api_key: str | None = field(default=None, repr=False)
     cwd: str | None = None
     max_output_len: int | None = None
@@ -213,54 +92,13 @@ class EngineTarget:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-def build_target(args: argparse.Namespace, checkpoint: Path, model_name: str, api_key: str | None) -> EngineTarget:
-    tp = args.tensor_parallel_size or max(1, visible_gpus())
-    if args.engine == "vllm":
-        port = args.engine_port or free_port()
-        max_model_len = args.max_input_len + args.max_output_len if args.max_input_len and args.max_output_len else None
-        argv = vllm_argv(
-            str(checkpoint),
-            model_name=model_name,
-            port=port,
-            tensor_parallel_size=tp,
-            max_model_len=max_model_len,
-            extra=args.engine_arg,
-            executable=args.vllm_executable,
-        )
-        return EngineTarget(
-            "vllm", argv, vllm_env(api_key), f"http://{ENGINE_HOST}:{port}", "/health", model_name, api_key
-        )
-    triton_port = args.engine_port or free_port()
-    service_port = free_port()
-    max_input_len = args.max_input_len or 256  # NeMo's defaults
-    max_output_len = args.max_output_len or 256
-    argv = triton_argv(
-        str(checkpoint),
-        model_name=model_name,
-        model_type=checkpoint_architecture(checkpoint),
-        triton_port=triton_port,
-        service_port=service_port,
-        tensor_parallel_size=tp,
-        max_input_len=max_input_len,
-        max_output_len=max_output_len,
-        script=args.triton_script,
-        model_repository=args.triton_model_repository,
-        extra=args.engine_arg,
-        python=sys.executable,
-    )
-    env = dict(os.environ)
-    env.pop("VLLM_API_KEY", None)
-    return EngineTarget(
-        "triton",
-        argv,
-        env,
-        f"http://{ENGINE_HOST}:{service_port}",
-        "/v1/triton_health",
-        model_name,
-        None,  # NeMo's REST service has no key; it listens on loopback only
-        cwd=triton_cwd(args.triton_script),
-        max_output_len=max_output_len,
-        engine_url=f"http://{ENGINE_HOST}:{triton_port}",
+def unreachable(target: EngineTarget, exc: Exception) -> APIError:
+    return APIError(
+        503,
+        f"the {target.kind} engine is not answering ({type(exc).__name__}); it may still be loading",
+        "server_error",
+        code="engine_unavailable",
+        headers={"Retry-After": "5"},
     )
 
 
@@ -306,15 +144,6 @@ def create_proxy_app(state: ProxyState):
     if state.api_key:
         app.add_middleware(ApiKeyAuth, api_key=state.api_key)
 
-    def unreachable(exc: Exception) -> APIError:
-        return APIError(
-            503,
-            f"the {target.kind} engine is not answering ({type(exc).__name__}); it may still be loading",
-            "server_error",
-            code="engine_unavailable",
-            headers={"Retry-After": "5"},
-        )
-
     @app.get("/health")
     async def health():
         status, detail = 503, "loading"
@@ -329,60 +158,6 @@ def create_proxy_app(state: ProxyState):
                 pass
         return JSONResponse({"status": detail, "model": target.model_name, "engine": target.kind}, status)
 
-    async def nemo_vllm(prompt: str, sampling: NemoSampling) -> str:
-        max_tokens = sampling.max_tokens
-        try:
-            counted = await client.post(
-                "/tokenize", json={"model": target.model_name, "prompt": prompt}, headers=target.auth_headers()
-            )
-            if counted.status_code == 200:
-                info = counted.json()
-                room = int(info["max_model_len"]) - int(info["count"])
-                if room < 1:
-                    raise bad_request(
-                        f"This model's maximum context length is {info['max_model_len']} tokens and the prompt "
-                        f"has {info['count']} tokens: no room to generate. Shorten the prompt.",
-                        param="prompt",
-                        code="context_length_exceeded",
-                    )
-                max_tokens = min(max_tokens, room)
-        except httpx.HTTPError as exc:
-            raise unreachable(exc) from exc
-        payload: dict[str, Any] = {"model": target.model_name, "prompt": prompt, "max_tokens": max_tokens}
-        if sampling.greedy:
-            payload["temperature"] = 0.0
-        else:
-            payload.update(temperature=sampling.temperature, top_p=sampling.top_p)
-            if sampling.top_k > 1:
-                payload["top_k"] = sampling.top_k
-        try:
-            response = await client.post("/v1/completions", json=payload, headers=target.auth_headers())
-        except httpx.HTTPError as exc:
-            raise unreachable(exc) from exc
-        body = _json_or_none(response)
-        if response.status_code != 200 or not isinstance(body, dict):
-            raise _engine_error(target.kind, response.status_code, body, response.text)
-        return body["choices"][0]["text"]
-
-    async def nemo_triton(prompt: str, sampling: NemoSampling) -> str:
-        payload = {
-            "model": target.model_name,
-            "prompt": prompt,
-            "max_tokens": min(sampling.max_tokens, target.max_output_len or sampling.max_tokens),
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-        }
-        try:
-            response = await client.post("/v1/completions/", json=payload)
-        except httpx.HTTPError as exc:
-            raise unreachable(exc) from exc
-        body = _json_or_none(response)
-        # NeMo's REST service answers failures as 200 {"error": "An exception occurred"}
-        if response.status_code != 200 or not isinstance(body, dict) or "output" not in body:
-            raise _engine_error(target.kind, response.status_code, body, response.text)
-        return body["output"]
-
     async def nemo(request: Request, body: dict[str, Any]):
         req = parse_nemo(body)
         if req.model != target.model_name:
@@ -393,14 +168,13 @@ def create_proxy_app(state: ProxyState):
                 code="model_not_found",
             )
         sampling = nemo_sampling(req)
-        generate = nemo_vllm if target.kind == "vllm" else nemo_triton
-        return {"output": await generate(req.prompt, sampling)}
+        return {"output": await target.nemo(client, target, req.prompt, sampling)}
 
     async def forward(request: Request, raw: bytes):
-        if target.kind != "vllm":
+        if not target.openai:
             raise APIError(
                 404,
-                f"{request.method} {request.url.path}: the triton engine serves NeMo's REST shape only "
+                f"{request.method} {request.url.path}: the {target.kind} engine serves NeMo's REST shape only "
                 "(POST /v1/completions/ or /v1/chat/completions/ with a prompt); use --engine vllm for the "
                 "OpenAI API",
                 code="unsupported_route",
@@ -412,7 +186,7 @@ def create_proxy_app(state: ProxyState):
         try:
             response = await client.send(upstream, stream=True)
         except httpx.HTTPError as exc:
-            raise unreachable(exc) from exc
+            raise unreachable(target, exc) from exc
         out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
         return StreamingResponse(
             response.aiter_raw(),
@@ -423,12 +197,17 @@ def create_proxy_app(state: ProxyState):
 
     @app.get("/v1/models")
     async def models(request: Request):
-        if target.kind == "vllm":
+        if target.openai:
             return await forward(request, b"")
         return {
             "object": "list",
             "data": [
-                {"id": target.model_name, "object": "model", "created": state.created, "owned_by": "nemoflow-triton"}
+                {
+                    "id": target.model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": f"nemoflow-{target.kind}",
+                }
             ],
         }
 
@@ -440,7 +219,7 @@ def create_proxy_app(state: ProxyState):
     async def nemo_chat(request: Request):
         raw = await read_body(request, state.max_body_bytes)
         body = json_object(raw)
-        if "messages" in body and target.kind == "vllm":
+        if "messages" in body and target.openai:
             request.scope["path"] = "/v1/chat/completions"  # vLLM's chat, without its slash redirect
             return await forward(request, raw)
         return await nemo(request, body)
@@ -452,14 +231,14 @@ def create_proxy_app(state: ProxyState):
     return app
 
 
-def _json_or_none(response) -> Any:
+def json_or_none(response) -> Any:
     try:
         return response.json()
     except ValueError:
         return None
 
 
-def _engine_error(kind: str, status: int, body: Any, text: str) -> APIError:
+def engine_error(kind: str, status: int, body: Any, text: str) -> APIError:
     """An engine's error passed on: its own status and message when it gave one (4xx), else 502."""
     error = body.get("error") if isinstance(body, dict) else None
     message = error.get("message") if isinstance(error, dict) else (error or text[:300])
@@ -473,11 +252,11 @@ def _engine_error(kind: str, status: int, body: Any, text: str) -> APIError:
 # ---------------------------------------------------------------- supervision
 
 
-def run_engine(args: argparse.Namespace, checkpoint: Path, model_name: str, api_key: str | None) -> int:
+def run_engine(args: argparse.Namespace, target: EngineTarget, checkpoint: Path, api_key: str | None) -> int:
     """Start the engine, serve the proxy until told to stop or the engine exits; the exit code says which."""
     import uvicorn
 
-    target = build_target(args, checkpoint, model_name, api_key)
+    model_name = target.model_name
     try:
         sock = listen_socket(args.host, args.port)
     except OSError as exc:

@@ -1,0 +1,112 @@
+"""The engine contract (as tests/foundation/test_backend_contract.py is the backends'): training and serving
+engines are values with one interface each; stages, flows and the server call it and never ask which engine
+they hold."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from infra.jobs import Resources
+from workloads.serve_engines import ENGINES, SERVE_ENGINES, ServeEngine, ServeEngineConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Where code picks an engine by its name instead of calling the engine's interface.
+BRANCH = re.compile(
+    r"""engine\s*(==|!=|in\s*[(\[{])|\.engine\s*(==|!=)|kind\s*(==|!=)\s*["'](vllm|triton|builtin|auto)["']"""
+    r"""|["'](vllm|triton|builtin|automodel|command)["']\s*(==|!=|in\b)"""
+)
+
+
+def _offenders(paths) -> list[str]:
+    found = []
+    for path in paths:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if BRANCH.search(line):
+                found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    return found
+
+
+def test_stages_flows_and_the_server_never_branch_on_an_engine():
+    paths = [*sorted((REPO / "tasks").glob("*.py")), *sorted((REPO / "flows").glob("*.py"))]
+    paths += [REPO / "workloads" / "serve.py", REPO / "workloads" / "serve_engines" / "proxy.py"]
+    offenders = _offenders(paths)
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_branch_finder_sees_a_branch():
+    assert BRANCH.search('if target.kind == "vllm":') and BRANCH.search("if args.engine != 'builtin':")
+    assert BRANCH.search('if config.engine == "command":') and not BRANCH.search("engine = engine_named(name)")
+
+
+@pytest.mark.parametrize("cls", SERVE_ENGINES, ids=lambda cls: cls.__name__)
+def test_every_serving_engine_implements_the_interface(cls):
+    assert issubclass(cls, ServeEngine)
+    name = cls.model_fields["engine"].default
+    assert ENGINES[name] is cls
+    engine = cls()
+    assert isinstance(engine.resources, Resources) and engine.server_args()[:2] == ["--engine", engine.served_name()]
+    # on the node: an engine that can serve (auto chooses one that can)
+    import argparse
+
+    node = engine.on_node(argparse.Namespace(vllm_executable="no-vllm-here"))
+    assert type(node).serve is not ServeEngine.serve, f"{type(node).__name__} does not implement serve()"
+
+
+def test_serving_engines_options_are_their_own():
+    adapter = TypeAdapter(ServeEngineConfig)
+    assert type(adapter.validate_python({})).__name__ == "Auto"  # no engine: auto, as before engines were values
+    vllm = adapter.validate_python({"engine": "vllm", "max_input_len": 2048, "resources": {"gpus_per_node": 4}})
+    assert vllm.server_args() == ["--engine", "vllm", "--tensor-parallel-size", "4", "--max-input-len", "2048"]
+    with pytest.raises(ValidationError, match="builtin.max_input_len"):
+        adapter.validate_python({"engine": "builtin", "max_input_len": 2048})  # a vLLM option on the CPU engine
+    with pytest.raises(ValidationError, match="'auto', 'builtin', 'vllm', 'triton'"):
+        adapter.validate_python({"engine": "sglang"})
+
+
+def test_in_json_schema_exactly_one_serving_engine_matches():
+    """Prefect validates deployment parameters against the flow's JSON Schema (oneOf): the members must not
+    overlap, or a config without `engine` (auto) would match two."""
+    import jsonschema
+
+    schema = TypeAdapter(ServeEngineConfig).json_schema()
+    for config in ({}, {"max_queue": 2}, {"engine": "builtin", "max_queue": 2}, {"engine": "triton"}):
+        jsonschema.validate(config, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"engine": "builtin", "max_input_len": 2}, schema)
+
+
+def test_a_serve_config_of_the_shape_before_engines_were_values_still_works():
+    from tasks.serve import ServeConfig
+
+    old = ServeConfig.model_validate({"resources": {"gpus_per_node": 2}, "engine": {"engine": "vllm"}})
+    assert old.engine.resources.gpus_per_node == 2 and old.engine.engine == "vllm"
+    assert ServeConfig.model_validate({"resources": {"cpus_per_task": 3}}).engine.resources.cpus_per_task == 3
+    with pytest.raises(ValidationError, match="resources is given twice"):
+        ServeConfig.model_validate({"resources": {}, "engine": {"resources": {}}})
+
+
+def test_a_test_only_serving_engine_is_served_by_the_stage_unchanged(tmp_path):
+    """An engine defined here alone: the stage's builder gives it its flags and resources, no edit in tasks/."""
+    from pydantic import Field
+
+    from tasks.refs import CheckpointRef
+    from tasks.serve import build_serve_spec
+
+    class Echo(ServeEngine):
+        engine: str = "echo"
+        loudness: int = Field(3, ge=1)
+
+    spec = build_serve_spec(
+        CheckpointRef(uri=str(tmp_path), step=1),
+        8123,
+        "echo-model",
+        "127.0.0.1",
+        engine=Echo(loudness=5, resources={"gpus_per_node": 0, "cpus_per_task": 3}),
+    )
+    assert spec.command[spec.command.index("--engine") :] == ["--engine", "echo", "--loudness", "5"]
+    assert spec.resources.cpus_per_task == 3 and isinstance(Echo(), BaseModel)

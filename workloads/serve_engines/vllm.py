@@ -1,0 +1,146 @@
+"""vLLM's OpenAI server behind nemoflow's proxy (workloads/serve_engines/proxy.py): continuous batching and
+tensor parallel over the job's GPUs; the OpenAI API is vLLM's own, the proxy adds NeMo's REST shape, the
+API key check on every route and blue/green."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from workloads.serve_engines.base import ENGINE_HOST, ServeEngine, visible_gpus
+
+
+class Vllm(ServeEngine):
+    """vLLM (``vllm serve``) on the node's GPUs; tensor parallel = the server job's GPUs."""
+
+    engine: Literal["vllm"] = "vllm"
+    max_input_len: int | None = Field(
+        None, ge=1, description="longest prompt in tokens (with max_output_len: vLLM's --max-model-len)"
+    )
+    max_output_len: int | None = Field(None, ge=1, description="most tokens generated per request")
+    engine_args: list[str] = Field(default_factory=list, description="verbatim extra arguments for vllm serve")
+
+    tensor_parallel: ClassVar[bool] = True
+
+    def serve(self, args: argparse.Namespace, checkpoint: Path, model_name: str, api_key: str | None) -> int:
+        from workloads.serve_engines.proxy import run_engine
+
+        return run_engine(args, vllm_target(args, checkpoint, model_name, api_key), checkpoint, api_key)
+
+
+def vllm_argv(
+    checkpoint: str,
+    *,
+    model_name: str,
+    port: int,
+    tensor_parallel_size: int,
+    host: str = ENGINE_HOST,
+    max_model_len: int | None = None,
+    extra: Sequence[str] = (),
+    executable: str = "vllm",
+) -> list[str]:
+    """``vllm serve`` for one checkpoint (vLLM's flag names; its parser checked them, see the README).
+
+    >>> vllm_argv("/ckpt", model_name="m", port=9000, tensor_parallel_size=4)[:5]
+    ['vllm', 'serve', '/ckpt', '--host', '127.0.0.1']
+    """
+    argv = [
+        executable,
+        "serve",
+        checkpoint,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        model_name,
+        "--tensor-parallel-size",
+        str(tensor_parallel_size),
+    ]
+    if max_model_len:
+        argv += ["--max-model-len", str(max_model_len)]
+    return argv + list(extra)
+
+
+def vllm_env(api_key: str | None, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The engine's environment: ours, plus the key as ``VLLM_API_KEY`` (never on its command line)."""
+    env = dict(os.environ if environ is None else environ)
+    env.pop("VLLM_API_KEY", None)
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
+    return env
+
+
+def vllm_target(args: argparse.Namespace, checkpoint: Path, model_name: str, api_key: str | None):
+    from workloads.serve_engines.proxy import EngineTarget, free_port
+
+    port = args.engine_port or free_port()
+    max_model_len = args.max_input_len + args.max_output_len if args.max_input_len and args.max_output_len else None
+    argv = vllm_argv(
+        str(checkpoint),
+        model_name=model_name,
+        port=port,
+        tensor_parallel_size=args.tensor_parallel_size or max(1, visible_gpus()),
+        max_model_len=max_model_len,
+        extra=args.engine_arg,
+        executable=args.vllm_executable,
+    )
+    return EngineTarget(
+        "vllm",
+        argv,
+        vllm_env(api_key),
+        f"http://{ENGINE_HOST}:{port}",
+        "/health",
+        model_name,
+        nemo=nemo_completion,
+        openai=True,
+        api_key=api_key,
+    )
+
+
+async def nemo_completion(client, target, prompt: str, sampling) -> str:
+    """NeMo's REST shape as a vLLM completion: the prompt counted first (vLLM's /tokenize), so a request
+    for more tokens than the context has room for generates what fits instead of failing."""
+    import httpx
+
+    from workloads.serve_engines.proxy import engine_error, json_or_none, unreachable
+    from workloads.serve_http import bad_request
+
+    max_tokens = sampling.max_tokens
+    try:
+        counted = await client.post(
+            "/tokenize", json={"model": target.model_name, "prompt": prompt}, headers=target.auth_headers()
+        )
+        if counted.status_code == 200:
+            info = counted.json()
+            room = int(info["max_model_len"]) - int(info["count"])
+            if room < 1:
+                raise bad_request(
+                    f"This model's maximum context length is {info['max_model_len']} tokens and the prompt "
+                    f"has {info['count']} tokens: no room to generate. Shorten the prompt.",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
+            max_tokens = min(max_tokens, room)
+    except httpx.HTTPError as exc:
+        raise unreachable(target, exc) from exc
+    payload: dict[str, Any] = {"model": target.model_name, "prompt": prompt, "max_tokens": max_tokens}
+    if sampling.greedy:
+        payload["temperature"] = 0.0
+    else:
+        payload.update(temperature=sampling.temperature, top_p=sampling.top_p)
+        if sampling.top_k > 1:
+            payload["top_k"] = sampling.top_k
+    try:
+        response = await client.post("/v1/completions", json=payload, headers=target.auth_headers())
+    except httpx.HTTPError as exc:
+        raise unreachable(target, exc) from exc
+    body = json_or_none(response)
+    if response.status_code != 200 or not isinstance(body, dict):
+        raise engine_error(target.kind, response.status_code, body, response.text)
+    return body["choices"][0]["text"]
