@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import fcntl
 import json
 import os
 import signal
@@ -44,6 +43,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
+from filelock import FileLock
 from pydantic import BaseModel, Field
 
 from infra import storage
@@ -156,8 +156,7 @@ def _table() -> Iterator[dict[str, ServiceHandle]]:
     """The service table, locked; changes to the yielded dict are written back atomically."""
     path = table_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with FileLock(path.with_suffix(".lock")):
         entries: dict[str, ServiceHandle] = {}
         if path.exists():
             try:
