@@ -36,8 +36,6 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -202,13 +200,12 @@ def _unregister(name: str, pid: int) -> None:
 
 
 def probe(url: str, timeout: float = 2.0) -> int | None:
-    """HTTP status of a GET, or None when nothing answers."""
+    """HTTP status of a GET (redirects followed), or None when nothing answers."""
+    import httpx
+
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except (urllib.error.URLError, OSError, ValueError):
+        return httpx.get(url, timeout=timeout, follow_redirects=True).status_code
+    except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError):
         return None
 
 
