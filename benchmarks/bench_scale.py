@@ -38,8 +38,9 @@ import sqlite3
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "out"
@@ -61,8 +62,8 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"{url}: the server exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
+            httpx.get(url, timeout=2, follow_redirects=True).raise_for_status()
+            return
         except Exception:  # noqa: BLE001 - not up yet, whatever the error
             time.sleep(0.2)
     raise RuntimeError(f"{url} not ready after {timeout}s")

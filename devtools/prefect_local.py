@@ -52,8 +52,6 @@ import secrets
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,16 +123,17 @@ class PrefectApi:
 
     def status(self, path: str, authenticated: bool = True, timeout: float = 5.0) -> int | None:
         """HTTP status of ``GET {url}{path}`` (None when nothing answers)."""
-        request = urllib.request.Request(self.url.rstrip("/") + path)
+        import httpx
+
+        headers = {}
         if authenticated and self.auth_string is not None:
             token = base64.b64encode(self.auth_string.get_secret_value().encode()).decode()
-            request.add_header("Authorization", f"Basic {token}")
+            headers["Authorization"] = f"Basic {token}"
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as resp:
-                return resp.status
-        except urllib.error.HTTPError as exc:
-            return exc.code
-        except (urllib.error.URLError, OSError, ValueError):
+            return httpx.get(
+                self.url.rstrip("/") + path, headers=headers, timeout=timeout, follow_redirects=True
+            ).status_code
+        except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError):
             return None
 
     def healthy(self) -> bool:

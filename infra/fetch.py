@@ -294,19 +294,18 @@ def download(
 @contextlib.contextmanager
 def _dest_lock(dest_uri: str, say: Log):
     """One writer per destination on this machine: two writers would interleave bytes in one .part."""
-    import fcntl
+    from filelock import FileLock, Timeout
 
-    path = os.path.join(_staging_dir(), _url_digest(storage.normalize(dest_uri))[:24] + ".lock")
-    with open(path, "a") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            say("another download of this file is running here: waiting for it")
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    lock = FileLock(os.path.join(_staging_dir(), _url_digest(storage.normalize(dest_uri))[:24] + ".lock"))
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
+        say("another download of this file is running here: waiting for it")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _fetch(

@@ -11,7 +11,8 @@ algorithms/dpo.sh`` submits, in our own template (infra/slurm/templates/nemo_rl_
 * ``dpo.yaml``: NeMo-RL's DPO ``MasterConfig`` (policy, data, dpo, logger, cluster, checkpointing)
   built from :class:`DpoConfig`, a model of the fields nemoflow sets, and checked by
   :func:`check_config` against NeMo-RL's own schema, extracted from its source into
-  infra/nemo_rl_dpo_schema.json (devtools/nemo_rl_schema.py): every key must be one NeMo-RL
+  infra/nemo_rl_dpo_schema.json and written as the JSON Schema infra/nemo_rl_dpo.schema.json
+  (devtools/nemo_rl_schema.py), validated with ``jsonschema``: every key must be one NeMo-RL
   defines, every required key present, every value of the declared type;
 * ``dpo.sbatch``: one allocation of N nodes x the preset's GPUs; a Ray head on the first node and a
   Ray worker on every other (``srun --overlap`` in the NeMo-RL container, pyxis), the preset's NCCL
@@ -25,7 +26,6 @@ The preference data is NeMo-RL's ``BinaryPreferenceDataset`` JSONL (``prompt``, 
 
 from __future__ import annotations
 
-import ast
 import json
 import shlex
 from functools import lru_cache
@@ -35,6 +35,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 SCHEMA_FILE = Path(__file__).with_name("nemo_rl_dpo_schema.json")
+JSON_SCHEMA_FILE = Path(__file__).with_name("nemo_rl_dpo.schema.json")
 NEMO_RL_DIR = "/opt/nemo-rl"  # where the NeMo-RL container holds the repository (its examples/)
 
 
@@ -180,93 +181,60 @@ class SchemaMismatch(ValueError):
 
 @lru_cache(maxsize=1)
 def load_schema() -> dict:
+    """The extracted record of NeMo-RL's config classes (devtools/nemo_rl_schema.py)."""
     return json.loads(SCHEMA_FILE.read_text())
 
 
-def _matches(value: Any, annotation: ast.expr, classes: dict, path: str, problems: list[str]) -> bool:
-    """Whether ``value`` has the type ``annotation`` (NeMo-RL's annotation, parsed); a class recurses."""
-    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
-        return _any_of(value, [annotation.left, annotation.right], classes, path, problems)
-    if isinstance(annotation, ast.Constant) and annotation.value is None:
-        return value is None
-    if isinstance(annotation, ast.Subscript):
-        head = ast.unparse(annotation.value).rsplit(".", 1)[-1]
-        args = annotation.slice.elts if isinstance(annotation.slice, ast.Tuple) else [annotation.slice]
-        if head == "Literal":
-            return any(value == ast.literal_eval(a) and type(value) is type(ast.literal_eval(a)) for a in args)
-        if head in ("Union",):
-            return _any_of(value, args, classes, path, problems)
-        if head == "Optional":
-            return value is None or _matches(value, args[0], classes, path, problems)
-        if head in ("list", "List", "Sequence"):
-            return isinstance(value, list) and all(
-                _matches(v, args[0], classes, f"{path}[{i}]", problems) for i, v in enumerate(value)
-            )
-        if head in ("dict", "Dict", "Mapping"):
-            return isinstance(value, dict) and all(
-                _matches(k, args[0], classes, path, problems) and _matches(v, args[1], classes, f"{path}.{k}", problems)
-                for k, v in value.items()
-            )
-        raise SchemaMismatch(f"{path}: cannot check NeMo-RL's annotation {ast.unparse(annotation)}")
-    name = ast.unparse(annotation).rsplit(".", 1)[-1]
-    simple = {
-        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
-        "str": lambda v: isinstance(v, str),
-        "bool": lambda v: isinstance(v, bool),
-        "PathLike": lambda v: isinstance(v, str),
-        "Any": lambda v: True,
-        "None": lambda v: v is None,
-    }
-    if name in simple:
-        return simple[name](value)
-    definition = classes.get(name)
-    if definition is None:
-        raise SchemaMismatch(f"{path}: NeMo-RL type {name} is not in the schema file")
-    if definition["kind"] == "alias":
-        return _matches(value, ast.parse(definition["type"], mode="eval").body, classes, path, problems)
-    if not isinstance(value, dict):
-        return False
-    problems.extend(check_section(value, name, classes, path))
-    return True
+@lru_cache(maxsize=1)
+def load_json_schema() -> dict:
+    """The same schema as a JSON Schema (devtools/nemo_rl_schema.py writes both)."""
+    return json.loads(JSON_SCHEMA_FILE.read_text())
 
 
-def _any_of(value, options, classes, path, problems) -> bool:
-    for option in options:
-        trial: list[str] = []
-        if _matches(value, option, classes, path, trial) and not trial:
-            return True
-    return False
+def _validator(schema: dict):
+    import jsonschema
+
+    # NeMo-RL's int is Python's int: 8.0 is not one (JSON Schema's "integer" would accept it).
+    strict_int = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda _, value: isinstance(value, int) and not isinstance(value, bool)
+    )
+    cls = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=strict_int)
+    return cls(schema)
 
 
-def check_section(section: dict, class_name: str, classes: dict, path: str = "") -> list[str]:
-    """Problems of one mapping against one NeMo-RL class: unknown keys, missing required keys, wrong types."""
-    fields = classes[class_name]["fields"]
-    problems = []
-    for key in section:
-        if key not in fields:
-            problems.append(f"{path}{key}: not a field of NeMo-RL's {class_name} ({', '.join(sorted(fields))})")
-    for key, field in fields.items():
-        where = f"{path}{key}"
-        if key not in section:
-            if field["required"]:
-                problems.append(f"{where}: required by NeMo-RL's {class_name}, missing")
-            continue
-        nested: list[str] = []
-        annotation = ast.parse(field["type"], mode="eval").body
-        if not _matches(section[key], annotation, classes, where + ".", nested):
-            problems.append(f"{where}: {section[key]!r} is not {field['type']}")
-        problems.extend(nested)
-    return problems
+def _problems(error) -> list[str]:
+    """One validation error as lines ``key.path: what is wrong``, naming NeMo-RL's class or annotation."""
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path).lstrip(".")
+    prefix = f"{path}." if path else ""
+    title = error.schema.get("title", "")
+    if error.validator == "additionalProperties" and error.schema.get("additionalProperties") is False:
+        fields = error.schema.get("properties", {})
+        return [
+            f"{prefix}{key}: not a field of NeMo-RL's {title} ({', '.join(sorted(fields))})"
+            for key in error.instance
+            if key not in fields
+        ]
+    if error.validator == "required":
+        return [
+            f"{prefix}{key}: required by NeMo-RL's {title}, missing"
+            for key in error.validator_value
+            if key not in error.instance
+        ]
+    expected = error.schema.get("x-annotation")
+    return [f"{path}: {error.instance!r} is not {expected}" if expected else f"{path}: {error.message}"]
 
 
 def check_config(config: dict, schema: dict | None = None) -> None:
-    """Raise :class:`SchemaMismatch` unless ``config`` matches NeMo-RL's DPO MasterConfig exactly."""
-    schema = schema or load_schema()
-    problems = check_section(config, schema["root"], schema["classes"])
+    """Raise :class:`SchemaMismatch` unless ``config`` matches NeMo-RL's DPO MasterConfig exactly.
+
+    ``schema``: a JSON Schema (default: NeMo-RL's, ``load_json_schema()``), checked with ``jsonschema``.
+    """
+    schema = schema or load_json_schema()
+    errors = sorted(_validator(schema).iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path])
+    problems = [line for error in errors for line in _problems(error)]
     if problems:
         raise SchemaMismatch(
-            f"the DPO config does not match NeMo-RL's schema ({schema['source']}@{str(schema['commit'])[:12]}): "
+            f"the DPO config does not match NeMo-RL's schema ({schema.get('x-source')}@{str(schema.get('x-commit'))[:12]}): "
             + "; ".join(problems)
         )
 

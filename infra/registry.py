@@ -38,7 +38,6 @@ model are compared on).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -49,6 +48,7 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
+from filelock import FileLock
 from pydantic import BaseModel, Field
 
 from infra import storage
@@ -206,8 +206,7 @@ class ModelRegistry:
             yield
             return
         storage.makedirs(self.uri)
-        with open(os.path.join(storage.local_path(self.uri), ".lock"), "w") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
+        with FileLock(os.path.join(storage.local_path(self.uri), ".lock")):
             yield
 
     def commit(

@@ -30,20 +30,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import fcntl
 import json
 import os
 import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
+from filelock import FileLock
 from pydantic import BaseModel, Field
 
 from infra import storage
@@ -156,8 +154,7 @@ def _table() -> Iterator[dict[str, ServiceHandle]]:
     """The service table, locked; changes to the yielded dict are written back atomically."""
     path = table_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with FileLock(path.with_suffix(".lock")):
         entries: dict[str, ServiceHandle] = {}
         if path.exists():
             try:
@@ -203,13 +200,12 @@ def _unregister(name: str, pid: int) -> None:
 
 
 def probe(url: str, timeout: float = 2.0) -> int | None:
-    """HTTP status of a GET, or None when nothing answers."""
+    """HTTP status of a GET (redirects followed), or None when nothing answers."""
+    import httpx
+
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except (urllib.error.URLError, OSError, ValueError):
+        return httpx.get(url, timeout=timeout, follow_redirects=True).status_code
+    except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError):
         return None
 
 

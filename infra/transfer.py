@@ -643,6 +643,8 @@ def _request_failure(url: str, exc: Exception, resolved: str | None = None) -> B
     return TransferError(f"cannot fetch {shown}: {redact(exc, *hidden)}", shown=shown)  # bad URL, redirect loop
 
 
+# requests, not httpx (the project's other HTTP client), for downloads: users' REQUESTS_CA_BUNDLE and ~/.netrc keep
+# working (httpx reads neither), and the resumable reader relies on urllib3's read1 (no received byte lost on a break).
 def _http_probe(url: str, timeout: float, etag_md5: bool) -> Remote:
     import requests
 

@@ -162,10 +162,10 @@ def mixtral_layout_checkpoint(checkpoint: str, cache: Path) -> str:
     (a temporary directory renamed into place). Non-weight files (config, tokenizer, generation config) are
     copied as they are; nemoflow's manifest is not (it lists the source's files).
     """
-    import fcntl
     import hashlib
     import shutil
 
+    from filelock import FileLock
     from safetensors.torch import load_file, save_file
 
     source = Path(checkpoint)
@@ -176,8 +176,7 @@ def mixtral_layout_checkpoint(checkpoint: str, cache: Path) -> str:
     ]
     target = cache / hashlib.sha256("\n".join(stamp).encode()).hexdigest()[:16]
     cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with FileLock(cache / ".lock"):
         if (target / "config.json").is_file():
             return str(target)
         work = cache / f".tmp-{target.name}-{os.getpid()}"

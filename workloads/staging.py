@@ -31,12 +31,13 @@ This needs the whole run on one node: several nodes would each hold only their r
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+
+from filelock import FileLock
 
 from infra import storage
 from infra.settings import DEFAULT_HOME
@@ -63,8 +64,7 @@ def _slot(uri: str) -> Path:
 @contextlib.contextmanager
 def _locked(directory: Path) -> Iterator[None]:
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with FileLock(directory / ".lock"):
         yield
 
 

@@ -23,7 +23,6 @@ import getpass
 import logging
 import os
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -578,8 +577,10 @@ class SlurmBackend(Backend):
 
 
 def _healthy(url: str) -> bool:
+    """A 2xx answer to a GET, redirects followed (what urllib's urlopen, which raises on 4xx/5xx, decided before)."""
+    import httpx
+
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status < 500
-    except OSError:
+        return httpx.get(url, timeout=5, follow_redirects=True).is_success
+    except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError):
         return False

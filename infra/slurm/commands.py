@@ -3,7 +3,7 @@
 Only the command line is used, never slurmrestd: it works on every Slurm
 version and needs nothing but the client tools and munge on this machine.
 Transient controller errors (a busy slurmctld) are retried a few times, as
-submitit does; anything else raises :class:`SlurmCommandError` with the
+submitit does, under a :class:`infra.retry.RetryPolicy` (tenacity, growing jittered waits); anything else raises :class:`SlurmCommandError` with the
 command's own message.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Iterable, Mapping
 
+from infra.retry import RetryPolicy
 from infra.slurm import parsers
 
 _TRANSIENT = (
@@ -24,6 +24,15 @@ _TRANSIENT = (
     "Transport endpoint is not connected",
     "Resource temporarily unavailable",
 )
+
+
+def _busy(exc: BaseException) -> bool:
+    """The retry predicate: a busy or unreachable controller (stderr above) or a command that did not answer.
+
+    A private mark rather than the ``transient`` attribute :func:`infra.retry.is_transient` reads: once these
+    retries are spent the error is final, and a task's own retries should not start over.
+    """
+    return getattr(exc, "_busy", False) is True
 
 
 class SlurmUnavailable(RuntimeError):
@@ -50,30 +59,38 @@ class SlurmCLI:
                 f"`{argv[0]}` is not on PATH: install Slurm's client tools (Debian: slurm-client) "
                 "or run on a login node of the cluster"
             )
-        for attempt in range(self.retries + 1):
-            try:
-                proc = subprocess.run(
-                    argv,
-                    capture_output=True,
-                    text=True,
-                    env=dict(env) if env is not None else None,
-                    input=input,
-                    timeout=self.timeout_s,
-                )
-            except subprocess.TimeoutExpired as exc:
-                if attempt == self.retries:
-                    raise SlurmUnavailable(f"`{argv[0]}` did not answer within {self.timeout_s:.0f}s") from exc
-                time.sleep(self.retry_delay_s)
-                continue
-            if proc.returncode == 0:
-                return proc.stdout
-            if attempt < self.retries and any(t in proc.stderr for t in _TRANSIENT):
-                time.sleep(self.retry_delay_s)
-                continue
-            if any(t in proc.stderr for t in _TRANSIENT[:2]):
-                raise SlurmUnavailable(f"the Slurm controller is unreachable: {proc.stderr.strip()}")
-            raise SlurmCommandError(argv, proc.returncode, proc.stderr)
-        raise AssertionError("unreachable")
+        policy = RetryPolicy(
+            attempts=self.retries + 1,
+            initial=self.retry_delay_s,
+            maximum=max(self.retry_delay_s, 10.0),
+            budget=None,
+            transient=_busy,
+        )
+        return policy.call(self._once, argv, env, input)
+
+    def _once(self, argv: list[str], env: Mapping[str, str] | None, input: str | None) -> str:  # noqa: A002
+        """One attempt; a failure that another attempt may cure is marked ``_busy`` (see :func:`_busy`)."""
+        try:
+            proc = subprocess.run(
+                argv,
+                capture_output=True,
+                text=True,
+                env=dict(env) if env is not None else None,
+                input=input,
+                timeout=self.timeout_s,
+            )
+        except subprocess.TimeoutExpired as exc:
+            error: Exception = SlurmUnavailable(f"`{argv[0]}` did not answer within {self.timeout_s:.0f}s")
+            error._busy = True
+            raise error from exc
+        if proc.returncode == 0:
+            return proc.stdout
+        if any(t in proc.stderr for t in _TRANSIENT[:2]):
+            error = SlurmUnavailable(f"the Slurm controller is unreachable: {proc.stderr.strip()}")
+        else:
+            error = SlurmCommandError(argv, proc.returncode, proc.stderr)
+        error._busy = any(t in proc.stderr for t in _TRANSIENT)
+        raise error
 
     # ------------------------------------------------------------------ commands
 

@@ -50,6 +50,10 @@ def test_the_rendered_config_has_exactly_nemo_rls_keys_and_types(rendered):
             r"policy\.dtensor_cfg: .* is not DTensorConfig \| DTensorConfigDisabled",
         ),
         (lambda c: c["cluster"].update(gpus_per_node=8.5), r"cluster\.gpus_per_node: 8\.5 is not int"),
+        # JSON Schema's "integer" takes 8.0; NeMo-RL's int does not, and a bool is not an int either
+        (lambda c: c["cluster"].update(gpus_per_node=8.0), r"cluster\.gpus_per_node: 8\.0 is not int"),
+        (lambda c: c["cluster"].update(num_nodes=True), r"cluster\.num_nodes: True is not int"),
+        (lambda c: c.update(logger=5), r"logger: 5 is not LoggerConfig"),
         (lambda c: c["logger"].pop("gpu_monitoring"), r"logger\.gpu_monitoring: required by NeMo-RL's LoggerConfig"),
         (lambda c: c.update(sft={}), r"sft: not a field of NeMo-RL's MasterConfig"),
     ],
@@ -59,6 +63,17 @@ def test_a_config_nemo_rl_would_reject_is_refused_naming_the_key(rendered, chang
     change(config)
     with pytest.raises(nemo_rl.SchemaMismatch, match=message):
         nemo_rl.check_config(config)
+
+
+def test_the_shipped_json_schema_is_the_one_built_from_the_extracted_record():
+    import jsonschema
+
+    from devtools.nemo_rl_schema import json_schema
+
+    shipped = nemo_rl.load_json_schema()
+    jsonschema.Draft202012Validator.check_schema(shipped)
+    assert shipped == json_schema(nemo_rl.load_schema())  # re-run: python -m devtools.nemo_rl_schema --from-record
+    assert shipped["$defs"]["ClusterConfig"]["additionalProperties"] is False
 
 
 def test_the_schema_extractor_reads_typeddicts_and_pydantic_models():

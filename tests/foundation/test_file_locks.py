@@ -1,0 +1,99 @@
+"""The project's file locks (filelock) exclude another process, not only another thread.
+
+A child process takes the lock and holds it until told to let go; meanwhile this process must wait.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+HOLD = """
+import sys
+{setup}
+with {lock}:
+    print("held", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def _hold(setup: str, lock: str) -> subprocess.Popen:
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(HOLD.format(setup=setup, lock=lock))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+
+def _waits_for(child: subprocess.Popen, take) -> None:
+    """``take()`` blocks while ``child`` holds the lock and returns once it lets go."""
+    got = threading.Event()
+    thread = threading.Thread(target=lambda: (take(), got.set()), daemon=True)
+    thread.start()
+    assert not got.wait(0.5), "the lock was taken while another process held it"
+    child.stdin.write("\n")
+    child.stdin.flush()
+    assert child.wait(10) == 0
+    assert got.wait(10), "the lock was not taken after the other process let go"
+    thread.join(10)
+
+
+def test_staging_lock_waits_for_another_process(tmp_path):
+    from workloads import staging
+
+    child = _hold(
+        "from workloads import staging; from pathlib import Path", f"staging._locked(Path({str(tmp_path)!r}))"
+    )
+
+    def take():
+        with staging._locked(tmp_path):
+            pass
+
+    _waits_for(child, take)
+
+
+def test_download_lock_says_it_waits_for_another_process(tmp_path):
+    from infra import fetch
+
+    dest = str(tmp_path / "x.bin")
+    child = _hold("from infra import fetch", f"fetch._dest_lock({dest!r}, print)")
+    said: list[str] = []
+
+    def take():
+        with fetch._dest_lock(dest, said.append):
+            pass
+
+    _waits_for(child, take)
+    assert said == ["another download of this file is running here: waiting for it"]
+
+
+@pytest.mark.parametrize("module", ["services", "registry"])
+def test_infra_locks_wait_for_another_process(tmp_path, work_dir, module):
+    if module == "services":
+        from infra import services
+
+        setup = "from infra import services"
+        lock = "services._table()"
+        (work_dir / "services").mkdir(parents=True)
+
+        def take():
+            with services._table():
+                pass
+    else:
+        from infra.registry import ModelRegistry
+
+        setup = f"from infra.registry import ModelRegistry; r = ModelRegistry({str(tmp_path / 'reg')!r})"
+        lock = "r._lock()"
+
+        def take():
+            with ModelRegistry(str(tmp_path / "reg"))._lock():
+                pass
+
+    _waits_for(_hold(setup, lock), take)
