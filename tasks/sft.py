@@ -213,7 +213,7 @@ def _fine_tune_name() -> str:
     retries=2,
     retry_delay_seconds=10,
     retry_condition_fn=transient_only(),  # a retry resumes from the checkpoint; not bad input or OOM
-    cache_policy=INPUTS + EngineCode("sft"),
+    cache_policy=INPUTS + EngineCode(stage="sft"),
     persist_result=True,
 )
 def fine_tune(

@@ -13,7 +13,7 @@ resumes. The stage never asks which engine it holds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prefect import task
@@ -32,7 +32,8 @@ from workloads.train_config import TrainConfig
 class EngineCode(CachePolicy):
     """Cache key part: the source of the code that trains, the engine's own (its ``modules``)."""
 
-    stage: str = "pretrain"
+    # keyword-only: CachePolicy's first field is key_storage (a positional "pretrain" became a directory)
+    stage: str = field(default="pretrain", kw_only=True)
 
     def compute_key(self, task_ctx, inputs, flow_parameters, **kwargs) -> str:
         engine = as_engine(inputs["config"], self.stage)
@@ -67,7 +68,7 @@ def _run_name() -> str:
     retries=2,
     retry_delay_seconds=10,
     retry_condition_fn=transient_only(),  # a crash or a lost node resumes; not bad config or OOM
-    cache_policy=INPUTS + EngineCode("pretrain"),
+    cache_policy=INPUTS + EngineCode(stage="pretrain"),
     persist_result=True,
 )
 def pretrain(

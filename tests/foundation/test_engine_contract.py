@@ -110,3 +110,77 @@ def test_a_test_only_serving_engine_is_served_by_the_stage_unchanged(tmp_path):
     )
     assert spec.command[spec.command.index("--engine") :] == ["--engine", "echo", "--loudness", "5"]
     assert spec.resources.cpus_per_task == 3 and isinstance(Echo(), BaseModel)
+
+
+# ------------------------------------------------------------------ training engines
+def _training_engines():
+    from tasks.train_engines import CPT_ENGINES, PRETRAIN_ENGINES, SFT_ENGINES
+
+    return [
+        (stage, name, cls)
+        for stage, engines in (("pretrain", PRETRAIN_ENGINES), ("cpt", CPT_ENGINES), ("sft", SFT_ENGINES))
+        for name, cls in engines.items()
+    ]
+
+
+@pytest.mark.parametrize(
+    ("stage", "name", "cls"), _training_engines(), ids=lambda v: v if isinstance(v, str) else v.__name__
+)
+def test_every_training_engine_implements_the_interface(stage, name, cls):
+    """Each member: a TrainEngine whose tag is its name, one Resources value, and the interface the stage
+    calls (a CPT member becomes, by ``continued``, a run that has it)."""
+    from tasks.train_engines import TrainEngine
+
+    assert issubclass(cls, TrainEngine) and cls.model_fields["engine"].default == name
+    runs = cls
+    if stage == "cpt" and cls.continued is not TrainEngine.continued:
+        # a refresh's option set: ``continued`` makes the run, a pretraining engine of the same name
+        from tasks.train_engines import PRETRAIN_ENGINES
+
+        runs = PRETRAIN_ENGINES[name]
+        assert cls.continued.__annotations__["return"] in (runs.__name__, runs)
+    for method in ("prepared", "job", "result", "expected_result"):
+        assert getattr(runs, method) is not getattr(TrainEngine, method), f"{runs.__name__} lacks {method}()"
+    assert runs.modules, f"{runs.__name__} names no code for the stage's cache key"
+    engine = cls.model_validate({k: v for k, v in {"command": "true", "max_steps": 1}.items() if k in cls.model_fields})
+    assert isinstance(engine.resources, Resources)
+
+
+def test_training_engines_options_are_their_own_and_automodel_is_the_default():
+    from tasks.train_engines import AutoModel, Command, PretrainEngine, SftEngine
+
+    adapter = TypeAdapter(PretrainEngine)
+    old = adapter.validate_python({"hidden_size": 128, "max_steps": 3})  # a train section from before engines
+    assert type(old) is AutoModel and old.hidden_size == 128
+    command = adapter.validate_python({"engine": "command", "command": "python x.py", "gpus_per_node": 2})
+    assert type(command) is Command and command.resources.gpus_per_node == 2
+    with pytest.raises(ValidationError, match=r"command\.hidden_size"):
+        adapter.validate_python({"engine": "command", "command": "x", "hidden_size": 128})  # AutoModel's option
+    with pytest.raises(ValidationError, match="'automodel', 'command'"):
+        adapter.validate_python({"engine": "torchtitan"})
+    assert type(TypeAdapter(SftEngine).validate_python({"max_steps": 5})).__name__ == "AutoModelSft"
+
+
+def test_in_json_schema_exactly_one_training_engine_matches():
+    import jsonschema
+
+    from tasks.train_engines import CptEngine, PretrainEngine, SftEngine
+
+    for union in (PretrainEngine, CptEngine, SftEngine):
+        schema = TypeAdapter(union).json_schema()
+        for config in ({}, {"max_steps": 3}, {"engine": "command", "command": ["python", "t.py"]}):
+            jsonschema.validate(config, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"engine": "command", "max_steps": 3}, schema)  # no command; AutoModel's option
+
+
+def test_the_training_stages_cache_keys_are_stored_where_prefect_stores_them():
+    """The stages' cache policy (inputs + the engine's code) keeps Prefect's key storage: a positional argument
+    once set it, and every run wrote cache metadata into a directory named after the stage in the cwd."""
+    from tasks.sft import fine_tune
+    from tasks.train import pretrain
+
+    for stage in (pretrain, fine_tune):
+        policies = stage.cache_policy.policies
+        assert {type(p).__name__ for p in policies} == {"Inputs", "EngineCode"}
+        assert all(p.key_storage is None for p in (stage.cache_policy, *policies)), stage.name
