@@ -30,7 +30,7 @@ CPT_ENGINES: dict[str, type[TrainEngine]] = {"automodel": AutoModelCpt, "command
 SFT_ENGINES: dict[str, type[TrainEngine]] = {"automodel": AutoModelSft, "command": Command}
 
 
-def _union(engines: dict[str, type[TrainEngine]], what: str) -> Any:
+def engine_union(engines: dict[str, type[TrainEngine]], what: str) -> Any:
     return tagged_union(
         engines,
         tag="engine",
@@ -41,9 +41,9 @@ def _union(engines: dict[str, type[TrainEngine]], what: str) -> Any:
     )
 
 
-PretrainEngine = _union(PRETRAIN_ENGINES, "pretraining")
-CptEngine = _union(CPT_ENGINES, "a CPT refresh's training run")
-SftEngine = _union(SFT_ENGINES, "fine-tuning")
+PretrainEngine = engine_union(PRETRAIN_ENGINES, "pretraining")
+CptEngine = engine_union(CPT_ENGINES, "a CPT refresh's training run")
+SftEngine = engine_union(SFT_ENGINES, "fine-tuning")
 
 _ADAPTERS = {name: TypeAdapter(union) for name, union in (("pretrain", PretrainEngine), ("sft", SftEngine))}
 
@@ -72,5 +72,6 @@ __all__ = [
     "TrainEngine",
     "TrainInputs",
     "as_engine",
+    "engine_union",
     "over_default",
 ]

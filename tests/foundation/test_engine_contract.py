@@ -4,6 +4,7 @@ they hold."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -184,3 +185,77 @@ def test_the_training_stages_cache_keys_are_stored_where_prefect_stores_them():
         policies = stage.cache_policy.policies
         assert {type(p).__name__ for p in policies} == {"Inputs", "EngineCode"}
         assert all(p.key_storage is None for p in (stage.cache_policy, *policies)), stage.name
+
+
+WRITE_CHECKPOINT = """
+import json, os, sys
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+json.dump({"model_type": "llama", "written_by": "echo", "pid": os.getpid()}, open(os.path.join(out, "config.json"), "w"))
+"""
+
+
+@pytest.mark.prefect
+def test_a_test_only_training_engine_runs_through_the_stage_and_a_flow_config_unchanged(prefect_server, work_dir):
+    """ARCHITECTURE.md: a new training engine is one module under tasks/train_engines/ and its line in the
+    stage lists of its __init__.py. Here the module is this test and the lists are built here: the pretrain
+    stage runs it as it is (its job on the local backend, its result read by the engine), and a config built on
+    the lists takes it by its tag: nothing in tasks/train.py, tasks/sft.py or flows/ names an engine."""
+    import hashlib
+    import os
+    import sys
+
+    from prefect import flow
+
+    from infra import storage
+    from infra.jobs import JobSpec
+    from infra.settings import get_settings
+    from tasks.refs import CheckpointRef, DatasetRef, TokenizerRef
+    from tasks.train import pretrain
+    from tasks.train_engines import PRETRAIN_ENGINES, TrainEngine, engine_union
+
+    class Echo(TrainEngine):
+        """Writes a config.json and calls it a checkpoint; its options: a step number and its CPUs."""
+
+        engine: str = "echo"
+        step: int = 1
+        cpus: int = 1
+        run_dir: str | None = None
+
+        @property
+        def resources(self) -> Resources:
+            return Resources(cpus_per_task=self.cpus)
+
+        def prepared(self, inputs):
+            name = "echo-" + hashlib.sha256(f"{self.step}{inputs.dataset.manifest_uri}".encode()).hexdigest()[:8]
+            return self.model_copy(update={"run_dir": storage.join(get_settings().work_dir, "runs", name)})
+
+        def job(self, inputs):
+            out = os.path.join(self.run_dir, "hf")
+            return JobSpec(name="echo", command=[sys.executable, "-c", WRITE_CHECKPOINT, out], resources=self.resources)
+
+        def result(self, inputs, run):
+            return CheckpointRef(uri=os.path.join(self.run_dir, "hf"), step=self.step, run_dir=self.run_dir)
+
+        def expected_result(self, inputs):
+            return self.result(inputs, None)
+
+    # a flow config with the engine in its list (what the line in tasks/train_engines/__init__.py does)
+    class Config(BaseModel):
+        train: engine_union({**PRETRAIN_ENGINES, "echo": Echo}, "pretraining")
+
+    engine = Config.model_validate({"train": {"engine": "echo", "step": 7}}).train
+    assert type(engine) is Echo and engine.step == 7
+    assert type(Config.model_validate({"train": {"max_steps": 30}}).train).__name__ == "AutoModel"
+
+    dataset = DatasetRef(
+        prefixes=[], blend=[], manifest_uri="test://none", tokenizer=TokenizerRef(), documents=0, tokens=0, bytes=0
+    )
+    ref = flow(name="echo-engine-test")(lambda: pretrain(engine, dataset))()
+    written = json.loads((Path(ref.uri) / "config.json").read_text())
+    assert written["written_by"] == "echo" and written["pid"] != os.getpid()  # by the stage's job, not in here
+    assert ref.step == 7 and Path(ref.run_dir).parent == work_dir / "runs"
+    architecture = " ".join((REPO / "ARCHITECTURE.md").read_text().split())
+    assert "A new training engine is one module under `tasks/train_engines/` and its line in the stage lists" in (
+        architecture
+    )
