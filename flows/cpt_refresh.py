@@ -38,13 +38,12 @@ import contextlib
 import hashlib
 import json
 from collections.abc import Iterator
-from typing import Literal
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from flows.prepare_dataset import PrepareConfig, prepare_dataset
 from infra import registry as reg
@@ -60,30 +59,9 @@ from tasks.refs import CheckpointRef, TokenizerRef
 from tasks.serve import ServeConfig
 from tasks.sft import SftStageConfig, run_sft
 from tasks.train import pretrain
-from workloads.train_config import TrainConfig
+from tasks.train_engines import AutoModelCpt, CptEngine
 
 CONCURRENCY_LIMIT = "cpt-refresh"
-
-
-class CptTrainConfig(BaseModel):
-    """The continued-pretraining run: token budget and a fresh warmup + decay schedule over it."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_tokens: int | None = Field(None, ge=1, description="token budget; None = one pass over the new tokens")
-    max_steps: int | None = Field(None, ge=1, description="instead of max_tokens")
-    lr: float = Field(3e-4, gt=0, description="peak learning rate of the CPT schedule")
-    min_lr: float = Field(3e-5, ge=0, description="learning rate at the end of the decay")
-    warmup_steps: int = Field(5, ge=0, description="linear warmup (capped at half the run)")
-    lr_schedule: Literal["cosine", "constant"] = "cosine"
-    reset_optimizer: bool = Field(True, description="fresh optimizer (True) or the promoted run's Adam state")
-    global_batch_size: int = Field(8, ge=1)
-    micro_batch_size: int = Field(8, ge=1)
-    val_check_interval: int = Field(20, ge=1)
-    ckpt_every_n_steps: int = Field(20, ge=1)
-    limit_val_batches: int = Field(4, ge=0)
-    log_every_n_steps: int = Field(5, ge=1)
-    seed: int = 1234
 
 
 class CptServeConfig(ServeConfig):
@@ -108,7 +86,11 @@ class CptRefreshConfig(BaseModel):
     registry: str | None = Field(None, description="model registry URI (default <work_dir>/registry)")
     tolerance: float = Field(0.0, ge=0, description="promote if candidate_loss <= promoted_loss * (1 + tolerance)")
     validation_threshold: float = Field(9.5, gt=0, description="validate_checkpoint's held-out loss threshold")
-    train: CptTrainConfig = Field(default_factory=CptTrainConfig)
+    train: CptEngine = Field(
+        default_factory=AutoModelCpt,
+        description="the refresh's training: NeMo AutoModel's budget and schedule (the default; the model's shape "
+        "is the promoted checkpoint's), or engine: command with your own command",
+    )
     tokenizer: TokenizerRef | None = Field(None, description="default: the held-out set's (the promoted model's)")
     serve: CptServeConfig = Field(default_factory=CptServeConfig)
     sft: SftStageConfig | None = Field(
@@ -119,14 +101,6 @@ class CptRefreshConfig(BaseModel):
     )
     image: ImageConfig = Field(default_factory=ImageConfig, description="what its jobs run in")
     lock_timeout_s: float = Field(5, ge=0, description="how long to wait for a running refresh before giving up")
-
-    @model_validator(mode="after")
-    def _check(self) -> CptRefreshConfig:
-        if self.train.max_tokens and self.train.max_steps:
-            raise ValueError("train: set at most one of max_tokens and max_steps")
-        if self.train.min_lr > self.train.lr:
-            raise ValueError(f"train: min_lr={self.train.min_lr} is above lr={self.train.lr}")
-        return self
 
     def registry_uri(self) -> str:
         return storage.normalize(self.registry) if self.registry else storage.join(get_settings().work_dir, "registry")
@@ -145,59 +119,6 @@ class RefreshRefused(RefreshFailed):
 
 # The start of a refused run's state message (``nemoflow refresh --wait`` recognises it).
 REFUSED = "another cpt-refresh holds the 'cpt-refresh' concurrency limit"
-
-
-def architecture_of(checkpoint: str) -> dict:
-    """TrainConfig model fields read from a checkpoint's config.json and meta.json (CPT keeps the shape)."""
-    config = storage.read_json(storage.join(checkpoint, "config.json"))
-    meta = (
-        storage.read_json(storage.join(checkpoint, "meta.json"))
-        if storage.exists(storage.join(checkpoint, "meta.json"))
-        else {}
-    )
-    fields = {
-        "arch": "mixtral" if config.get("model_type") == "mixtral" else "llama",
-        "hidden_size": config["hidden_size"],
-        "num_layers": config["num_hidden_layers"],
-        "num_attention_heads": config["num_attention_heads"],
-        "num_key_value_heads": config.get("num_key_value_heads"),
-        "ffn_hidden_size": config["intermediate_size"],
-        "seq_length": meta.get("seq_length") or config.get("max_position_embeddings"),
-    }
-    if fields["arch"] == "mixtral":
-        fields.update(
-            num_moe_experts=config.get("num_local_experts"), moe_router_topk=config.get("num_experts_per_tok", 2)
-        )
-    return fields
-
-
-def cpt_train_config(promoted_checkpoint: str, cpt: CptTrainConfig, new_tokens: int) -> TrainConfig:
-    """The TrainConfig of one refresh: the promoted model's shape, initialised from it, fresh schedule."""
-    fields = architecture_of(promoted_checkpoint)
-    budget = {"max_steps": cpt.max_steps} if cpt.max_steps else {"max_tokens": cpt.max_tokens or max(1, new_tokens)}
-    probe = TrainConfig(
-        **fields, **budget, global_batch_size=cpt.global_batch_size, micro_batch_size=cpt.micro_batch_size
-    )
-    total = probe.total_steps
-    return TrainConfig(
-        **fields,
-        **budget,
-        init_from=storage.local_path(promoted_checkpoint),
-        reset_optimizer=cpt.reset_optimizer,
-        lr=cpt.lr,
-        min_lr=cpt.min_lr,
-        lr_schedule=cpt.lr_schedule,
-        # warmup then decay over THIS budget; a warmup longer than a short refresh would never decay
-        warmup_steps=min(cpt.warmup_steps, total // 2),
-        global_batch_size=cpt.global_batch_size,
-        micro_batch_size=cpt.micro_batch_size,
-        val_check_interval=min(cpt.val_check_interval, total),
-        ckpt_every_n_steps=min(cpt.ckpt_every_n_steps, total),
-        limit_val_batches=cpt.limit_val_batches,
-        log_every_n_steps=cpt.log_every_n_steps,
-        save_top_k=1,
-        seed=cpt.seed,
-    )
 
 
 def _ensure_limit(name: str) -> None:
@@ -389,18 +310,18 @@ def _train_and_decide(config, registry, state, base_generation, promoted, new, r
     sizes = {shard["url"]: shard.get("size") for shard in manifest.get("shards", [])}
 
     # 4. continue pretraining from the promoted checkpoint
-    train = cpt_train_config(promoted.checkpoint, config.train, dataset.tokens)
+    train = config.train.continued(promoted.checkpoint, dataset.tokens)
+    steps = train.planned_steps()
     log.info(
-        "continuing %s on %d new tokens: %d steps, lr %g -> %g, warmup %d, reset_optimizer=%s",
+        "continuing %s on %d new tokens with the %s engine (%s steps)",
         promoted.id,
         dataset.tokens,
-        train.total_steps,
-        train.lr,
-        train.min_lr,
-        train.warmup_steps,
-        train.reset_optimizer,
+        train.engine,
+        steps if steps is not None else "its own",
     )
-    candidate: CheckpointRef = pretrain.with_options(result_storage=results)(train, dataset, image, config.executor)
+    candidate: CheckpointRef = pretrain.with_options(result_storage=results)(
+        train, dataset, image, config.executor, init_from=storage.local_path(promoted.checkpoint)
+    )
 
     # 5. the candidate's own checks (files, weights, loss threshold, better than untrained)
     report = validate_checkpoint.with_options(result_storage=results)(
@@ -428,7 +349,7 @@ def _train_and_decide(config, registry, state, base_generation, promoted, new, r
             "held_out_loss": losses.candidate_loss,
             "parent_held_out_loss": losses.promoted_loss,
             "tokens": dataset.tokens,
-            "steps": train.total_steps,
+            "steps": steps if steps is not None else candidate.step,
         },
         image=image.model_dump(mode="json"),
         code_version=reg.code_version(),

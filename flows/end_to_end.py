@@ -33,14 +33,14 @@ from tasks.serve import ServeConfig, deploy_inference
 from tasks.sft import SftStageConfig, run_sft
 from tasks.smoke import DEFAULT_PROMPT, SEED_MAX_TOKENS, smoke_test
 from tasks.train import pretrain
-from workloads.train_config import TrainConfig, check_parallelism
+from tasks.train_engines import AutoModel, PretrainEngine, TrainEngine, over_default
 
 
-def demo_train_config() -> TrainConfig:
+def demo_train_config() -> AutoModel:
     """A 20M-parameter Llama that learns the demo corpus visibly in about a minute on 2 CPU cores: 40 steps of
     8 x 256 tokens (the loss falls from 10.4 to about 6.3), validated twice, saved once at the end (a
     background writer for three 80 MB saves cost the 2 cores more than it saved)."""
-    return TrainConfig(
+    return AutoModel(
         arch="llama",
         hidden_size=256,
         num_layers=4,
@@ -65,14 +65,14 @@ def demo_train_config() -> TrainConfig:
 GPU_DEMO_TOKENS = 2_500_000
 
 
-def demo_gpu_train_config(gpus: int) -> TrainConfig:
+def demo_gpu_train_config(gpus: int) -> AutoModel:
     """The demo on ``gpus`` GPUs of this machine: a 0.25B-parameter Llama (hidden 1024, 16 layers, GQA 16/8,
     SwiGLU 2816, Mixtral's 32000-token vocabulary) trained for two passes over the demo corpus, bf16-mixed,
     each decoder layer compiled, torchrun over the GPUs (``strategy: auto``: DDP for this size on one node).
     Minutes on one H200 (README, "On a GPU machine")."""
     micro, seq = 16, 1024
     steps = GPU_DEMO_TOKENS // (micro * gpus * seq)
-    return TrainConfig(
+    return AutoModel(
         arch="llama",
         hidden_size=1024,
         num_layers=16,
@@ -130,7 +130,11 @@ class EndToEndConfig(BaseModel):
     )
     image: ImageConfig = Field(default_factory=ImageConfig)
     data: PrepareConfig = Field(default_factory=PrepareConfig)
-    train: TrainConfig = Field(default_factory=demo_train_config)
+    train: PretrainEngine = Field(
+        default_factory=demo_train_config,
+        description="the training engine and its options: NeMo AutoModel's NeMo-named fields (the default), "
+        "or engine: command with your own command",
+    )
     validation_threshold: float = Field(
         8.0, gt=0, description="the checkpoint's validation loss must be below this (and below the untrained model's)"
     )
@@ -144,20 +148,16 @@ class EndToEndConfig(BaseModel):
     @classmethod
     def _train_over_demo_defaults(cls, value):
         """A partial `train` (e.g. {cpus_per_task: 1} in prefect.yaml) changes the demo model, not replaces it."""
-        if isinstance(value, dict):
-            merged = {**demo_train_config().model_dump(), **value}
-            if "max_tokens" in value and "max_steps" not in value:
-                merged["max_steps"] = None  # a token budget given instead of the demo's step count
-            return merged
-        return value
+        merged = over_default(value, demo_train_config())
+        if merged is not value and "max_tokens" in value and "max_steps" not in value:
+            merged["max_steps"] = None  # a token budget given instead of the demo's step count
+        return merged
 
     @model_validator(mode="after")
     def _check(self) -> EndToEndConfig:
-        # Fail on impossible parallelism, or a layout that does not fit the executor's GPUs, before any stage runs.
-        from workloads.memory_plan import check_memory, executor_gpu_memory_gib
-
-        check_parallelism(self.train)
-        check_memory(self.train, executor_gpu_memory_gib(self.executor))
+        # Fail on what the engine cannot run where the executor runs it (AutoModel: impossible parallelism, a
+        # layout that does not fit the executor's GPUs) before any stage runs.
+        self.train.check(self.executor)
         return self
 
 
@@ -230,9 +230,10 @@ def end_to_end(config: EndToEndConfig | None = None) -> dict:
     return summary
 
 
-def validation_resources(train: TrainConfig) -> Resources:
+def validation_resources(train: TrainEngine) -> Resources:
     """Validation loads the model once: one GPU where training had GPUs, the training job's CPUs."""
-    return Resources(gpus_per_node=min(1, train.gpus_per_node), cpus_per_task=train.cpus_per_task, time="01:00:00")
+    trained = train.resources
+    return Resources(gpus_per_node=min(1, trained.gpus_per_node), cpus_per_task=trained.cpus_per_task, time="01:00:00")
 
 
 def register_checkpoint(config, checkpoint, dataset, report, endpoint, image) -> str:
@@ -259,12 +260,14 @@ def register_checkpoint(config, checkpoint, dataset, report, endpoint, image) ->
         note="trained by end-to-end",
     )
     first = state.promoted is None
+    meta = storage.read_json(storage.join(checkpoint.uri, "meta.json"))
     held_out = reg.HeldOut(
         data_prefix=dataset.blend,
         tokenizer_model=dataset.tokenizer.model,
-        seq_length=config.train.seq_length,
-        split=config.train.split,
-        seed=config.train.seed,
+        # as the checkpoint was trained: its meta.json (every engine's result has one)
+        seq_length=meta["seq_length"],
+        split=meta.get("split", "98,1,1"),
+        seed=meta.get("seed", 1234),
         origin=f"validation split of {dataset.manifest_uri}",
     )
     serving = reg.Serving(

@@ -24,9 +24,9 @@ from infra.sources import expand_sources
 from tasks.checkpoint import build_validate_job, report_path
 from tasks.data import build_tokenize_job
 from tasks.image import default_dest
-from tasks.refs import CheckpointRef, DatasetRef
+from tasks.refs import DatasetRef
 from tasks.serve import build_serve_spec, deployment_fingerprint
-from tasks.train import build_train_job, with_dataset
+from tasks.train_engines import TrainInputs
 
 
 def planned_dataset(config: EndToEndConfig) -> tuple[DatasetRef, int]:
@@ -73,8 +73,6 @@ def planned_dataset(config: EndToEndConfig) -> tuple[DatasetRef, int]:
 
 def planned_specs(config: EndToEndConfig) -> list[tuple[str, JobSpec | ServiceSpec]]:
     """(stage, spec) for every job and service of one run, in pipeline order."""
-    from workloads import checkpoint as ckpt
-
     backend = get_backend(config.executor)
     image = backend.planned_image(config.image.source, config.image.dest or default_dest(), config.image.convert)
     dataset, parts = planned_dataset(config)
@@ -87,20 +85,10 @@ def planned_specs(config: EndToEndConfig) -> list[tuple[str, JobSpec | ServiceSp
         image,
         [storage.local_path(dataset_uri)] if storage.is_local(dataset_uri) else [],
     )
-    train_config = with_dataset(config.train, dataset)
-    train = build_train_job(train_config, image)
-    best = ckpt.best_checkpoint(train_config.run_dir) if storage.exists(train_config.run_dir) else None
-    step = best.step if best else train_config.total_steps
-    checkpoint = CheckpointRef(
-        uri=str(best.path)
-        if best
-        else str(ckpt.consolidated_dir(ckpt.checkpoints_dir(train_config.run_dir) / ckpt.step_dir_name(step))),
-        step=step,
-        val_loss=best.val_loss if best else None,
-        run_dir=train_config.run_dir,
-        image=image,
-        dataset_manifest=dataset.manifest_uri,
-    )
+    inputs = TrainInputs(dataset=dataset, image=image)
+    engine = config.train.prepared(inputs)
+    train = engine.job(inputs)
+    checkpoint = engine.expected_result(inputs)
     validate = build_validate_job(
         checkpoint,
         dataset,

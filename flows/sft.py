@@ -1,6 +1,6 @@
 """Flow ``sft``: supervised fine-tuning of a registered model on chat data.
 
-    stage image -> chat data (any URI, or the KJV demo set) -> fine-tune (NeMo AutoModel) ->
+    stage image -> chat data (any URI, or the KJV demo set) -> fine-tune (NeMo AutoModel, or your command) ->
     check on held-out chat (loss below the base's, answers) -> register with its parent
 
 Started by ``prefect deployment run sft/local`` (``sft/slurm``, ``sft/k8s``), or in Python:
@@ -23,7 +23,7 @@ from infra.settings import get_settings
 from tasks.common import result_storage
 from tasks.image import ImageConfig, stage_image
 from tasks.sft import ChatDataConfig, demo_sft_config, run_sft, train_over_demo_defaults
-from workloads.sft import SftConfig
+from tasks.train_engines import SftEngine
 
 
 class SftFlowConfig(BaseModel):
@@ -34,7 +34,9 @@ class SftFlowConfig(BaseModel):
     executor: Executor = Field(default_factory=default_executor, description="where the jobs run (as in end-to-end)")
     image: ImageConfig = Field(default_factory=ImageConfig, description="what the jobs run in")
     data: ChatDataConfig = Field(default_factory=ChatDataConfig, description="the chat data (default: KJV demo set)")
-    train: SftConfig = Field(default_factory=demo_sft_config, description="the fine-tuning run (NeMo AutoModel)")
+    train: SftEngine = Field(
+        default_factory=demo_sft_config, description="the fine-tuning run (engine: automodel, the default, or command)"
+    )
     registry: str | None = Field(None, description="model registry URI (default <work_dir>/registry)")
     base_model: str | None = Field(None, description="registry id of the model to fine-tune (default: the promoted)")
     promote: bool = Field(False, description="promote the fine-tuned model once it passed its checks")

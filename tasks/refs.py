@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from infra.executors import Executor, LocalExecutor
 from infra.jobs import ImageRef
 
-__all__ = ["CheckpointRef", "DatasetRef", "EndpointRef", "ImageRef", "TokenizerRef", "now"]
+__all__ = ["ChatDataRef", "CheckpointRef", "DatasetRef", "EndpointRef", "ImageRef", "TokenizerRef", "now"]
 
 
 def now() -> datetime:
@@ -40,6 +40,17 @@ class DatasetRef(BaseModel):
     documents: int
     tokens: int
     bytes: int
+
+
+class ChatDataRef(BaseModel):
+    """Chat data for fine-tuning: normalized JSONL of OpenAI ``messages`` rows, split into train and held out."""
+
+    train: str = Field(..., description="normalized train JSONL (a path the jobs can read)")
+    held_out: str
+    train_examples: int
+    held_out_examples: int
+    source: str
+    fingerprint: str
 
 
 class CheckpointRef(BaseModel):

@@ -11,9 +11,10 @@ Steps (each a cached, retried Prefect task; the flow ``sft`` and the end-to-end 
    any URI (a path, ``gs://``, ``https://``; the KJV demo set when none is given), normalizes it
    (workloads/chat_data.py) and splits off a held-out share by content hash, into
    ``<work_dir>/sft-data/<hash>/{train,held_out}.jsonl``;
-2. :func:`fine_tune` runs ``python -m workloads.sft`` as a job where the executor says (AutoModel's
-   fine-tuning recipe, torchrun when it spans several processes); a retry resumes from the run's
-   checkpoint;
+2. :func:`fine_tune` trains with the configured engine (tasks/train_engines/) where the executor says:
+   AutoModel's fine-tuning recipe (``python -m workloads.sft``, torchrun when it spans several processes),
+   or your command (``engine: command``: the base as NEMOFLOW_INIT_FROM, the chat data as
+   NEMOFLOW_CHAT_TRAIN / NEMOFLOW_CHAT_HELD_OUT); a retry resumes from the run's checkpoint;
 3. :func:`validate_sft` runs ``python -m workloads.sft --validate`` as a job: held-out loss of the
    fine-tuned model must be below the base model's, and greedy answers must end their turn;
    a failure stops here, naming the checks;
@@ -30,20 +31,28 @@ from typing import Any, Literal
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import INPUTS
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infra import registry as reg
 from infra import secrets, storage
 from infra.executors import Executor
-from infra.jobs import ImageRef, JobSpec, Resources, workload_job
+from infra.jobs import ImageRef
 from infra.secrets import CredentialFree
 from infra.settings import get_settings, redact
 from tasks.common import cache_policy, logger, run_job, transient_only
-from tasks.refs import CheckpointRef
+from tasks.refs import ChatDataRef, CheckpointRef
+from tasks.train import EngineCode, train_with
+from tasks.train_engines import SftEngine, TrainInputs, as_engine, over_default
+from tasks.train_engines.automodel import (
+    SFT_MODULES,
+    AutoModelSft,
+    build_sft_job,
+    with_inputs,
+    write_sft_config,
+)
 from workloads import chat_data
 from workloads.sft import SftConfig
-
-SFT_MODULES = ("workloads.sft", "workloads.chat_data", "workloads.checkpoint", "workloads.automodel_shim", "tasks.sft")
 
 
 class ChatDataConfig(BaseModel):
@@ -67,15 +76,6 @@ class ChatDataConfig(BaseModel):
         default_factory=lambda: ["continue", "book"], description="KJV demo tasks: continue the verse, which book"
     )
     seed: int = 1234
-
-
-class ChatDataRef(BaseModel):
-    train: str = Field(..., description="normalized train JSONL (a path the jobs can read)")
-    held_out: str
-    train_examples: int
-    held_out_examples: int
-    source: str
-    fingerprint: str
 
 
 class SftReport(BaseModel):
@@ -102,16 +102,14 @@ class SftValidationFailed(RuntimeError):
         )
 
 
-def demo_sft_config() -> SftConfig:
+def demo_sft_config() -> AutoModelSft:
     """Fine-tuning the demo model on the KJV chat set: a couple of minutes on 2 CPU cores."""
-    return SftConfig(max_steps=40, global_batch_size=8, micro_batch_size=8, lr=5e-4, seq_length=192)
+    return AutoModelSft(max_steps=40, global_batch_size=8, micro_batch_size=8, lr=5e-4, seq_length=192)
 
 
 def train_over_demo_defaults(value):
     """A partial ``train`` (e.g. {max_steps: 100} in prefect.yaml) changes the demo run, not replaces it."""
-    if isinstance(value, dict):
-        return {**demo_sft_config().model_dump(exclude_unset=True), **value}
-    return value
+    return over_default(value, demo_sft_config())
 
 
 class SftStageConfig(BaseModel):
@@ -121,7 +119,9 @@ class SftStageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # inputs may hold credentials
 
     data: ChatDataConfig = Field(default_factory=ChatDataConfig, description="the chat data (default: KJV demo set)")
-    train: SftConfig = Field(default_factory=demo_sft_config, description="the fine-tuning run (NeMo AutoModel)")
+    train: SftEngine = Field(
+        default_factory=demo_sft_config, description="the fine-tuning run (engine: automodel, the default, or command)"
+    )
     promote: bool = Field(False, description="promote the fine-tuned model once it passed its checks")
 
     @field_validator("train", mode="before")
@@ -200,121 +200,42 @@ def prepare_chat_data(config: ChatDataConfig) -> ChatDataRef:
 
 
 # ------------------------------------------------------------------ 2. fine-tuning
-def with_inputs(config: SftConfig, base_checkpoint: str, data: ChatDataRef) -> SftConfig:
-    """The config with the base model, the data and a run directory named by all of them."""
-    update = {"init_from": storage.local_path(base_checkpoint), "train_data": data.train, "valid_data": data.held_out}
-    config = config.model_copy(update=update)
-    if not config.run_dir:
-        identity = config.model_dump_json(exclude={"run_dir"})
-        name = "sft-" + hashlib.sha256(identity.encode()).hexdigest()[:12]
-        work_dir = get_settings().work_dir
-        if not storage.is_local(work_dir):
-            raise ValueError(
-                f"work_dir {work_dir} is not a file system jobs can write checkpoints to; set SftConfig.run_dir"
-            )
-        config = config.model_copy(update={"run_dir": storage.local_path(storage.join(work_dir, "runs", name))})
-    return config
+def _fine_tune_name() -> str:
+    from prefect.runtime import task_run
 
-
-def config_path(config: SftConfig) -> str:
-    return os.path.join(storage.local_path(config.run_dir or ""), "sft_config.request.json")
-
-
-def write_config(config: SftConfig) -> str:
-    path = config_path(config)
-    storage.makedirs(os.path.dirname(path))
-    storage.write_text(path, config.model_dump_json(indent=1))
-    return path
-
-
-def _read_only_dirs(config: SftConfig) -> list[str]:
-    paths = {config.init_from or "", os.path.dirname(config.train_data or ""), os.path.dirname(config.valid_data or "")}
-    if config.tokenizer_model:
-        paths.add(os.path.dirname(config.tokenizer_model))
-    return sorted(p for p in paths if p)
-
-
-def build_sft_job(config: SftConfig, image: ImageRef | None = None, validate_to: str | None = None) -> JobSpec:
-    """The fine-tuning job (or, with ``validate_to``, the check writing its report there)."""
-    run_dir = storage.local_path(config.run_dir or "")
-    tag = hashlib.sha256(run_dir.encode()).hexdigest()[:10]
-    args = ["--config", config_path(config)]
-    if validate_to:
-        args += ["--validate", validate_to, "--exit-zero"]
-    distributed = config.world_size > 1 and not validate_to
-    return workload_job(
-        ("sft-check-" if validate_to else "sft-") + tag,
-        "workloads.sft",
-        args,
-        image=image,
-        resources=Resources(
-            nodes=1 if validate_to else config.num_nodes,
-            gpus_per_node=min(1, config.gpus_per_node) if validate_to else config.gpus_per_node,
-            cpus_per_task=config.cpus_per_task,
-            mem=config.mem,
-            time=config.time,
-        ),
-        paths=[run_dir],
-        read_only=_read_only_dirs(config),
-        secret_env=[]
-        if validate_to
-        else [n for n in ("WANDB_API_KEY", "HF_TOKEN") if n in get_settings().secret_env()],
-        nproc_per_node=config.procs_per_node if distributed else None,
-        log_dir=os.path.join(run_dir, "logs"),
-    )
+    base = task_run.parameters["base"]
+    return f"sft of step {base.step} ({as_engine(task_run.parameters['config'], 'sft').label})"
 
 
 @task(
     name="fine-tune",
-    task_run_name="sft of step {base.step}",
+    task_run_name=_fine_tune_name,
     retries=2,
     retry_delay_seconds=10,
     retry_condition_fn=transient_only(),  # a retry resumes from the checkpoint; not bad input or OOM
-    cache_policy=cache_policy(*SFT_MODULES),
+    cache_policy=INPUTS + EngineCode(stage="sft"),
     persist_result=True,
 )
 def fine_tune(
-    config: SftConfig,
+    config: SftEngine | SftConfig,
     data: ChatDataRef,
     base: CheckpointRef,
     image: ImageRef | None = None,
     executor: Executor | Any = None,
 ) -> CheckpointRef:
-    """Fine-tune ``base`` on ``data``; returns the run's latest checkpoint."""
-    from tasks.train import loss_curve_markdown, read_metrics
-    from workloads import checkpoint as ckpt
+    """Fine-tune ``base`` on ``data`` with the configured engine; the checkpoint it hands on (AutoModel: the
+    run's latest; command: its newest, in the Hugging Face layout)."""
+    inputs = TrainInputs(chat=data, init_from=base.uri, image=image)
+    return train_with(as_engine(config, "sft"), inputs, executor)
 
-    log = logger()
-    config = with_inputs(config, base.uri, data)
-    log.info(
-        "fine-tuning %s on %d conversations for %d steps (batch %d); run_dir %s",
-        base.uri,
-        data.train_examples,
-        config.max_steps,
-        config.global_batch_size,
-        config.run_dir,
-    )
-    write_config(config)
-    run_job(build_sft_job(config, image), executor)
-    from tasks.tracking import publish_wandb_run
 
-    publish_wandb_run(config.run_dir)
-    latest = ckpt.latest_checkpoint(config.run_dir)
-    if latest is None:
-        raise RuntimeError(
-            f"the fine-tuning job finished but {config.run_dir}/checkpoints holds no complete checkpoint"
-        )
-    result = CheckpointRef(
-        uri=str(latest.path), step=latest.step, val_loss=latest.val_loss, run_dir=config.run_dir, image=image
-    )
-    create_markdown_artifact(
-        key="sft-loss-" + hashlib.sha256(config.run_dir.encode()).hexdigest()[:10],
-        markdown=loss_curve_markdown(read_metrics(config.run_dir), result, config.run_dir).replace(
-            "# Training run", "# Fine-tuning run", 1
-        ),
-        description="SFT loss curve",
-    )
-    return result
+def check_options(engine: Any) -> SftConfig:
+    """The options of the held-out check (``python -m workloads.sft --validate``) for a fine-tuning engine: the
+    SftConfig fields the engine sets (AutoModel's: all it was given, so the check shares its run directory),
+    the demo run's for the rest (the check runs on one node, one GPU where the engine asked for GPUs)."""
+    engine = as_engine(engine, "sft")
+    mine = {k: v for k, v in engine.model_dump(exclude_unset=True).items() if k in SftConfig.model_fields}
+    return SftConfig.model_validate({**demo_sft_config().model_dump(exclude_unset=True, exclude={"engine"}), **mine})
 
 
 # ------------------------------------------------------------------ 3. the check
@@ -344,11 +265,11 @@ def report_markdown(report: SftReport) -> str:
     retries=1,
     retry_delay_seconds=10,
     retry_condition_fn=transient_only(SftValidationFailed),
-    cache_policy=cache_policy(*SFT_MODULES),
+    cache_policy=cache_policy(*SFT_MODULES, "tasks.sft"),
     persist_result=True,
 )
 def validate_sft(
-    config: SftConfig,
+    config: SftEngine | SftConfig,
     data: ChatDataRef,
     base: CheckpointRef,
     checkpoint: CheckpointRef,
@@ -356,14 +277,14 @@ def validate_sft(
     executor: Executor | Any = None,
 ) -> SftReport:
     """Held-out loss below the base's and non-empty answers that end their turn; raises :class:`SftValidationFailed`."""
-    config = with_inputs(config, base.uri, data)
+    config = with_inputs(check_options(config), base.uri, data)
     output = os.path.join(
         storage.local_path(config.run_dir),
         "validation",
         os.path.basename(os.path.dirname(os.path.dirname(checkpoint.uri))) + ".json",
     )
     storage.makedirs(os.path.dirname(output))
-    write_config(config)
+    write_sft_config(config)
     spec = build_sft_job(config, image, validate_to=output)
     spec = spec.model_copy(update={"command": [*spec.command, "--checkpoint", storage.local_path(checkpoint.uri)]})
     run_job(spec, executor)
@@ -433,7 +354,7 @@ def register_sft(
 
 
 def run_sft(
-    config: SftConfig,
+    config: SftEngine,
     data: ChatDataConfig,
     base: reg.ModelRecord,
     registry_uri: str,

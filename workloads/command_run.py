@@ -3,7 +3,7 @@
     python -m workloads.command_run -- python pretrain/llama3p1_2b_pt.py --devices 8
     python -m workloads.command_run --shell -- 'torchrun --nnodes $NNODES --node-rank $NODE_RANK ... train.py'
 
-The stage (tasks/command.py) sets ``NEMOFLOW_*`` variables naming the data, tokenizer and
+The stage (tasks/train_engines/command.py) sets ``NEMOFLOW_*`` variables naming the data, tokenizer and
 output locations; this launcher adds the rank layout every launcher understands and runs the
 command once per node, in the staged image:
 

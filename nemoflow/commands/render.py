@@ -119,16 +119,6 @@ def render_run(config) -> dict[str, str]:
     return files
 
 
-def memory_plan_text(config) -> str:
-    """The training layout and its memory per GPU (workloads/memory_plan.py), for the reviewer of the render."""
-    from workloads.memory_plan import executor_gpu_memory_gib, plan_memory
-
-    memory = config.train.gpu_memory_gib or executor_gpu_memory_gib(config.executor)
-    plan = plan_memory(config.train, gpu_memory_gib=memory)
-    where = "" if memory else " (GPU memory unknown: set train.gpu_memory_gib or a Slurm preset to check it)"
-    return f"pretrain: {plan.summary()}{where}\n{plan.report()}\n"
-
-
 def k8s_work_dir(config) -> str | None:
     """The work dir to render a Kubernetes run with, when it must differ from the configured one.
 
@@ -175,9 +165,10 @@ def run(args) -> int:
             file=sys.stderr,
         )
     files = render_run(config)
-    if config.train.gpus_per_node:
-        files["train-memory-plan.txt"] = memory_plan_text(config)
-        print(files["train-memory-plan.txt"], file=sys.stderr)
+    plan = config.train.memory_plan(config.executor)  # the training layout's memory per GPU, where it has one
+    if plan:
+        files["train-memory-plan.txt"] = plan
+        print(plan, file=sys.stderr)
     written = write_files(files, args.out)
     for path in written:
         relative = os.path.relpath(path)

@@ -1,6 +1,6 @@
 """The command engine for real: a user's script, driven only by the contract's environment variables, trains
-with the installed engine (NeMo AutoModel) and writes checkpoints; nemoflow finds the newest and converts a
-non-Hugging Face one with the configured converter (local executor, a real Prefect server)."""
+with the installed engine (NeMo AutoModel) and writes checkpoints; the pretrain stage finds the newest and
+converts a non-Hugging Face one with the configured converter (local executor, a real Prefect server)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.command import CommandTrainConfig, newest_checkpoint, step_of
+from tasks.train_engines.command import Command, newest_checkpoint, step_of
 from workloads.command_run import child_environment
 
 HERE = Path(__file__).resolve().parent
@@ -36,10 +36,10 @@ def _in_a_flow(fn):
 def test_a_users_script_trains_from_the_contract_and_the_newest_checkpoint_is_found(
     prefect_server, work_dir, small_dataset
 ):
-    from tasks.command import train_with_command
+    from tasks.train import pretrain
 
-    config = CommandTrainConfig(command=[sys.executable, str(HERE / "env_trainer.py")], seq_length=64, cpus_per_task=1)
-    ref = _in_a_flow(lambda: train_with_command(config, small_dataset))
+    config = Command(command=[sys.executable, str(HERE / "env_trainer.py")], seq_length=64, cpus_per_task=1)
+    ref = _in_a_flow(lambda: pretrain(config, small_dataset))
 
     run_dir = Path(ref.run_dir)
     assert run_dir.parent == work_dir / "runs" and run_dir.name.startswith("cmd-")
@@ -63,24 +63,28 @@ def test_a_checkpoint_in_another_layout_is_converted_by_the_converter(prefect_se
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tasks.command import NoCheckpoint, train_with_command
+    from tasks.train import pretrain
+    from tasks.train_engines.command import NoCheckpoint
 
     trainer = [sys.executable, str(HERE / "pt_trainer.py")]
     converter = {"command": [sys.executable, str(HERE / "pt_to_hf.py"), "{checkpoint}", "{output}"]}
-    ref = _in_a_flow(
-        lambda: train_with_command(CommandTrainConfig(command=trainer, converter=converter), small_dataset)
-    )
+    ref = _in_a_flow(lambda: pretrain(Command(command=trainer, converter=converter), small_dataset))
     assert ref.step == 5 and ref.uri.endswith("/hf/iter_0000005")
     model = AutoModelForCausalLM.from_pretrained(ref.uri)
     assert torch.allclose(model.lm_head.weight, torch.full_like(model.lm_head.weight, 0.05))  # step 5's weights
+    # what validation, serving and the registry read, added where the converter left it out
+    from workloads.checkpoint import verify_manifest
+
+    hf = Path(ref.uri)
+    meta = json.loads((hf / "meta.json").read_text())
+    assert meta["data_prefix"] == small_dataset.blend and meta["step"] == 5
+    assert meta["seq_length"] == model.config.max_position_embeddings  # no seq_length given: the model's
+    assert (hf / "tokenizer.model").read_bytes() == Path(small_dataset.tokenizer.model).read_bytes()
+    assert verify_manifest(hf) == [] and "model.safetensors" in json.loads((hf / "MANIFEST.json").read_text())["files"]
 
     # without a converter: one error naming the checkpoint and the option
     with pytest.raises(NoCheckpoint, match=r"iter_0000005 is not in the Hugging Face layout.*set converter"):
-        _in_a_flow(
-            lambda: train_with_command.with_options(retries=0)(
-                CommandTrainConfig(command=trainer, env={"X": "1"}), small_dataset
-            )
-        )
+        _in_a_flow(lambda: pretrain.with_options(retries=0)(Command(command=trainer, env={"X": "1"}), small_dataset))
 
 
 def test_newest_checkpoint_by_step_across_layouts(tmp_path):
@@ -131,11 +135,9 @@ def test_rank_layout_for_one_node_and_under_a_multinode_launch():
 def test_the_contract_in_a_rendered_slurm_job(small_dataset, tmp_path):
     """Two nodes on Slurm: one launcher per node, the contract's variables exported, secrets by name only."""
     from infra.executors import SlurmExecutor, get_backend
-    from tasks.command import build_command_job
+    from tasks.train_engines.command import build_command_job
 
-    config = CommandTrainConfig(
-        command="python run.py -e slurm -n $NNODES", num_nodes=2, gpus_per_node=8, env={"EXTRA": "1"}
-    )
+    config = Command(command="python run.py -e slurm -n $NNODES", num_nodes=2, gpus_per_node=8, env={"EXTRA": "1"})
     spec = build_command_job(config, small_dataset, str(tmp_path / "run"))
     script = next(iter(get_backend(SlurmExecutor(partition="gpu")).render(spec).values()))
     assert "--nproc-per-node=1" in script and "--nodes=2" in script

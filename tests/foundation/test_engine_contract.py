@@ -4,6 +4,7 @@ they hold."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -110,3 +111,151 @@ def test_a_test_only_serving_engine_is_served_by_the_stage_unchanged(tmp_path):
     )
     assert spec.command[spec.command.index("--engine") :] == ["--engine", "echo", "--loudness", "5"]
     assert spec.resources.cpus_per_task == 3 and isinstance(Echo(), BaseModel)
+
+
+# ------------------------------------------------------------------ training engines
+def _training_engines():
+    from tasks.train_engines import CPT_ENGINES, PRETRAIN_ENGINES, SFT_ENGINES
+
+    return [
+        (stage, name, cls)
+        for stage, engines in (("pretrain", PRETRAIN_ENGINES), ("cpt", CPT_ENGINES), ("sft", SFT_ENGINES))
+        for name, cls in engines.items()
+    ]
+
+
+@pytest.mark.parametrize(
+    ("stage", "name", "cls"), _training_engines(), ids=lambda v: v if isinstance(v, str) else v.__name__
+)
+def test_every_training_engine_implements_the_interface(stage, name, cls):
+    """Each member: a TrainEngine whose tag is its name, one Resources value, and the interface the stage
+    calls (a CPT member becomes, by ``continued``, a run that has it)."""
+    from tasks.train_engines import TrainEngine
+
+    assert issubclass(cls, TrainEngine) and cls.model_fields["engine"].default == name
+    runs = cls
+    if stage == "cpt" and cls.continued is not TrainEngine.continued:
+        # a refresh's option set: ``continued`` makes the run, a pretraining engine of the same name
+        from tasks.train_engines import PRETRAIN_ENGINES
+
+        runs = PRETRAIN_ENGINES[name]
+        assert cls.continued.__annotations__["return"] in (runs.__name__, runs)
+    for method in ("prepared", "job", "result", "expected_result"):
+        assert getattr(runs, method) is not getattr(TrainEngine, method), f"{runs.__name__} lacks {method}()"
+    assert runs.modules, f"{runs.__name__} names no code for the stage's cache key"
+    engine = cls.model_validate({k: v for k, v in {"command": "true", "max_steps": 1}.items() if k in cls.model_fields})
+    assert isinstance(engine.resources, Resources)
+
+
+def test_training_engines_options_are_their_own_and_automodel_is_the_default():
+    from tasks.train_engines import AutoModel, Command, PretrainEngine, SftEngine
+
+    adapter = TypeAdapter(PretrainEngine)
+    old = adapter.validate_python({"hidden_size": 128, "max_steps": 3})  # a train section from before engines
+    assert type(old) is AutoModel and old.hidden_size == 128
+    command = adapter.validate_python({"engine": "command", "command": "python x.py", "gpus_per_node": 2})
+    assert type(command) is Command and command.resources.gpus_per_node == 2
+    with pytest.raises(ValidationError, match=r"command\.hidden_size"):
+        adapter.validate_python({"engine": "command", "command": "x", "hidden_size": 128})  # AutoModel's option
+    with pytest.raises(ValidationError, match="'automodel', 'command'"):
+        adapter.validate_python({"engine": "torchtitan"})
+    assert type(TypeAdapter(SftEngine).validate_python({"max_steps": 5})).__name__ == "AutoModelSft"
+
+
+def test_in_json_schema_exactly_one_training_engine_matches():
+    import jsonschema
+
+    from tasks.train_engines import CptEngine, PretrainEngine, SftEngine
+
+    for union in (PretrainEngine, CptEngine, SftEngine):
+        schema = TypeAdapter(union).json_schema()
+        for config in ({}, {"max_steps": 3}, {"engine": "command", "command": ["python", "t.py"]}):
+            jsonschema.validate(config, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"engine": "command", "max_steps": 3}, schema)  # no command; AutoModel's option
+
+
+def test_the_training_stages_cache_keys_are_stored_where_prefect_stores_them():
+    """The stages' cache policy (inputs + the engine's code) keeps Prefect's key storage: a positional argument
+    once set it, and every run wrote cache metadata into a directory named after the stage in the cwd."""
+    from tasks.sft import fine_tune
+    from tasks.train import pretrain
+
+    for stage in (pretrain, fine_tune):
+        policies = stage.cache_policy.policies
+        assert {type(p).__name__ for p in policies} == {"Inputs", "EngineCode"}
+        assert all(p.key_storage is None for p in (stage.cache_policy, *policies)), stage.name
+
+
+WRITE_CHECKPOINT = """
+import json, os, sys
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+json.dump({"model_type": "llama", "written_by": "echo", "pid": os.getpid()}, open(os.path.join(out, "config.json"), "w"))
+"""
+
+
+@pytest.mark.prefect
+def test_a_test_only_training_engine_runs_through_the_stage_and_a_flow_config_unchanged(prefect_server, work_dir):
+    """ARCHITECTURE.md: a new training engine is one module under tasks/train_engines/ and its line in the
+    stage lists of its __init__.py. Here the module is this test and the lists are built here: the pretrain
+    stage runs it as it is (its job on the local backend, its result read by the engine), and a config built on
+    the lists takes it by its tag: nothing in tasks/train.py, tasks/sft.py or flows/ names an engine."""
+    import hashlib
+    import os
+    import sys
+
+    from prefect import flow
+
+    from infra import storage
+    from infra.jobs import JobSpec
+    from infra.settings import get_settings
+    from tasks.refs import CheckpointRef, DatasetRef, TokenizerRef
+    from tasks.train import pretrain
+    from tasks.train_engines import PRETRAIN_ENGINES, TrainEngine, engine_union
+
+    class Echo(TrainEngine):
+        """Writes a config.json and calls it a checkpoint; its options: a step number and its CPUs."""
+
+        engine: str = "echo"
+        step: int = 1
+        cpus: int = 1
+        run_dir: str | None = None
+
+        @property
+        def resources(self) -> Resources:
+            return Resources(cpus_per_task=self.cpus)
+
+        def prepared(self, inputs):
+            name = "echo-" + hashlib.sha256(f"{self.step}{inputs.dataset.manifest_uri}".encode()).hexdigest()[:8]
+            return self.model_copy(update={"run_dir": storage.join(get_settings().work_dir, "runs", name)})
+
+        def job(self, inputs):
+            out = os.path.join(self.run_dir, "hf")
+            return JobSpec(name="echo", command=[sys.executable, "-c", WRITE_CHECKPOINT, out], resources=self.resources)
+
+        def result(self, inputs, run):
+            return CheckpointRef(uri=os.path.join(self.run_dir, "hf"), step=self.step, run_dir=self.run_dir)
+
+        def expected_result(self, inputs):
+            return self.result(inputs, None)
+
+    # a flow config with the engine in its list (what the line in tasks/train_engines/__init__.py does)
+    class Config(BaseModel):
+        train: engine_union({**PRETRAIN_ENGINES, "echo": Echo}, "pretraining")
+
+    engine = Config.model_validate({"train": {"engine": "echo", "step": 7}}).train
+    assert type(engine) is Echo and engine.step == 7
+    assert type(Config.model_validate({"train": {"max_steps": 30}}).train).__name__ == "AutoModel"
+
+    dataset = DatasetRef(
+        prefixes=[], blend=[], manifest_uri="test://none", tokenizer=TokenizerRef(), documents=0, tokens=0, bytes=0
+    )
+    ref = flow(name="echo-engine-test")(lambda: pretrain(engine, dataset))()
+    written = json.loads((Path(ref.uri) / "config.json").read_text())
+    assert written["written_by"] == "echo" and written["pid"] != os.getpid()  # by the stage's job, not in here
+    assert ref.step == 7 and Path(ref.run_dir).parent == work_dir / "runs"
+    architecture = " ".join((REPO / "ARCHITECTURE.md").read_text().split())
+    assert "A new training engine is one module under `tasks/train_engines/` and its line in the stage lists" in (
+        architecture
+    )

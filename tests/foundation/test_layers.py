@@ -167,7 +167,7 @@ def test_the_graph_sees_module_and_function_level_imports():
 
 def test_entry_points_are_found_where_jobs_are_built():
     entry_points = job_entry_points(first_party_modules())
-    assert "workloads.train" in entry_points  # tasks/train.py: [python, "-m", "workloads.train", ...]
+    assert "workloads.train" in entry_points  # tasks/train_engines/automodel.py: [python, "-m", "workloads.train", ...]
     assert "workloads.tokenize_array" in entry_points
 
 

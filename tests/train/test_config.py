@@ -288,7 +288,7 @@ def test_recipe_config_maps_nemo_names_onto_automodel():
 def test_loss_chart_svg_scales_points_into_the_frame():
     import xml.etree.ElementTree as ET
 
-    from tasks.train import loss_chart_svg, sparkline
+    from tasks.train_engines.automodel import loss_chart_svg, sparkline
 
     metrics = [{"step": s, "loss": 10.0 - s / 2} for s in range(1, 11)] + [{"step": 10, "val_loss": 4.0}]
     svg = ET.fromstring(loss_chart_svg(metrics, width=200, height=100))

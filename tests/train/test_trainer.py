@@ -200,7 +200,7 @@ def test_out_of_memory_exits_75_and_backend_reports_it(tmp_path, train_dataset):
     BACKEND_OOM = ExitCode.OUT_OF_MEMORY
     from infra.backends.local import LocalBackend
     from infra.jobs import JobState
-    from tasks.train import build_train_job, write_config
+    from tasks.train_engines.automodel import build_train_job, write_config
     from workloads.train_config import TrainConfig
 
     assert EXIT_OUT_OF_MEMORY == BACKEND_OOM

@@ -1,7 +1,10 @@
 """The ``command`` training engine: your own NeMo recipe (or any trainer) as a stage, under nemoflow's contract.
 
-    from tasks.command import CommandTrainConfig, train_with_command
-    ckpt = train_with_command(CommandTrainConfig(command=["python", "pretrain.py"]), dataset, image, executor)
+    train:                                   # in end-to-end's, cpt-refresh's or sft's config
+      engine: command
+      command: python pretrain.py --data-prefix "$NEMOFLOW_DATA_PREFIX" --ckpt-dir $NEMOFLOW_CHECKPOINT_DIR
+      num_nodes: 2
+      gpus_per_node: 8
 
 The command runs in the staged image (``python -m workloads.command_run -- COMMAND``) where the
 executor says, once per node, with these environment variables (and nothing else to read):
@@ -12,7 +15,9 @@ NEMOFLOW_DATA_PREFIX_JSON   the same as a JSON list (``[w1, "prefix1", ...]``)
 NEMOFLOW_TOKENIZER_TYPE     Megatron's tokenizer type (``GPTSentencePieceTokenizer``...)
 NEMOFLOW_TOKENIZER_MODEL    the tokenizer file the data was tokenized with
 NEMOFLOW_SEQ_LENGTH         ``seq_length`` of the config (when set)
-NEMOFLOW_INIT_FROM          a checkpoint to start from (continued pretraining), when there is one
+NEMOFLOW_INIT_FROM          a checkpoint to start from (CPT: the promoted model; SFT: the base model)
+NEMOFLOW_CHAT_TRAIN         SFT: the chat JSONL to train on (OpenAI ``messages`` rows)
+NEMOFLOW_CHAT_HELD_OUT      SFT: the held-out chat JSONL
 NEMOFLOW_RUN_DIR            the run's directory (stable across retries: resume from what is there)
 NEMOFLOW_CHECKPOINT_DIR     where the command must write its checkpoints (``<run_dir>/checkpoints``)
 NEMOFLOW_LOG_DIR            where it may write logs
@@ -35,6 +40,11 @@ and ``{output}`` substituted), e.g. NeMo 2's exporter::
                 "{checkpoint}", "{output}"]}
 
 No converter and no Hugging Face checkpoint: the stage fails naming the checkpoint and this option.
+
+The checkpoint then gets what the next stages read where the command left it out (nothing is overwritten):
+the dataset's ``tokenizer.model`` when it has no tokenizer of its own, a ``meta.json`` naming the blend,
+sequence length, split and seed its validation uses (``seq_length``, else the model's
+``max_position_embeddings``), and a ``MANIFEST.json`` of its files (checked by the validation).
 """
 
 from __future__ import annotations
@@ -45,21 +55,18 @@ import os
 import re
 import shlex
 from pathlib import Path
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
-from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infra import storage
-from infra.executors import Executor
 from infra.jobs import ImageRef, JobSpec, Resources, workload_job
 from infra.settings import get_settings
-from tasks.common import cache_policy, logger, run_job, transient_only
-from tasks.refs import CheckpointRef, DatasetRef
+from tasks.refs import ChatDataRef, CheckpointRef, DatasetRef
+from tasks.train_engines.base import RunJob, TrainEngine, TrainInputs
 from workloads.train_config import parse_blend
 
-COMMAND_MODULES = ("workloads.command_run", "tasks.command")
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 # Step numbers in the checkpoint directory names of the engines people use (first match wins).
 STEP_PATTERNS = (
@@ -88,10 +95,8 @@ class ConverterConfig(BaseModel):
         return value
 
 
-class CommandTrainConfig(BaseModel):
+class Command(TrainEngine):
     """Train with your own command instead of nemoflow's trainer (``engine: command``)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     engine: Literal["command"] = "command"
     command: list[str] | str = Field(
@@ -112,9 +117,96 @@ class CommandTrainConfig(BaseModel):
     wandb_project: str = "nemoflow"
     converter: ConverterConfig | None = Field(None, description="to Hugging Face, when the checkpoint is not already")
 
+    modules: ClassVar[tuple[str, ...]] = ("workloads.command_run", "tasks.train_engines.command")
+
     @property
     def procs_per_node(self) -> int:
         return self.nproc_per_node or self.gpus_per_node or 1
+
+    @property
+    def resources(self) -> Resources:
+        return Resources(
+            nodes=self.num_nodes,
+            ntasks_per_node=1,
+            gpus_per_node=self.gpus_per_node,
+            cpus_per_task=self.cpus_per_task,
+            mem=self.mem,
+            time=self.time,
+        )
+
+    @property
+    def shown(self) -> str:
+        return self.command if isinstance(self.command, str) else shlex.join(self.command)
+
+    def prepared(self, inputs: TrainInputs) -> Command:
+        return self.model_copy(update={"run_dir": run_dir_for(self, inputs)})
+
+    def check(self, executor=None) -> str:
+        return f"training with command {self.shown} in {self.run_dir} ({self.num_nodes} node(s))"
+
+    def files(self) -> dict[str, str]:
+        # the run directory holds what ran (the command's checkpoints, logs and W&B files go below it)
+        return {os.path.join(self.run_dir, "command.request.json"): self.model_dump_json(indent=1)}
+
+    def job(self, inputs: TrainInputs) -> JobSpec:
+        return build_command_job(self, inputs.dataset, self.run_dir, inputs.image, inputs.init_from, inputs.chat)
+
+    def result(self, inputs: TrainInputs, run: RunJob) -> CheckpointRef:
+        """The newest checkpoint, converted when it is not Hugging Face, with what the next stages read."""
+        found, step = newest_checkpoint(os.path.join(self.run_dir, "checkpoints"))
+        hf = hf_directory(found)
+        converted = False
+        if hf is None:
+            if self.converter is None:
+                raise NoCheckpoint(
+                    f"the newest checkpoint {found} is not in the Hugging Face layout (config.json + weights); set "
+                    "converter: {command: [..., '{checkpoint}', '{output}']} (e.g. NeMo 2's llm.export_ckpt) to "
+                    "convert it"
+                )
+            output = os.path.join(self.run_dir, "hf", found.name)
+            run(build_convert_job(self.converter, found, output, inputs.image))
+            hf = hf_directory(Path(output))
+            if hf is None:
+                raise NoCheckpoint(
+                    f"the converter finished but {output} holds no Hugging Face model (config.json + weights)"
+                )
+            converted = True
+        adopt(hf, self, inputs, step)
+        create_markdown_artifact(
+            key="command-train-" + hashlib.sha256(self.run_dir.encode()).hexdigest()[:10],
+            markdown="\n".join(
+                [
+                    "# Training with your command",
+                    "",
+                    f"command: `{self.shown}`",
+                    f"newest checkpoint: `{found}` (step {step})",
+                    f"Hugging Face model: `{hf}`" + (" (converted)" if converted else ""),
+                    f"run directory: `{self.run_dir}`",
+                ]
+            ),
+            description="command engine result",
+        )
+        return CheckpointRef(
+            uri=str(hf),
+            step=step or 0,
+            run_dir=self.run_dir,
+            image=inputs.image,
+            dataset_manifest=inputs.dataset.manifest_uri if inputs.dataset else None,
+        )
+
+    def expected_result(self, inputs: TrainInputs) -> CheckpointRef:
+        try:
+            found, step = newest_checkpoint(os.path.join(self.run_dir, "checkpoints"))
+            uri = str(hf_directory(found) or os.path.join(self.run_dir, "hf", found.name))
+        except NoCheckpoint:  # not run yet: where its checkpoints will be
+            uri, step = os.path.join(self.run_dir, "checkpoints"), 0
+        return CheckpointRef(
+            uri=uri,
+            step=step or 0,
+            run_dir=self.run_dir,
+            image=inputs.image,
+            dataset_manifest=inputs.dataset.manifest_uri if inputs.dataset else None,
+        )
 
 
 class NoCheckpoint(RuntimeError):
@@ -136,13 +228,14 @@ def data_prefix_string(blend: list) -> str:
     return " ".join(f"{w:g} {p}" for w, p in zip(weights, prefixes))
 
 
-def run_dir_for(config: CommandTrainConfig, dataset: DatasetRef | None, init_from: str | None) -> str:
+def run_dir_for(config: Command, inputs: TrainInputs) -> str:
     if config.run_dir:
         return storage.local_path(config.run_dir)
     identity = (
         config.model_dump_json(exclude={"run_dir", "converter"})
-        + (dataset.manifest_uri if dataset else "")
-        + (init_from or "")
+        + (inputs.dataset.manifest_uri if inputs.dataset else "")
+        + (inputs.init_from or "")
+        + (inputs.chat.fingerprint if inputs.chat else "")
     )
     work_dir = get_settings().work_dir
     if not storage.is_local(work_dir):
@@ -155,7 +248,11 @@ def run_dir_for(config: CommandTrainConfig, dataset: DatasetRef | None, init_fro
 
 
 def contract_env(
-    config: CommandTrainConfig, dataset: DatasetRef | None, run_dir: str, init_from: str | None
+    config: Command,
+    dataset: DatasetRef | None,
+    run_dir: str,
+    init_from: str | None,
+    chat: ChatDataRef | None = None,
 ) -> dict[str, str]:
     """The environment variables of the contract (see the module docstring), without the rank layout."""
     env = {
@@ -176,6 +273,11 @@ def contract_env(
             env["NEMOFLOW_TOKENIZER_MODEL"] = dataset.tokenizer.model
     if init_from:
         env["NEMOFLOW_INIT_FROM"] = storage.local_path(init_from)
+        if dataset is None and os.path.isfile(os.path.join(storage.local_path(init_from), "tokenizer.model")):
+            env["NEMOFLOW_TOKENIZER_MODEL"] = os.path.join(storage.local_path(init_from), "tokenizer.model")
+    if chat is not None:
+        env["NEMOFLOW_CHAT_TRAIN"] = chat.train
+        env["NEMOFLOW_CHAT_HELD_OUT"] = chat.held_out
     if config.seq_length:
         env["NEMOFLOW_SEQ_LENGTH"] = str(config.seq_length)
     if os.environ.get("WANDB_MODE"):
@@ -185,11 +287,12 @@ def contract_env(
 
 
 def build_command_job(
-    config: CommandTrainConfig,
+    config: Command,
     dataset: DatasetRef | None,
     run_dir: str,
     image: ImageRef | None = None,
     init_from: str | None = None,
+    chat: ChatDataRef | None = None,
 ) -> JobSpec:
     argv = ["--shell", "--", config.command] if isinstance(config.command, str) else ["--", *config.command]
     read_only = []
@@ -199,21 +302,16 @@ def build_command_job(
             read_only.append(os.path.dirname(dataset.tokenizer.model))
     if init_from:
         read_only.append(storage.local_path(init_from))
+    if chat is not None:
+        read_only += [os.path.dirname(chat.train), os.path.dirname(chat.held_out)]
     secrets = [n for n in ("WANDB_API_KEY", "HF_TOKEN") if n in get_settings().secret_env()]
     return workload_job(
         "cmd-" + hashlib.sha256(run_dir.encode()).hexdigest()[:10],
         "workloads.command_run",
         argv,
         image=image,
-        env=contract_env(config, dataset, run_dir, init_from),
-        resources=Resources(
-            nodes=config.num_nodes,
-            ntasks_per_node=1,
-            gpus_per_node=config.gpus_per_node,
-            cpus_per_task=config.cpus_per_task,
-            mem=config.mem,
-            time=config.time,
-        ),
+        env=contract_env(config, dataset, run_dir, init_from, chat),
+        resources=config.resources,
         paths=[run_dir],
         read_only=sorted(set(read_only)),
         secret_env=sorted({*secrets, *config.secret_env}),
@@ -283,67 +381,36 @@ def build_convert_job(converter: ConverterConfig, checkpoint: Path, output: str,
     )
 
 
-@task(
-    name="train-command",
-    task_run_name="train with {config.command}",
-    retries=2,
-    retry_delay_seconds=10,
-    retry_condition_fn=transient_only(),
-    cache_policy=cache_policy(*COMMAND_MODULES),
-    persist_result=True,
-)
-def train_with_command(
-    config: CommandTrainConfig,
-    dataset: DatasetRef | None,
-    image: ImageRef | None = None,
-    executor: Executor | Any = None,
-    init_from: str | None = None,
-) -> CheckpointRef:
-    """Run the command; return its newest checkpoint in the Hugging Face layout (converted if need be)."""
-    log = logger()
-    run_dir = run_dir_for(config, dataset, init_from)
-    storage.makedirs(run_dir)
-    shown = config.command if isinstance(config.command, str) else shlex.join(config.command)
-    log.info("training with command %s in %s (%d node(s))", shown, run_dir, config.num_nodes)
-    run_job(build_command_job(config, dataset, run_dir, image, init_from), executor)
+def adopt(hf: Path, config: Command, inputs: TrainInputs, step: int | None) -> None:
+    """Give the command's Hugging Face checkpoint what validation, serving and the registry read, where it lacks
+    it (nothing it wrote is replaced; see the module docstring)."""
+    from workloads import checkpoint as ckpt
 
-    found, step = newest_checkpoint(os.path.join(run_dir, "checkpoints"))
-    hf = hf_directory(found)
-    converted = False
-    if hf is None:
-        if config.converter is None:
-            raise NoCheckpoint(
-                f"the newest checkpoint {found} is not in the Hugging Face layout (config.json + weights); set "
-                "converter: {command: [..., '{checkpoint}', '{output}']} (e.g. NeMo 2's llm.export_ckpt) to convert it"
-            )
-        output = os.path.join(run_dir, "hf", found.name)
-        log.info("converting %s to the Hugging Face layout in %s", found, output)
-        run_job(build_convert_job(config.converter, found, output, image), executor)
-        hf = hf_directory(Path(output))
-        if hf is None:
-            raise NoCheckpoint(
-                f"the converter finished but {output} holds no Hugging Face model (config.json + weights)"
-            )
-        converted = True
-    result = CheckpointRef(
-        uri=str(hf),
-        step=step or 0,
-        run_dir=run_dir,
-        image=image,
-        dataset_manifest=dataset.manifest_uri if dataset else None,
-    )
-    create_markdown_artifact(
-        key="command-train-" + hashlib.sha256(run_dir.encode()).hexdigest()[:10],
-        markdown="\n".join(
-            [
-                "# Training with your command",
-                "",
-                f"command: `{shown}`",
-                f"newest checkpoint: `{found}` (step {step})",
-                f"Hugging Face model: `{hf}`" + (" (converted)" if converted else ""),
-                f"run directory: `{run_dir}`",
-            ]
-        ),
-        description="command engine result",
-    )
-    return result
+    tokenizer = inputs.dataset.tokenizer.model if inputs.dataset else None
+    if tokenizer is None and inputs.init_from:
+        tokenizer = os.path.join(storage.local_path(inputs.init_from), ckpt.TOKENIZER)
+    has_tokenizer = any((hf / name).is_file() for name in (ckpt.TOKENIZER, "tokenizer.json"))
+    if (
+        not has_tokenizer
+        and tokenizer
+        and storage.is_local(tokenizer)
+        and os.path.isfile(storage.local_path(tokenizer))
+    ):
+        storage.get_file(storage.local_path(tokenizer), str(hf / ckpt.TOKENIZER))
+    if not (hf / ckpt.META).is_file():
+        model = json.loads((hf / "config.json").read_text())
+        meta = {
+            "step": step,
+            "engine": config.engine,
+            "command": config.shown,
+            "seq_length": config.seq_length or model.get("max_position_embeddings"),
+            "split": "98,1,1",  # the validator's defaults: the command's own split is not known here
+            "seed": 1234,
+        }
+        if inputs.dataset is not None:
+            meta.update(data_prefix=inputs.dataset.blend, tokenizer_model=inputs.dataset.tokenizer.model)
+        if inputs.init_from:
+            meta["init_from"] = inputs.init_from
+        ckpt.write_text_atomic(hf / ckpt.META, json.dumps(meta, indent=1, sort_keys=True))
+    if not (hf / ckpt.MANIFEST).is_file():
+        ckpt.write_manifest(hf)

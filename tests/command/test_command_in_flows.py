@@ -1,0 +1,113 @@
+"""``engine: command`` from the flows: the README's YAML as printed is the ``train`` section of end-to-end,
+cpt-refresh and sft (and of an included SFT stage), and end-to-end trains, validates, serves and registers a
+model with a user's script (tests/command/env_trainer.py) on the local executor with a real Prefect server."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, free_port
+
+HERE = Path(__file__).resolve().parent
+
+
+def readme_command_yaml() -> dict:
+    """The first YAML example of README's "Your own training command (`engine: command`)", as printed."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Your own training command (`engine: command`)") :]
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "engine: command")
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    block = []
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        assert line.startswith(" " * indent), line
+        block.append(line[indent:])
+    return yaml.safe_load("\n".join(block))
+
+
+def test_the_readmes_command_section_is_the_train_section_of_every_training_flow():
+    from flows.cpt_refresh import CptRefreshConfig
+    from flows.end_to_end import EndToEndConfig
+    from flows.sft import SftFlowConfig
+    from tasks.train_engines import Command
+
+    train = readme_command_yaml()
+    assert train["engine"] == "command" and "pretrain_llama3.py" in train["command"]
+    configs = {
+        "end-to-end": EndToEndConfig.model_validate({"train": train}).train,
+        "cpt-refresh": CptRefreshConfig.model_validate({"train": train}).train,
+        "sft": SftFlowConfig.model_validate({"train": train}).train,
+        "end-to-end's sft": EndToEndConfig.model_validate({"sft": {"train": train}}).sft.train,
+        "cpt-refresh's sft": CptRefreshConfig.model_validate({"sft": {"train": train}}).sft.train,
+    }
+    for where, engine in configs.items():
+        assert type(engine) is Command, where
+        assert engine.command == train["command"] and engine.resources.nodes == 2, where
+        assert engine.resources.gpus_per_node == 8 and engine.converter.command[-2:] == ["{checkpoint}", "{output}"]
+    # the same YAML against the JSON Schema Prefect checks deployment parameters with (oneOf: one member)
+    import jsonschema
+
+    from flows.cpt_refresh import cpt_refresh
+    from flows.end_to_end import end_to_end
+    from flows.sft import sft
+
+    for flow in (end_to_end, cpt_refresh, sft):
+        jsonschema.validate({"config": {"train": train}}, flow.parameters.model_dump())
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"config": {"train": {**train, "hidden_size": 64}}}, end_to_end.parameters.model_dump())
+    # an AutoModel section without `engine` is what it always was
+    assert type(EndToEndConfig.model_validate({"train": {"max_steps": 30}}).train).__name__ == "AutoModel"
+    with pytest.raises(Exception, match="hidden_size"):
+        EndToEndConfig.model_validate({"train": {**train, "hidden_size": 64}})  # AutoModel's option on a command
+
+
+@pytest.fixture
+def local_state(tmp_path, monkeypatch):
+    """NEMOFLOW_HOME (the service table) in the test's directory; servers it started are stopped after."""
+    from infra import services
+    from infra.settings import reload_settings
+
+    monkeypatch.setenv("NEMOFLOW_HOME", str(tmp_path / "home"))
+    reload_settings()
+    yield
+    for handle in services.list_services():
+        services.stop_service(handle.name)
+
+
+@pytest.mark.slow
+@pytest.mark.prefect
+def test_end_to_end_trains_with_a_users_command(prefect_server, work_dir, local_state):
+    from flows.end_to_end import EndToEndConfig, end_to_end
+    from infra import registry as reg
+
+    config = EndToEndConfig.model_validate(
+        {
+            "train": {
+                "engine": "command",
+                "command": [sys.executable, str(HERE / "env_trainer.py")],
+                "seq_length": 64,
+                "cpus_per_task": 1,
+            },
+            "serve": {"port": free_port(), "model_name": "e2e-command"},
+            "validation_threshold": 10.2,  # 6 steps of a 64-wide model: below the untrained 10.4 is the point
+        }
+    )
+    summary = end_to_end(config)
+
+    checkpoint = Path(summary["checkpoint"])
+    run_dir = checkpoint.parents[3]
+    assert run_dir.parent == work_dir / "runs" and run_dir.name.startswith("cmd-")  # the command engine's run
+    mine = json.loads((run_dir / "my_config.json").read_text())  # the script's config, from the contract alone
+    assert mine["data_prefix"] == summary["data_prefix"] and mine["seq_length"] == 64
+    assert summary["val_loss"] < summary["untrained_loss"] and summary["answer"]
+    state = reg.ModelRegistry(str(work_dir / "registry")).read()
+    record = state.models[summary["registered_model"]]
+    assert state.promoted == record.id and record.checkpoint == str(checkpoint)
+    assert state.held_out.seq_length == 64  # as the command trained it (its checkpoint's meta.json)
