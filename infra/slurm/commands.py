@@ -68,7 +68,7 @@ class SlurmCLI:
         )
         return policy.call(self._once, argv, env, input)
 
-    def _once(self, argv: list[str], env: Mapping[str, str] | None, input: str | None) -> str:  # noqa: A002
+    def _once(self, argv: list[str], env: Mapping[str, str] | None, input: str | None) -> str:  # noqa: A002 - subprocess.run's own keyword
         """One attempt; a failure that another attempt may cure is marked ``_busy`` (see :func:`_busy`)."""
         try:
             proc = subprocess.run(
