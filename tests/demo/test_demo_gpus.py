@@ -51,7 +51,7 @@ def test_the_gpu_demo_configuration_is_valid_for_any_gpu_count():
         config = EndToEndConfig(**demo_gpu_config(n))
         assert config.train.gpus_per_node == n and config.train.global_batch_size == 16 * n
         assert config.train.total_steps * config.train.global_batch_size * config.train.seq_length <= 2_500_000
-        assert config.serve.resources.gpus_per_node == 1  # served on one GPU
+        assert config.serve.engine.resources.gpus_per_node == 1  # served on one GPU
 
 
 def test_demo_with_gpus_on_a_machine_without_one_starts_nothing(tmp_path):
