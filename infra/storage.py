@@ -87,7 +87,10 @@ def filesystem(uri: str) -> fsspec.AbstractFileSystem:
     proto = scheme(uri)
     if proto in ("gs", "gcs"):
         settings = get_settings()
-        options: dict[str, Any] = {}
+        # No listings cache: a pipeline's processes write the same buckets (an array's tasks write journal
+        # segments, the flow lists them), and gcsfs keeps a listing for the life of the process, so a
+        # cached one hid files written since (tests/foundation/test_storage_listing.py).
+        options: dict[str, Any] = {"use_listings_cache": False}
         if settings.gcs_endpoint:
             options.update(endpoint_url=settings.gcs_endpoint, token="anon")
         if settings.gcs_project:
