@@ -46,4 +46,11 @@ class _TagRequired:
         schema = handler(core_schema)
         definition = handler.resolve_ref_schema(schema)
         definition["required"] = sorted({*definition.get("required", []), self.tag})
+        # The same once more without the word "required": Prefect validates a deployment's parameters with
+        # every "required" removed (they may be partial), and then a config without the tag matched every
+        # member ("is valid under each of": `nemoflow deploy` refused prefect.yaml). A member whose tag
+        # property may not be absent: "not (the tag, if present, fails)".
+        absent = {"not": {"properties": {self.tag: False}}}
+        if absent not in definition.setdefault("allOf", []):
+            definition["allOf"].append(absent)
         return schema

@@ -259,3 +259,29 @@ def test_a_test_only_training_engine_runs_through_the_stage_and_a_flow_config_un
     assert "A new training engine is one module under `tasks/train_engines/` and its line in the stage lists" in (
         architecture
     )
+
+
+def test_prefect_yaml_deployments_parameters_pass_prefects_own_deployment_check():
+    """The check the Prefect server makes when ``prefect deploy`` creates a deployment: its parameters against
+    the flow's schema with every ``required`` removed (they may be partial). A config without an engine tag
+    matched every member there (`nemoflow demo --backend slurm` could not deploy: "is valid under each of")."""
+    import importlib
+
+    import yaml
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import validate
+
+    deployments = yaml.safe_load((Path(__file__).resolve().parents[2] / "prefect.yaml").read_text())["deployments"]
+    checked = 0
+    for deployment in deployments:
+        path, name = deployment["entrypoint"].split(":")
+        flow = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name)
+        schema = parameter_schema(flow).model_dump_for_openapi()
+        parameters = deployment.get("parameters") or {}
+        validate(parameters, schema, raise_on_error=True, preprocess=True, ignore_required=True)
+        checked += bool(parameters)
+    assert checked >= 5  # the deployments that set parameters (slurm, k8s, the refreshes, sft)
+    # and the shapes that failed: a train section without its tag, a serve section without an engine
+    schema = parameter_schema(importlib.import_module("flows.end_to_end").end_to_end).model_dump_for_openapi()
+    partial = {"config": {"train": {"cpus_per_task": 1}, "serve": {"port": 8001, "engine": {"max_queue": 4}}}}
+    validate(partial, schema, raise_on_error=True, preprocess=True, ignore_required=True)
