@@ -88,9 +88,16 @@ def test_stop_group_kills_children_and_a_second_sigterm_stops_a_draining_process
 
 def test_stop_escalates_to_sigkill():
     proc = spawn(
-        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"]
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
     )
-    time.sleep(0.3)  # let it install the handler
+    # until it ignores SIGTERM (a fixed sleep lost the race on a loaded machine: the SIGTERM came first)
+    assert proc.stdout.readline().strip() == b"ready"
     assert processes.stop(proc.pid, grace_s=0.3, proc=proc)
     assert proc.returncode == -signal.SIGKILL
 
