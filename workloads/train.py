@@ -899,7 +899,7 @@ def train(config: TrainConfig) -> int:
     recipe = build_recipe(config, run_dir, cfg, autocast_bf16, recorded, mirror, flops)
     recipe.setup()
     if async_save:
-        automodel_shim.start_checkpoint_process(recipe.checkpointer._model_ctx.process_group)
+        recipe.writer_start = automodel_shim.start_checkpoint_process(recipe.checkpointer._model_ctx.process_group)
         if world_size > 1:
             recipe.agree_group = torch.distributed.new_group(backend="gloo")
     if strategy == "ddp" and config.enable_compile:
@@ -945,6 +945,11 @@ def train(config: TrainConfig) -> int:
         )
         return EXIT_OUT_OF_MEMORY
     finally:
+        writer_start = getattr(recipe, "writer_start", None)
+        if writer_start is not None:
+            # A run with nothing left to train ends before the writer process it started is up: the start's
+            # thread then died at exit with a traceback after the run's last line (the export's error).
+            writer_start.join(timeout=300)
         if recipe.metrics is not None:
             recipe.metrics.close()
             if mirror is not None:
