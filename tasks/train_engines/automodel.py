@@ -31,7 +31,7 @@ from infra import storage
 from infra.jobs import ImageRef, JobSpec, Resources, workload_job
 from infra.settings import get_settings
 from tasks.refs import ChatDataRef, CheckpointRef, DatasetRef
-from tasks.train_engines.base import RunJob, TrainEngine, TrainInputs
+from tasks.train_engines.base import RunJob, TrainEngine, TrainInputs, launcher_resources
 from workloads.sft import SftConfig
 from workloads.train_config import TrainConfig, check_parallelism, parse_blend
 
@@ -142,14 +142,7 @@ class AutoModel(TrainConfig, TrainEngine):
 
 def train_resources(config: TrainConfig) -> Resources:
     """The trainer job's resources: one launcher per node (torchrun starts the processes)."""
-    return Resources(
-        nodes=config.num_nodes,
-        ntasks_per_node=1,
-        gpus_per_node=config.gpus_per_node,
-        cpus_per_task=config.cpus_per_task,
-        mem=config.mem,
-        time=config.time,
-    )
+    return launcher_resources(config)
 
 
 def run_dir_for(config: TrainConfig, dataset: DatasetRef | None = None) -> str:

@@ -102,3 +102,16 @@ def over_default(value: Any, default: BaseModel, tag: str = "engine") -> Any:
     if not isinstance(value, dict) or value.get(tag, getattr(default, tag)) != getattr(default, tag):
         return value
     return {**default.model_dump(exclude_unset=True), **value}
+
+
+def launcher_resources(config: Any) -> Resources:
+    """A training job's resources from an engine's flat NeMo-named fields (``num_nodes``, ``gpus_per_node``,
+    ``cpus_per_task``, ``mem``, ``time``): one launcher per node (torchrun or the command starts the processes)."""
+    return Resources(
+        nodes=config.num_nodes,
+        ntasks_per_node=1,
+        gpus_per_node=config.gpus_per_node,
+        cpus_per_task=config.cpus_per_task,
+        mem=config.mem,
+        time=config.time,
+    )

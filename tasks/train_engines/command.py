@@ -64,7 +64,7 @@ from infra import storage
 from infra.jobs import ImageRef, JobSpec, Resources, workload_job
 from infra.settings import get_settings
 from tasks.refs import ChatDataRef, CheckpointRef, DatasetRef
-from tasks.train_engines.base import RunJob, TrainEngine, TrainInputs
+from tasks.train_engines.base import RunJob, TrainEngine, TrainInputs, launcher_resources
 from workloads.train_config import parse_blend
 
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -125,14 +125,7 @@ class Command(TrainEngine):
 
     @property
     def resources(self) -> Resources:
-        return Resources(
-            nodes=self.num_nodes,
-            ntasks_per_node=1,
-            gpus_per_node=self.gpus_per_node,
-            cpus_per_task=self.cpus_per_task,
-            mem=self.mem,
-            time=self.time,
-        )
+        return launcher_resources(self)
 
     @property
     def shown(self) -> str:
