@@ -137,11 +137,14 @@ def read_pidfile(path: str | Path, name: str | None = None) -> int | None:
 
 
 def _gone(pid: int, group: bool, proc: subprocess.Popen | None) -> bool:
+    gone = not group_members(pid) if group else not pid_alive(pid)
+    # Collect the exit status after the check, not before: a leader that exits between the two
+    # would otherwise count as gone with its status never read (returncode None, a zombie).
     if proc is not None:
         proc.poll()
     else:
         reap(pid)
-    return not group_members(pid) if group else not pid_alive(pid)
+    return gone
 
 
 def _signal(pid: int, group: bool, sig: int) -> None:

@@ -109,3 +109,30 @@ def test_port_owner_finds_the_listening_process():
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         assert processes.port_owner(sock.getsockname()[1]) == os.getpid()
+
+
+def test_stop_collects_the_exit_status_of_a_leader_that_exits_during_the_group_scan(tmp_path, monkeypatch):
+    """The leader may exit between the poll of its status and the scan of its group (seen in CI under
+    load): stop() must still collect its exit status, not report the group gone with returncode None."""
+    proc = spawn(
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))"
+            "; print('ready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    assert proc.stdout.readline().strip() == b"ready"
+    real_members = processes.group_members
+
+    def members_after_the_leader_exited(pgid: int) -> list[int]:
+        os.kill(proc.pid, signal.SIGTERM)  # the leader exits right now, after stop() polled it
+        deadline = time.monotonic() + 20
+        while processes.pid_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return real_members(pgid)
+
+    monkeypatch.setattr(processes, "group_members", members_after_the_leader_exited)
+    assert processes.stop(proc.pid, group=True, grace_s=5.0, proc=proc)
+    assert proc.returncode == 3
