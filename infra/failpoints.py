@@ -15,7 +15,7 @@ import os
 
 ENV = "NEMOFLOW_FAILPOINTS"
 
-# name -> what enabling it does (the value, where one is taken, is a step number)
+# name -> what enabling it does (the value, where one is taken, is a step number or a delay)
 KNOWN: dict[str, str] = {
     "train.oom_at_step": "raise torch.OutOfMemoryError at optimizer step N (the trainer then exits 75)",
     "train.pause_after_step": "after logging step N, wait up to 120 s for a stop signal (SIGTERM/SIGUSR1)",
@@ -25,6 +25,8 @@ KNOWN: dict[str, str] = {
     "background writer (before it can be published)",
     "consolidate.crash_before_manifest": "SIGKILL the export after its weights are written, before MANIFEST.json",
     "consolidate.pause_before_manifest": "the export sleeps 120 s after writing its weights, before MANIFEST.json",
+    "serve.step_delay_ms": "the built-in engine sleeps N ms before each token it generates (a slow model: "
+    "a burst then overflows the queue however slowly the clients arrive)",
 }
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from infra import failpoints
 from tests.conftest import free_port, wait_http
 from tests.serve.conftest import MODEL_NAME, serve_command
 
@@ -31,7 +32,9 @@ def small_queue_server(tiny_checkpoint, tmp_path_factory):
     proc = subprocess.Popen(
         command,
         cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        # A slow model (150 ms a token): the burst overflows 2 generating + 4 waiting however slowly the
+        # clients' threads get going on a loaded machine (CI once saw 16 openai clients never refused).
+        env=dict(os.environ, PYTHONPATH=str(REPO), **failpoints.env(serve__step_delay_ms=150)),
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,

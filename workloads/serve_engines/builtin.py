@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from infra import failpoints
 from workloads.serve_engines.base import ServeEngine
 from workloads.serve_http import (
     DEFAULT_MAX_BODY_BYTES,
@@ -266,7 +267,10 @@ class Engine:
         finish, hit_eos = "length", False
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         cache = None
+        delay_s = int(failpoints.value("serve.step_delay_ms") or 0) / 1000
         for _ in range(params.max_tokens):
+            if delay_s:
+                time.sleep(delay_s)
             # Lock and inference mode per step, never across a yield: a streaming client may
             # go away mid-answer (the generator is then abandoned, not resumed), and each
             # step may run on a different thread of the pool.
