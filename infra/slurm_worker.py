@@ -23,7 +23,8 @@ Cancelling a flow run (UI, API, ``prefect flow-run cancel``) ``scancel``s its jo
 pending or running, and every stage job the run submitted: those carry the label
 ``flow-run=<flow run id>`` in their ``--comment`` (``tasks.common.run_job``), and
 the flow-run job itself is killed with SIGKILL, so nothing inside it could cancel
-them. A job that ends without completing (TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, a
+them (nor report the run Crashed, as Prefect's engine does on SIGTERM): ``sacct``
+shows that job FAILED with signal 9, the stage jobs CANCELLED. A job that ends without completing (TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, a
 non-zero exit) is reported Crashed with Slurm's state, reason and exit code, and
 its stage jobs are scancelled the same way.
 
@@ -38,6 +39,7 @@ import logging
 import re
 import shlex
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -95,6 +97,30 @@ def cancel_jobs_of_flow_run(cli: SlurmCLI, flow_run_id: str) -> list[str]:
         log.warning("could not scancel the stage jobs of flow run %s: %s", flow_run_id, exc)
         return []
     return jobs
+
+
+def kill_flow_run_job(backend: SlurmBackend, job_id: str, wait_s: float = 15.0) -> None:
+    """SIGKILL a flow-run job's batch step (the engine: the script execs it), then scancel what is left.
+
+    Not scancel's SIGTERM: on SIGTERM the engine in the job forces the run to Crashed (firing crash
+    hooks) although the user cancelled it. ``--signal=KILL`` needs ``--batch``: without it Slurm makes
+    it a plain cancel, SIGTERM first (CI saw the run end Crashed). The plain scancel comes once the
+    job has left RUNNING, for steps and anything else left.
+    """
+    try:
+        backend.cli.scancel([job_id], signal="KILL", batch=True)
+    except Exception as exc:  # noqa: BLE001 - a pending job cannot be signalled: the scancel below ends it
+        log.info("scancel --signal=KILL %s: %s", job_id, exc)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            rows = backend.cli.squeue([job_id])
+        except Exception:  # noqa: BLE001 - squeue failing: let scancel decide
+            break
+        if not any(r.state.job_state is JobState.RUNNING for r in rows):
+            break
+        time.sleep(0.2)
+    backend.cancel(job_id)
 
 
 class SlurmJobConfiguration(BaseJobConfiguration):
@@ -228,10 +254,7 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
                     cancelled = True
                     logger.info(f"Flow run is {state.name}: cancelling Slurm job {job_id}")
                     await self._ensure_cancelled(flow_run, f"Slurm job {job_id} cancelled")
-                    # SIGKILL, not scancel's SIGTERM: on SIGTERM the engine in the job forces
-                    # the run to Crashed (firing crash hooks) although the user cancelled it.
-                    await anyio.to_thread.run_sync(lambda: backend.cli.scancel([job_id], signal="KILL", full=True))
-                    await anyio.to_thread.run_sync(backend.cancel, job_id)
+                    await anyio.to_thread.run_sync(kill_flow_run_job, backend, job_id)
                     await self._cancel_stage_jobs(backend.cli, str(flow_run.id), logger)
                     return
 
@@ -284,11 +307,9 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
         rows = await anyio.to_thread.run_sync(backend.cli.squeue, [infrastructure_pid])
         if not any(not r.state.job_state.is_terminal for r in rows):
             raise InfrastructureNotFound(f"Slurm job {infrastructure_pid} is not pending or running")
-        # Same as the cancellation watcher in run(): SIGKILL first. Prefect's base worker calls this
-        # on its own when it sees Cancelling; a SIGTERM would let the engine in the job report
-        # Crashed before the worker marks the run Cancelled (a race seen under load).
-        await anyio.to_thread.run_sync(lambda: backend.cli.scancel([infrastructure_pid], signal="KILL", full=True))
-        await anyio.to_thread.run_sync(backend.cancel, infrastructure_pid)
+        # Same as the cancellation watcher in run(): Prefect's base worker calls this on its own when
+        # it sees Cancelling.
+        await anyio.to_thread.run_sync(kill_flow_run_job, backend, infrastructure_pid)
         flow_run_id = configuration.env.get("PREFECT__FLOW_RUN_ID")
         if flow_run_id:
             await anyio.to_thread.run_sync(cancel_jobs_of_flow_run, backend.cli, flow_run_id)

@@ -128,16 +128,20 @@ class SlurmCLI:
             raise
         return parsers.parse_scontrol_jobs(out)
 
-    def scancel(self, job_ids: Iterable[str], signal: str | None = None, full: bool = False) -> None:
-        """Cancel jobs; with ``signal``, only signal them (``full``: the batch shell too)."""
+    def scancel(self, job_ids: Iterable[str], signal: str | None = None, batch: bool = False) -> None:
+        """Cancel jobs; with ``signal``, only signal them (``batch``: the batch step alone).
+
+        Slurm turns ``--signal=KILL`` into a plain cancel (SIGTERM, then SIGKILL after KillWait)
+        unless ``--batch`` is given: only then does the batch step get SIGKILL itself.
+        """
         ids = list(job_ids)
         if not ids:
             return
         argv = ["scancel"]
         if signal:
             argv.append(f"--signal={signal}")
-        if full:
-            argv.append("--full")
+        if batch:
+            argv.append("--batch")
         self.run(argv + ids)
 
     def partitions(self) -> dict[str, parsers.Partition]:

@@ -82,6 +82,13 @@ def test_cancelling_a_slurm_flow_run_scancels_its_stage_jobs(control_plane, slur
     state = plane.wait_state(run.id, lambda s: s.is_final(), 60, "final")
     assert state.is_cancelled(), state
     _wait(lambda: jobs_under(tmp_path) == [], 30, "no job of the run left in squeue")
+    # Never Crashed on the way, not even for a moment (crash hooks would fire on a user's cancel):
+    # the engine in the job got a SIGTERM before its SIGKILL once, under load.
+    with plane.api.settings(), get_client(sync_client=True) as client:
+        states = client.read_flow_run_states(run.id)
+        history = [s.type.value for s in states]
+    assert "CRASHED" not in history, history
+    assert history[-1] == "CANCELLED", history
 
 
 @pytest.mark.prefect
