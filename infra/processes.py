@@ -62,13 +62,28 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def command_name(pid: int) -> str | None:
-    """The executable's base name from ``/proc/PID/cmdline`` (None when the process is gone)."""
+def command_name(pid: int, settle_s: float = 1.0) -> str | None:
+    """The executable's base name from ``/proc/PID/cmdline`` (None when the process is gone).
+
+    A process that has just been started reads an empty cmdline for a moment (seen right after
+    Popen returned: 114 of 300 starts in a test): read again for up to ``settle_s``, then take
+    ``/proc/PID/comm`` (the name the kernel keeps; empty cmdline is also what kernel threads show).
+    """
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            return None
+        if argv0:
+            return Path(argv0).name
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
     try:
-        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        return Path(f"/proc/{pid}/comm").read_text().strip() or None
     except OSError:
         return None
-    return Path(argv0).name if argv0 else None
 
 
 def reap(pid: int) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from infra import processes
 
@@ -136,3 +138,17 @@ def test_stop_collects_the_exit_status_of_a_leader_that_exits_during_the_group_s
     monkeypatch.setattr(processes, "group_members", members_after_the_leader_exited)
     assert processes.stop(proc.pid, group=True, grace_s=5.0, proc=proc)
     assert proc.returncode == 3
+
+
+def test_command_name_of_a_process_just_started():
+    """Right after Popen returns, /proc/PID/cmdline reads empty now and then (CI failed on it): the
+    name must still be the program's. 300 starts: before the fix 114 of them read None."""
+    names = []
+    for _ in range(300):
+        proc = spawn(SLEEP)
+        try:
+            names.append(processes.command_name(proc.pid))
+        finally:
+            proc.kill()
+            proc.wait()
+    assert set(names) == {Path(sys.executable).name}, collections.Counter(names)
