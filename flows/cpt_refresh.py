@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import threading
 from collections.abc import Iterator
 
 from prefect import flow
@@ -255,6 +256,13 @@ def _refused_event(message: str) -> None:
             related=[{"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run"}],
             payload={"message": message},
         )
+        # Send it before the run turns Cancelled: events leave through a background worker, and
+        # `--watch` stops at the final state (CI once saw the state overtake the event under load).
+        from prefect.events.worker import EventsWorker
+
+        sender = threading.Thread(target=EventsWorker.instance().wait_until_empty, daemon=True)
+        sender.start()
+        sender.join(timeout=15)
 
 
 def _refresh(config: CptRefreshConfig) -> dict:
