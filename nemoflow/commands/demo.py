@@ -71,7 +71,52 @@ and reused; clients send it as `Authorization: Bearer KEY`.""",
         help="local backend: auto (default) = every GPU torch can use here, else the CPU demo; 0 = the CPU demo; "
         "N = N GPUs (refused when this machine has fewer)",
     )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"CPU demo: train N steps instead of {DEMO_STEPS} (a quicker look at the pipeline; the model learns "
+        f"less, 20 still passes the validation gate); default ${STEPS_ENV} if set",
+    )
     parser.set_defaults(func=run)
+
+
+DEMO_STEPS = 40  # flows/end_to_end.py:demo_train_config
+STEPS_ENV = "NEMOFLOW_DEMO_STEPS"
+
+
+def demo_steps(choice: int | None) -> int | None:
+    """--steps, else NEMOFLOW_DEMO_STEPS, else None (the demo's own 40)."""
+    raw = choice if choice is not None else os.environ.get(STEPS_ENV, "").strip() or None
+    if raw is None:
+        return None
+    try:
+        steps = int(raw)
+    except ValueError:
+        raise ValueError(f"{STEPS_ENV}={raw!r} is not a whole number of steps") from None
+    if steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {steps}")
+    return steps
+
+
+def shorter_config(deployment: str, steps: int) -> dict:
+    """The deployment's own ``config`` parameter (prefect.yaml) with training cut to ``steps``: validated and
+    saved at the last step, as the 40-step demo is. Run parameters replace a deployment's whole ``config``, so
+    the deployment's settings (the executor, the Slurm CPU counts) are carried over here."""
+    import copy
+
+    import yaml
+
+    from devtools.prefect_local import REPO_ROOT
+
+    flow, name = deployment.split("/")
+    config: dict = {}
+    for entry in yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())["deployments"]:
+        if entry["name"] == name and entry["entrypoint"].endswith(":" + flow.replace("-", "_")):
+            config = copy.deepcopy((entry.get("parameters") or {}).get("config") or {})
+    train = config.setdefault("train", {})
+    train.update(max_steps=steps, ckpt_every_n_steps=steps, val_check_interval=min(20, steps))
+    return config
 
 
 def demo_gpus(choice: str, backend: str) -> int:
@@ -202,6 +247,21 @@ def run(args) -> int:
 
         raise UserError(str(exc)) from None
     params: list[str] = []
+    try:
+        steps = demo_steps(args.steps)
+    except ValueError as exc:
+        from nemoflow.cli import UserError
+
+        raise UserError(str(exc)) from None
+    if steps is not None and n_gpus:
+        from nemoflow.cli import UserError
+
+        raise UserError("--steps is for the CPU demo (the GPU demo trains on a token budget): add --gpus 0")
+    if steps is not None:
+        import json
+
+        print(f"a shorter demo: {steps} training steps instead of {DEMO_STEPS}")
+        params = ["--params", json.dumps({"config": shorter_config(deployment, steps)})]
     if n_gpus:
         import json
 
@@ -230,7 +290,7 @@ def run(args) -> int:
 
     print(
         f"$ prefect deployment run {deployment} --watch"
-        + (" --params '{\"config\": <the GPU demo>}'" if params else "")
+        + ((" --params '{\"config\": <the GPU demo>}'" if n_gpus else f" --params '{params[1]}'") if params else "")
     )
     flow_run_id, code = pl.run_deployment(
         api,
