@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from tests.support.tiny_models import save_tiny
 from workloads.serve_engines.builtin import Engine, SamplingParams
 
 
@@ -14,8 +15,6 @@ from workloads.serve_engines.builtin import Engine, SamplingParams
 def tiny_mixtral(tmp_path_factory, mixtral_tokenizer_model):
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    torch.manual_seed(99)
-    dest = tmp_path_factory.mktemp("ckpt") / "tiny-mixtral"
     config = MixtralConfig(
         vocab_size=32000,
         hidden_size=64,
@@ -27,9 +26,8 @@ def tiny_mixtral(tmp_path_factory, mixtral_tokenizer_model):
         num_experts_per_tok=2,
         max_position_embeddings=128,
     )
-    MixtralForCausalLM(config).save_pretrained(dest)
-    shutil.copyfile(mixtral_tokenizer_model, dest / "tokenizer.model")
-    return dest
+    dest = tmp_path_factory.mktemp("ckpt") / "tiny-mixtral"
+    return save_tiny(dest, mixtral_tokenizer_model, config, MixtralForCausalLM, seed=99)
 
 
 @pytest.mark.parametrize("which", ["tiny_checkpoint", "tiny_mixtral"])
