@@ -34,3 +34,19 @@ def tiny_llama(dest: Path, tokenizer_model: Path, seed: int) -> Path:
         tie_word_embeddings=False,
     )
     return save_tiny(dest, tokenizer_model, config, LlamaForCausalLM, seed)
+
+
+def tiny_mixtral_config(**overrides):
+    """A Mixtral of 2 layers, 4 experts (2 a token) and hidden size 64; ``overrides``: vocabulary, length, ..."""
+    from transformers import MixtralConfig
+
+    values = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    return MixtralConfig(**{**values, **overrides})

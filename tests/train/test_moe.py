@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.tiny_models import tiny_mixtral_config
 from tests.train.helpers import read_metrics, run_trainer, tiny_config, write_config
 from workloads import checkpoint as ckpt
 from workloads.train_config import ParallelismError, TrainConfig, check_parallelism
@@ -110,23 +111,10 @@ def test_recipe_builds_the_grouped_model_or_the_hf_model():
 
 # ------------------------------------------------------------------------------------------- the model itself
 def _tiny_hf_config(**overrides):
-    from transformers import MixtralConfig
-
     values = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        architectures=["MixtralForCausalLM"],
+        vocab_size=512, max_position_embeddings=64, tie_word_embeddings=False, architectures=["MixtralForCausalLM"]
     )
-    values.update(overrides)
-    return MixtralConfig(**values)
+    return tiny_mixtral_config(**{**values, **overrides})
 
 
 @pytest.fixture
