@@ -36,9 +36,9 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import AfterValidator, BaseModel, Field
 
 ARRAY_INDEX_ENV = "NEMOFLOW_ARRAY_INDEX"
 # The repository root: jobs that run outside the nemoflow image (this Python environment, a
@@ -77,6 +77,16 @@ def parse_time_limit(value: str) -> int:
     return int(days or 0) * 86400 + int(hours) * 3600 + int(minutes) * 60 + int(seconds)
 
 
+def _checked_time_limit(value: str | None) -> str | None:
+    if value is not None:
+        parse_time_limit(value)
+    return value
+
+
+# A model field holding a time limit in Slurm syntax (None: none), refused at validation when unparseable.
+TimeLimit = Annotated[str | None, AfterValidator(_checked_time_limit)]
+
+
 class Resources(BaseModel):
     """Resources of one job, named like sbatch's options."""
 
@@ -85,14 +95,7 @@ class Resources(BaseModel):
     gpus_per_node: int = Field(0, ge=0)
     cpus_per_task: int = Field(1, ge=1)
     mem: str | None = Field(None, description="memory per node, e.g. '16G' (sbatch --mem)")
-    time: str | None = Field(None, description="time limit, sbatch syntax, e.g. '04:00:00'")
-
-    @field_validator("time")
-    @classmethod
-    def _check_time(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_time_limit(value)
-        return value
+    time: TimeLimit = Field(None, description="time limit, sbatch syntax, e.g. '04:00:00'")
 
     @property
     def time_seconds(self) -> int | None:
