@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 from infra.jobs import ExitCode  # noqa: E402 - after the warnings filter
+from workloads.train_config import RunLayout  # noqa: E402
 
 # Mistral's v1 chat format, which the demo tokenizer (Mixtral's) was made for:
 # <s>[INST] question [/INST] answer</s>[INST] ... A system message goes first, before the first [INST].
@@ -58,7 +59,7 @@ CHAT_TEMPLATE = (
 )
 
 
-class SftConfig(BaseModel):
+class SftConfig(BaseModel, RunLayout):
     """One fine-tuning run (NeMo names where NeMo has one); serialised to ``<run_dir>/sft_config.json``."""
 
     model_config = ConfigDict(extra="forbid")
@@ -116,14 +117,6 @@ class SftConfig(BaseModel):
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr={self.min_lr} is above lr={self.lr}")
         return self
-
-    @property
-    def procs_per_node(self) -> int:
-        return self.nproc_per_node or self.gpus_per_node or 1
-
-    @property
-    def world_size(self) -> int:
-        return self.num_nodes * self.procs_per_node
 
     @property
     def tokenizer_path(self) -> str:
