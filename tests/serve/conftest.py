@@ -47,6 +47,16 @@ def serve_command(checkpoint: Path, port: int, model_name: str = MODEL_NAME, *ex
     ]
 
 
+@pytest.fixture
+def cleanup(work_dir):
+    """Stop anything a test left registered, so a failing test leaks no process."""
+    from infra import services
+
+    yield
+    for entry in services.list_services():
+        services.stop_service(entry.name, grace_s=1)
+
+
 def start_server(command: list[str], log: Path, **env: str) -> subprocess.Popen:
     """``command`` (a :func:`serve_command`) in a session of its own, its output in ``log``, this checkout's code
     on its PYTHONPATH; ``env``: more variables."""
