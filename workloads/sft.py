@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 from infra.jobs import ExitCode  # noqa: E402 - after the warnings filter
-from workloads.train_config import RunLayout  # noqa: E402
+from workloads.train_config import RunLayout  # noqa: E402 - after the warnings filter
 
 # Mistral's v1 chat format, which the demo tokenizer (Mixtral's) was made for:
 # <s>[INST] question [/INST] answer</s>[INST] ... A system message goes first, before the first [INST].
