@@ -26,6 +26,7 @@ import http.client
 import json
 import os
 import re
+import socket
 import threading
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -231,3 +232,12 @@ def unresolvable_gcs():
         else:
             os.environ["NEMOFLOW_GCS_ENDPOINT"] = old
         reload_settings()
+
+
+def does_not_resolve(host: str) -> bool:
+    """The fault is in place: the name really does not resolve here."""
+    try:
+        socket.getaddrinfo(host, 443)
+    except socket.gaierror:
+        return True
+    return False
