@@ -161,7 +161,7 @@ def chat_tokenizer(model_path: str, chat_template: str = CHAT_TEMPLATE, **_ignor
 def recipe_config(config: SftConfig, run_dir: Path, cuda: bool, world_size: int) -> dict:
     """SftConfig as NeMo AutoModel's fine-tuning recipe config (what its llm_finetune YAML files hold)."""
     from workloads import checkpoint as ckpt
-    from workloads.train import MIXED_PRECISION
+    from workloads.train import lr_scheduler, mixed_precision_policy
 
     weights_dtype, compute_dtype = ("float32", "float32")
     if cuda and config.precision == "bf16":
@@ -217,13 +217,7 @@ def recipe_config(config: SftConfig, run_dir: Path, cuda: bool, world_size: int)
             "tp_size": 1,
             "cp_size": 1,
             "sequence_parallel": False,
-            "mp_policy": {
-                "_target_": MIXED_PRECISION,
-                "param_dtype": compute_dtype,
-                "reduce_dtype": "float32",
-                "output_dtype": None,
-                "cast_forward_inputs": False,
-            },
+            "mp_policy": mixed_precision_policy(compute_dtype),
         },
         "loss_fn": {"_target_": "nemo_automodel.components.loss.masked_ce.MaskedCrossEntropy"},
         "optimizer": {
@@ -233,14 +227,7 @@ def recipe_config(config: SftConfig, run_dir: Path, cuda: bool, world_size: int)
             "weight_decay": config.weight_decay,
             "eps": 1e-8,
         },
-        "lr_scheduler": {
-            "lr_decay_style": "constant" if config.lr_schedule == "constant" else "cosine",
-            "lr_warmup_steps": min(config.warmup_steps, max(total - 1, 0)),
-            "lr_decay_steps": total,
-            "init_lr": 0.0,
-            "max_lr": config.lr,
-            "min_lr": config.min_lr if config.lr_schedule == "cosine" else config.lr,
-        },
+        "lr_scheduler": lr_scheduler(config, total),
         "clip_grad_norm": {"max_norm": config.gradient_clip_val},
     }
     if os.environ.get("WANDB_API_KEY"):

@@ -240,15 +240,7 @@ def recipe_config(
             "eps": 1e-8,
             **({"fused": True} if cuda else {}),
         },
-        "lr_scheduler": {
-            "lr_decay_style": "constant" if config.lr_schedule == "constant" else "cosine",
-            # AutoModel asserts warmup < decay steps; the last step of a run that is all warmup decays.
-            "lr_warmup_steps": min(config.warmup_steps, total - 1),
-            "lr_decay_steps": total,
-            "init_lr": 0.0,
-            "max_lr": config.lr,
-            "min_lr": config.min_lr if config.lr_schedule == "cosine" else config.lr,
-        },
+        "lr_scheduler": lr_scheduler(config, total),
         "clip_grad_norm": {"max_norm": config.gradient_clip_val},
     }
     if config.limit_val_batches > 0:
@@ -298,13 +290,33 @@ def _distributed(config: TrainConfig, strategy: str, compute_dtype: str) -> dict
         **common,
         "sequence_parallel": False,
         "enable_compile": config.enable_compile,
-        "mp_policy": {
-            "_target_": MIXED_PRECISION,
-            "param_dtype": compute_dtype,
-            "reduce_dtype": "float32",
-            "output_dtype": None,
-            "cast_forward_inputs": False,
-        },
+        "mp_policy": mixed_precision_policy(compute_dtype),
+    }
+
+
+def mixed_precision_policy(compute_dtype: str) -> dict:
+    """FSDP2's mixed-precision policy (the recipe's ``distributed.mp_policy``): compute in ``compute_dtype``,
+    gradients reduced in fp32."""
+    return {
+        "_target_": MIXED_PRECISION,
+        "param_dtype": compute_dtype,
+        "reduce_dtype": "float32",
+        "output_dtype": None,
+        "cast_forward_inputs": False,
+    }
+
+
+def lr_scheduler(config, total: int) -> dict:
+    """The recipe's ``lr_scheduler`` from NeMo's lr / min_lr / warmup_steps / lr_schedule (a TrainConfig's or an
+    SftConfig's) over ``total`` steps: warmup from 0 like Megatron."""
+    return {
+        "lr_decay_style": "constant" if config.lr_schedule == "constant" else "cosine",
+        # AutoModel asserts warmup < decay steps; the last step of a run that is all warmup decays.
+        "lr_warmup_steps": min(config.warmup_steps, max(total - 1, 0)),
+        "lr_decay_steps": total,
+        "init_lr": 0.0,
+        "max_lr": config.lr,
+        "min_lr": config.min_lr if config.lr_schedule == "cosine" else config.lr,
     }
 
 
