@@ -160,8 +160,7 @@ def chat_tokenizer(model_path: str, chat_template: str = CHAT_TEMPLATE, **_ignor
 # ----------------------------------------------------------------------------------------------- the recipe
 def recipe_config(config: SftConfig, run_dir: Path, cuda: bool, world_size: int) -> dict:
     """SftConfig as NeMo AutoModel's fine-tuning recipe config (what its llm_finetune YAML files hold)."""
-    from workloads import checkpoint as ckpt
-    from workloads.train import lr_scheduler, mixed_precision_policy
+    from workloads.train import checkpoint_section, lr_scheduler, mixed_precision_policy, step_scheduler
 
     weights_dtype, compute_dtype = ("float32", "float32")
     if cuda and config.precision == "bf16":
@@ -193,24 +192,11 @@ def recipe_config(config: SftConfig, run_dir: Path, cuda: bool, world_size: int)
         "dataloader": {"shuffle": True},
         "validation_dataset": dataset(config.valid_data),
         "validation_dataloader": {"shuffle": False},
-        "step_scheduler": {
-            "global_batch_size": config.global_batch_size,
-            "local_batch_size": config.micro_batch_size,
-            "max_steps": total,
-            # the data is small: as many passes as the steps need
-            "num_epochs": 1000,
-            "ckpt_every_steps": config.ckpt_every_n_steps or total,
-            "val_every_steps": config.val_check_interval,
-            "log_remote_every_steps": config.log_every_n_steps,
-            "preemption_signal": ["SIGTERM", "SIGUSR1"],
-        },
-        "checkpoint": {
-            "enabled": True,
-            "checkpoint_dir": str(ckpt.checkpoints_dir(run_dir)),
-            "model_save_format": "safetensors",
-            "save_consolidated": "every",
-            "is_async": False,
-        },
+        # the data is small: as many passes as the steps need
+        "step_scheduler": step_scheduler(
+            config, total, num_epochs=1000, ckpt_every_steps=config.ckpt_every_n_steps or total
+        ),
+        "checkpoint": checkpoint_section(run_dir, consolidated="every", is_async=False),
         "distributed": {
             "strategy": "fsdp2",
             "dp_size": None,
@@ -542,12 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", help="with --validate: the checkpoint (default: the run's latest)")
     parser.add_argument("--exit-zero", action="store_true", help="with --validate: exit 0 when a check failed")
     args = parser.parse_args(argv)
-    from workloads.train import RankPrefixed, launch_world
+    from workloads.train import prefix_output_with_rank
 
-    rank, _, world_size = launch_world()
-    if world_size > 1:
-        sys.stdout = RankPrefixed(sys.stdout, rank)
-        sys.stderr = RankPrefixed(sys.stderr, rank)
+    prefix_output_with_rank()
     try:
         config = load_sft_config(Path(args.config).read_text())
         check_inputs(config)
