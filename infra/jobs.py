@@ -321,6 +321,29 @@ class Backend(abc.ABC):
         Returns the new service; its URL is the one clients should use from now on.
         """
 
+    def _start_checked_then_stop(
+        self,
+        current: str | None,
+        spec: ServiceSpec,
+        check: Callable[[ServiceInfo], None],
+        *,
+        ready_timeout_s: float | None,
+        on_log: LogSink | None,
+    ) -> ServiceInfo:
+        """:meth:`switch_service` for a backend that starts the new service beside the old one: start ``spec``,
+        ``check`` it, then stop ``current``; a failed check stops ``spec`` and leaves ``current`` serving. Under
+        the current name (updated in place, as a Deployment is), nothing is stopped."""
+        new = self.start_service(spec, ready_timeout_s=ready_timeout_s, on_log=on_log)
+        try:
+            check(new)
+        except BaseException:
+            if current != spec.name:
+                self.stop_service(spec.name)
+            raise
+        if current and current != spec.name:
+            self.stop_service(current)
+        return new
+
     # ---- images
     @abc.abstractmethod
     def stage_image(
