@@ -69,11 +69,9 @@ def load_texts(path: Path) -> list[str]:
         return [orjson.loads(line)["text"] for line in fh]
 
 
-def run_ours(src: Path, prefix: Path) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "workloads.tokenize",
+def preprocess_flags(src: Path, prefix: Path) -> list[str]:
+    """The flags both tools get (ours takes Megatron's preprocess_data.py flags): the same job for each."""
+    return [
         "--input",
         str(src),
         "--output-prefix",
@@ -86,6 +84,9 @@ def run_ours(src: Path, prefix: Path) -> dict:
         "--workers",
         "2",
     ]
+
+
+def run_ours(src: Path, prefix: Path) -> dict:
     wrapper = (
         "import runpy, sys\n"
         "sys.argv = ['workloads.tokenize'] + sys.argv[1:]\n"
@@ -100,7 +101,9 @@ def run_ours(src: Path, prefix: Path) -> dict:
         "sys.exit(code)\n"
     )
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", wrapper] + cmd[3:], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", wrapper, *preprocess_flags(src, prefix)], cwd=REPO, capture_output=True, text=True
+    )
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
@@ -117,23 +120,8 @@ def run_ours(src: Path, prefix: Path) -> dict:
 def run_megatron(src: Path, prefix: Path, megatron: Path, pythonpath: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, str(megatron), env.get("PYTHONPATH", "")) if p)
-    cmd = [
-        sys.executable,
-        str(megatron / "tools" / "preprocess_data.py"),
-        "--input",
-        str(src),
-        "--output-prefix",
-        str(prefix),
-        "--tokenizer-type",
-        "GPTSentencePieceTokenizer",
-        "--tokenizer-model",
-        mixtral_model(),
-        "--append-eod",
-        "--workers",
-        "2",
-        "--log-interval",
-        "100000",
-    ]
+    script = str(megatron / "tools" / "preprocess_data.py")
+    cmd = [sys.executable, script, *preprocess_flags(src, prefix), "--log-interval", "100000"]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=str(prefix.parent), capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start

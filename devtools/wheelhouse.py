@@ -636,12 +636,18 @@ def _venv_state(venv: Path) -> dict:
         "'pip_own':__import__('importlib.util').util.find_spec('pip') is not None and "
         "__import__('importlib.util').util.find_spec('pip').origin.startswith(site)}))"
     )
-    proc = _run([_py(venv), "-c", code])
-    if proc.returncode != 0:
-        raise WheelhouseError(f"{_py(venv)} does not run: {proc.stderr.strip()[-500:]}")
-    state = json.loads(proc.stdout)
+    state = json.loads(_python_output([_py(venv), "-c", code], f"{_py(venv)} does not run"))
     state["own"] = {canon(k): v for k, v in state["own"].items()}
     return state
+
+
+def _python_output(argv: list[str], failure: str, tail: int = 500) -> str:
+    """What a Python (``argv``: it, ``-c``, the code and its arguments) prints; a WheelhouseError saying
+    ``failure`` and the last ``tail`` characters of its stderr when it fails."""
+    proc = _run(argv)
+    if proc.returncode != 0:
+        raise WheelhouseError(f"{failure}: {proc.stderr.strip()[-tail:]}")
+    return proc.stdout
 
 
 def _site_dirs_of(python: str) -> tuple[str, list[str], str]:
@@ -653,10 +659,7 @@ def _site_dirs_of(python: str) -> tuple[str, list[str], str]:
         "dirs=[d for d in ([t] if t else [])+site.getsitepackages() if d and os.path.isdir(d)]\n"
         "print(json.dumps({'python':'%d.%d'%sys.version_info[:2],'dirs':list(dict.fromkeys(dirs)),'torch':v}))"
     )
-    proc = _run([python, "-c", code])
-    if proc.returncode != 0:
-        raise WheelhouseError(f"--reuse-torch {python}: it does not run: {proc.stderr.strip()[-300:]}")
-    info = json.loads(proc.stdout)
+    info = json.loads(_python_output([python, "-c", code], f"--reuse-torch {python}: it does not run", tail=300))
     return info["python"], info["dirs"], info["torch"]
 
 
@@ -773,10 +776,7 @@ def _check_reused(venv: Path, manifest: dict) -> list[str]:
         "print(json.dumps(out))"
     )
     names = list(manifest["reused"])
-    proc = _run([_py(venv), "-c", code, json.dumps(names)])
-    if proc.returncode != 0:
-        raise WheelhouseError(f"reading versions in {venv} failed: {proc.stderr.strip()[-500:]}")
-    found = json.loads(proc.stdout)
+    found = json.loads(_python_output([_py(venv), "-c", code, json.dumps(names)], f"reading versions in {venv} failed"))
     problems = []
     for name, info in manifest["reused"].items():
         have = found.get(name)
@@ -871,10 +871,7 @@ def freeze(python: str) -> str:
         "    if n and n.lower() not in seen: seen[n.lower()]='%s==%s'%(n,d.version)\n"
         "print('\\n'.join(sorted(seen.values(), key=str.lower)))"
     )
-    proc = _run([python, "-c", code])
-    if proc.returncode != 0:
-        raise WheelhouseError(f"{python}: {proc.stderr.strip()[-300:]}")
-    return proc.stdout
+    return _python_output([python, "-c", code], python, tail=300)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,9 +36,9 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import AfterValidator, BaseModel, Field
 
 ARRAY_INDEX_ENV = "NEMOFLOW_ARRAY_INDEX"
 # The repository root: jobs that run outside the nemoflow image (this Python environment, a
@@ -77,6 +77,16 @@ def parse_time_limit(value: str) -> int:
     return int(days or 0) * 86400 + int(hours) * 3600 + int(minutes) * 60 + int(seconds)
 
 
+def _checked_time_limit(value: str | None) -> str | None:
+    if value is not None:
+        parse_time_limit(value)
+    return value
+
+
+# A model field holding a time limit in Slurm syntax (None: none), refused at validation when unparseable.
+TimeLimit = Annotated[str | None, AfterValidator(_checked_time_limit)]
+
+
 class Resources(BaseModel):
     """Resources of one job, named like sbatch's options."""
 
@@ -85,14 +95,7 @@ class Resources(BaseModel):
     gpus_per_node: int = Field(0, ge=0)
     cpus_per_task: int = Field(1, ge=1)
     mem: str | None = Field(None, description="memory per node, e.g. '16G' (sbatch --mem)")
-    time: str | None = Field(None, description="time limit, sbatch syntax, e.g. '04:00:00'")
-
-    @field_validator("time")
-    @classmethod
-    def _check_time(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_time_limit(value)
-        return value
+    time: TimeLimit = Field(None, description="time limit, sbatch syntax, e.g. '04:00:00'")
 
     @property
     def time_seconds(self) -> int | None:
@@ -317,6 +320,29 @@ class Backend(abc.ABC):
         raises on failure); a failure leaves ``current`` serving and nothing of ``spec`` running.
         Returns the new service; its URL is the one clients should use from now on.
         """
+
+    def _start_checked_then_stop(
+        self,
+        current: str | None,
+        spec: ServiceSpec,
+        check: Callable[[ServiceInfo], None],
+        *,
+        ready_timeout_s: float | None,
+        on_log: LogSink | None,
+    ) -> ServiceInfo:
+        """:meth:`switch_service` for a backend that starts the new service beside the old one: start ``spec``,
+        ``check`` it, then stop ``current``; a failed check stops ``spec`` and leaves ``current`` serving. Under
+        the current name (updated in place, as a Deployment is), nothing is stopped."""
+        new = self.start_service(spec, ready_timeout_s=ready_timeout_s, on_log=on_log)
+        try:
+            check(new)
+        except BaseException:
+            if current != spec.name:
+                self.stop_service(spec.name)
+            raise
+        if current and current != spec.name:
+            self.stop_service(current)
+        return new
 
     # ---- images
     @abc.abstractmethod

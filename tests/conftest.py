@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -210,6 +211,28 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, lo
     raise RuntimeError(f"{url} not ready after {timeout}s:\n{log.read_text() if log else ''}")
 
 
+def wait_for(check, timeout: float, what: str, interval: float = 0.5):
+    """``check()``'s first truthy value, asked every ``interval`` seconds; the test fails naming ``what`` when none
+    comes within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    pytest.fail(f"{what} not seen after {timeout:.0f}s")
+
+
+def get_json(url: str, key: str | None) -> tuple[int, dict]:
+    """GET ``url`` (with ``key`` as a bearer token): the status and the JSON body ({} for an error status)."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as exc:
+        return exc.code, {}
+
+
 def _stop(proc: subprocess.Popen) -> None:
     """Stop a service started in its own session, with everything it spawned."""
     import signal
@@ -264,6 +287,27 @@ def gcs_bucket(gcs_endpoint, request):
     return f"gs://{name}"
 
 
+def prefect_server_env(home: Path, api: str, **extra: str) -> dict[str, str]:
+    """This environment for a Prefect server of its own at ``api``: its own PREFECT_HOME, no analytics, no
+    inherited PREFECT_API_URL; ``extra``: more variables."""
+    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", **extra)
+    # The UI calls the API at PREFECT_UI_API_URL (default port 4200), not the port we chose.
+    env["PREFECT_UI_API_URL"] = api
+    env.pop("PREFECT_API_URL", None)
+    return env
+
+
+def prefect_server_process(port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """``prefect server start`` on 127.0.0.1:``port`` with ``env``, in a session of its own, its output in ``log``."""
+    return subprocess.Popen(
+        [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """A real Prefect server on localhost with its own database; PREFECT_API_URL points at it."""
@@ -272,17 +316,8 @@ def prefect_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
-    # The UI calls the API at PREFECT_UI_API_URL (default port 4200), not the port we chose.
-    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_API_URL=api)
-    env.pop("PREFECT_API_URL", None)
     log = home / "server.log"
-    proc = subprocess.Popen(
-        [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc = prefect_server_process(port, prefect_server_env(home, api), log)
     # ~10 s alone; longer while every xdist worker starts its own at once on 2 cores
     wait_http(api + "/health", 180, proc, log)
     os.environ["PREFECT_API_URL"] = api
@@ -329,23 +364,28 @@ def postgres_prefect_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-postgres-home")
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_API_URL=api)
-    env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = pg.create_database(database)
-    env.pop("PREFECT_API_URL", None)
+    env = prefect_server_env(home, api, PREFECT_SERVER_DATABASE_CONNECTION_URL=pg.create_database(database))
     log = home / "server.log"
-    proc = subprocess.Popen(
-        [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc = prefect_server_process(port, env, log)
     try:
         wait_http(api + "/health", 180, proc, log)
         yield PostgresPrefect(api, database, pg)
     finally:
         _stop(proc)
         pg.drop_database(database)
+
+
+@pytest.fixture
+def local_state(tmp_path, monkeypatch):
+    """NEMOFLOW_HOME (the service table) in the test's directory; servers it started are stopped after."""
+    from infra import services
+    from infra.settings import reload_settings
+
+    monkeypatch.setenv("NEMOFLOW_HOME", str(tmp_path / "home"))
+    reload_settings()
+    yield
+    for handle in services.list_services():
+        services.stop_service(handle.name)
 
 
 @pytest.fixture

@@ -235,13 +235,7 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> CheckpointInfo | None:
 
 def best_checkpoint(run_dir: str | os.PathLike) -> CheckpointInfo | None:
     """The complete checkpoint with the lowest val_loss (the latest when none has one)."""
-    complete = list_checkpoints(run_dir)
-    if not complete:
-        return None
-    scored = [c for c in complete if c.val_loss is not None]
-    if not scored:
-        return complete[-1]
-    return min(scored, key=lambda c: (c.val_loss, -c.step))
+    return best_of(list_checkpoints(run_dir))
 
 
 @dataclass(frozen=True)
@@ -293,8 +287,7 @@ def to_export(saved: list) -> list:
     (one when they are the same). Works on :class:`SavedCheckpoint` and remote records alike."""
     if not saved:
         return []
-    scored = [c for c in saved if c.val_loss is not None]
-    best = min(scored, key=lambda c: (c.val_loss, -c.step)) if scored else saved[-1]
+    best = best_of(saved)
     return [best] if best.step_dir == saved[-1].step_dir else sorted([best, saved[-1]], key=lambda c: c.step)
 
 
@@ -375,8 +368,10 @@ def stored_checkpoints(run_dir: str) -> list[StoredCheckpoint]:
     return sorted(found, key=lambda c: c.step)
 
 
-def best_of(complete: list[StoredCheckpoint]) -> StoredCheckpoint | None:
-    """The lowest val_loss (the latest when none has one), as :func:`best_checkpoint` chooses."""
+def best_of(complete: list) -> Any:
+    """The lowest val_loss (the latest when none has one; of equal ones the latest) of ``complete`` (oldest
+    first): what :func:`best_checkpoint` and :func:`to_export` choose. Works on :class:`CheckpointInfo`,
+    :class:`SavedCheckpoint` and :class:`StoredCheckpoint`; None when ``complete`` is empty."""
     if not complete:
         return None
     scored = [c for c in complete if c.val_loss is not None]

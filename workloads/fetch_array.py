@@ -32,8 +32,6 @@ Rate limits: ``requests_per_second`` is the whole job's; each task takes an equa
 
 from __future__ import annotations
 
-import argparse
-import os
 import re
 import sys
 import threading
@@ -45,8 +43,9 @@ import orjson
 from pydantic import BaseModel, Field
 
 from infra import storage
-from infra.jobs import ARRAY_INDEX_ENV, ExitCode
+from infra.jobs import ExitCode
 from infra.settings import redact
+from workloads.array_task import read_array_task
 from workloads.shard_manifest import (
     Journal,
     ShardFailure,
@@ -285,15 +284,10 @@ def run_task(plan: FetchPlan, index: int, log=print) -> Journal:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", required=True, help="plan JSON written by the data stage (path or gs:// URI)")
-    parser.add_argument("--array-index", type=int, default=None, help=f"task to run (default: ${ARRAY_INDEX_ENV})")
-    args = parser.parse_args(argv)
-    index = args.array_index if args.array_index is not None else int(os.environ.get(ARRAY_INDEX_ENV, "0"))
-    plan = FetchPlan.model_validate(storage.read_json(args.plan))
-    if not 0 <= index < plan.tasks:
-        print(f"array index {index} out of range: the plan {args.plan} has {plan.tasks} task(s)", file=sys.stderr)
+    task = read_array_task(argv, __doc__, FetchPlan, lambda plan: plan.tasks, "task")
+    if task is None:
         return ExitCode.BAD_CONFIG
+    plan, index = task
     run_task(plan, index, log=lambda line: print(line, flush=True))
     return 0
 

@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 from infra.jobs import ExitCode  # noqa: E402 - after the warnings filter
+from workloads.train_config import RunLayout  # noqa: E402 - after the warnings filter
 
 # Mistral's v1 chat format, which the demo tokenizer (Mixtral's) was made for:
 # <s>[INST] question [/INST] answer</s>[INST] ... A system message goes first, before the first [INST].
@@ -58,7 +59,7 @@ CHAT_TEMPLATE = (
 )
 
 
-class SftConfig(BaseModel):
+class SftConfig(BaseModel, RunLayout):
     """One fine-tuning run (NeMo names where NeMo has one); serialised to ``<run_dir>/sft_config.json``."""
 
     model_config = ConfigDict(extra="forbid")
@@ -118,14 +119,6 @@ class SftConfig(BaseModel):
         return self
 
     @property
-    def procs_per_node(self) -> int:
-        return self.nproc_per_node or self.gpus_per_node or 1
-
-    @property
-    def world_size(self) -> int:
-        return self.num_nodes * self.procs_per_node
-
-    @property
     def tokenizer_path(self) -> str:
         return self.tokenizer_model or os.path.join(self.init_from or "", "tokenizer.model")
 
@@ -167,8 +160,7 @@ def chat_tokenizer(model_path: str, chat_template: str = CHAT_TEMPLATE, **_ignor
 # ----------------------------------------------------------------------------------------------- the recipe
 def recipe_config(config: SftConfig, run_dir: Path, cuda: bool, world_size: int) -> dict:
     """SftConfig as NeMo AutoModel's fine-tuning recipe config (what its llm_finetune YAML files hold)."""
-    from workloads import checkpoint as ckpt
-    from workloads.train import MIXED_PRECISION
+    from workloads.train import checkpoint_section, lr_scheduler, mixed_precision_policy, step_scheduler
 
     weights_dtype, compute_dtype = ("float32", "float32")
     if cuda and config.precision == "bf16":
@@ -200,37 +192,18 @@ def recipe_config(config: SftConfig, run_dir: Path, cuda: bool, world_size: int)
         "dataloader": {"shuffle": True},
         "validation_dataset": dataset(config.valid_data),
         "validation_dataloader": {"shuffle": False},
-        "step_scheduler": {
-            "global_batch_size": config.global_batch_size,
-            "local_batch_size": config.micro_batch_size,
-            "max_steps": total,
-            # the data is small: as many passes as the steps need
-            "num_epochs": 1000,
-            "ckpt_every_steps": config.ckpt_every_n_steps or total,
-            "val_every_steps": config.val_check_interval,
-            "log_remote_every_steps": config.log_every_n_steps,
-            "preemption_signal": ["SIGTERM", "SIGUSR1"],
-        },
-        "checkpoint": {
-            "enabled": True,
-            "checkpoint_dir": str(ckpt.checkpoints_dir(run_dir)),
-            "model_save_format": "safetensors",
-            "save_consolidated": "every",
-            "is_async": False,
-        },
+        # the data is small: as many passes as the steps need
+        "step_scheduler": step_scheduler(
+            config, total, num_epochs=1000, ckpt_every_steps=config.ckpt_every_n_steps or total
+        ),
+        "checkpoint": checkpoint_section(run_dir, consolidated="every", is_async=False),
         "distributed": {
             "strategy": "fsdp2",
             "dp_size": None,
             "tp_size": 1,
             "cp_size": 1,
             "sequence_parallel": False,
-            "mp_policy": {
-                "_target_": MIXED_PRECISION,
-                "param_dtype": compute_dtype,
-                "reduce_dtype": "float32",
-                "output_dtype": None,
-                "cast_forward_inputs": False,
-            },
+            "mp_policy": mixed_precision_policy(compute_dtype),
         },
         "loss_fn": {"_target_": "nemo_automodel.components.loss.masked_ce.MaskedCrossEntropy"},
         "optimizer": {
@@ -240,14 +213,7 @@ def recipe_config(config: SftConfig, run_dir: Path, cuda: bool, world_size: int)
             "weight_decay": config.weight_decay,
             "eps": 1e-8,
         },
-        "lr_scheduler": {
-            "lr_decay_style": "constant" if config.lr_schedule == "constant" else "cosine",
-            "lr_warmup_steps": min(config.warmup_steps, max(total - 1, 0)),
-            "lr_decay_steps": total,
-            "init_lr": 0.0,
-            "max_lr": config.lr,
-            "min_lr": config.min_lr if config.lr_schedule == "cosine" else config.lr,
-        },
+        "lr_scheduler": lr_scheduler(config, total),
         "clip_grad_norm": {"max_norm": config.gradient_clip_val},
     }
     if os.environ.get("WANDB_API_KEY"):
@@ -562,12 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", help="with --validate: the checkpoint (default: the run's latest)")
     parser.add_argument("--exit-zero", action="store_true", help="with --validate: exit 0 when a check failed")
     args = parser.parse_args(argv)
-    from workloads.train import RankPrefixed, launch_world
+    from workloads.train import prefix_output_with_rank
 
-    rank, _, world_size = launch_world()
-    if world_size > 1:
-        sys.stdout = RankPrefixed(sys.stdout, rank)
-        sys.stderr = RankPrefixed(sys.stderr, rank)
+    prefix_output_with_rank()
     try:
         config = load_sft_config(Path(args.config).read_text())
         check_inputs(config)

@@ -148,14 +148,8 @@ def local_checkpoint(uri: str, *, strict: bool = True) -> str:
                 if strict:
                     raise FileNotFoundError(f"checkpoint {uri} has no {name} (listed in its MANIFEST.json)")
                 continue
-            dest = directory / name
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            fingerprint = storage.fingerprint(source)
-            if record.get(name) == fingerprint and dest.is_file():
-                continue
-            storage.get_file(source, str(dest))
-            record[name] = fingerprint
-            storage.write_json(str(directory / SOURCE_RECORD), record)
+            (directory / name).parent.mkdir(parents=True, exist_ok=True)
+            _copy_unless_current(source, directory, name, record)
     return str(directory)
 
 
@@ -171,15 +165,20 @@ def stage_tree(uri: str) -> str:
             relative = path[len(root) :].lstrip("/")
             if not relative or Path(relative).name.startswith(storage.TMP_MARK):
                 continue
-            source = storage.to_uri(fs, path)
-            dest = directory / relative
-            fingerprint = storage.fingerprint(source)
-            if record.get(relative) == fingerprint and dest.is_file():
-                continue
-            storage.get_file(source, str(dest))
-            record[relative] = fingerprint
-            storage.write_json(str(directory / SOURCE_RECORD), record)
+            _copy_unless_current(storage.to_uri(fs, path), directory, relative, record)
     return str(directory)
+
+
+def _copy_unless_current(source: str, directory: Path, name: str, record: dict[str, str]) -> None:
+    """Copy ``source`` to ``directory/name`` unless the copy there is of the same version (``record``, the
+    fingerprints copied so far, says so); the record is written after each copy, so a crash re-copies one file."""
+    dest = directory / name
+    fingerprint = storage.fingerprint(source)
+    if record.get(name) == fingerprint and dest.is_file():
+        return
+    storage.get_file(source, str(dest))
+    record[name] = fingerprint
+    storage.write_json(str(directory / SOURCE_RECORD), record)
 
 
 # ------------------------------------------------------------------------------------- the run directory

@@ -15,8 +15,6 @@ concatenates several shards) on one line, and the task exits 2.
 
 from __future__ import annotations
 
-import argparse
-import os
 import re
 import sys
 import time
@@ -24,7 +22,8 @@ import time
 from pydantic import BaseModel, Field
 
 from infra import storage
-from infra.jobs import ARRAY_INDEX_ENV, ExitCode
+from infra.jobs import ExitCode
+from workloads.array_task import read_array_task
 from workloads.jsonl import MAX_LINE_BYTES
 
 
@@ -166,15 +165,10 @@ def tokenize_item(plan: TokenizePlan, item: PlanItem, log=print) -> list[Tokeniz
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", required=True, help="plan JSON written by the data stage (path or gs:// URI)")
-    parser.add_argument("--array-index", type=int, default=None, help=f"item to run (default: ${ARRAY_INDEX_ENV})")
-    args = parser.parse_args(argv)
-    index = args.array_index if args.array_index is not None else int(os.environ.get(ARRAY_INDEX_ENV, "0"))
-    plan = TokenizePlan.model_validate(storage.read_json(args.plan))
-    if not 0 <= index < len(plan.items):
-        print(f"array index {index} out of range: the plan {args.plan} has {len(plan.items)} item(s)", file=sys.stderr)
+    task = read_array_task(argv, __doc__, TokenizePlan, lambda plan: len(plan.items), "item")
+    if task is None:
         return ExitCode.BAD_CONFIG
+    plan, index = task
     item = plan.items[index]
     print(f"tokenizing {item.input} -> {item.output_prefix}_*", flush=True)
     from workloads.jsonl import InputError

@@ -166,7 +166,7 @@ def recipe_config(
     weights_dtype, compute_dtype = _dtypes(config, cuda)
     strategy = resolve_strategy(config, world_size, vocab_size)
     total = config.total_steps
-    gbs, mbs = config.global_batch_size, config.micro_batch_size
+    gbs = config.global_batch_size
     if config.init_from:
         model = {
             "_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained",
@@ -211,25 +211,12 @@ def recipe_config(
         "model": model,
         "dataset": dataset(config.data_prefix, "train"),
         "dataloader": {"dataloader_type": "single"},
-        "step_scheduler": {
-            "global_batch_size": gbs,
-            "local_batch_size": mbs,
-            "max_steps": total,
-            "num_epochs": 1,
-            "ckpt_every_steps": config.ckpt_every_n_steps,
-            "val_every_steps": config.val_check_interval,
-            "log_remote_every_steps": config.log_every_n_steps,
-            "preemption_signal": ["SIGTERM", "SIGUSR1"],
-        },
-        "checkpoint": {
-            "enabled": True,
-            "checkpoint_dir": str(ckpt.checkpoints_dir(run_dir)),
-            "model_save_format": "safetensors",
-            # Sharded DCP only during training; the Hugging Face export is made after it (workloads/consolidate.py).
-            "save_consolidated": "false",
-            # Background DCP writes on GPUs and CPUs alike (automodel_shim.keep_staging_buffers).
-            "is_async": config.ckpt_async_save if async_save is None else async_save,
-        },
+        "step_scheduler": step_scheduler(config, total, num_epochs=1, ckpt_every_steps=config.ckpt_every_n_steps),
+        # Sharded DCP only during training; the Hugging Face export is made after it (workloads/consolidate.py).
+        # Background DCP writes on GPUs and CPUs alike (automodel_shim.keep_staging_buffers).
+        "checkpoint": checkpoint_section(
+            run_dir, consolidated="false", is_async=config.ckpt_async_save if async_save is None else async_save
+        ),
         "distributed": _distributed(config, strategy, compute_dtype),
         "loss_fn": {"_target_": "nemo_automodel.components.loss.masked_ce.MaskedCrossEntropy"},
         "optimizer": {
@@ -240,15 +227,7 @@ def recipe_config(
             "eps": 1e-8,
             **({"fused": True} if cuda else {}),
         },
-        "lr_scheduler": {
-            "lr_decay_style": "constant" if config.lr_schedule == "constant" else "cosine",
-            # AutoModel asserts warmup < decay steps; the last step of a run that is all warmup decays.
-            "lr_warmup_steps": min(config.warmup_steps, total - 1),
-            "lr_decay_steps": total,
-            "init_lr": 0.0,
-            "max_lr": config.lr,
-            "min_lr": config.min_lr if config.lr_schedule == "cosine" else config.lr,
-        },
+        "lr_scheduler": lr_scheduler(config, total),
         "clip_grad_norm": {"max_norm": config.gradient_clip_val},
     }
     if config.limit_val_batches > 0:
@@ -298,13 +277,60 @@ def _distributed(config: TrainConfig, strategy: str, compute_dtype: str) -> dict
         **common,
         "sequence_parallel": False,
         "enable_compile": config.enable_compile,
-        "mp_policy": {
-            "_target_": MIXED_PRECISION,
-            "param_dtype": compute_dtype,
-            "reduce_dtype": "float32",
-            "output_dtype": None,
-            "cast_forward_inputs": False,
-        },
+        "mp_policy": mixed_precision_policy(compute_dtype),
+    }
+
+
+def step_scheduler(config, total: int, *, num_epochs: int, ckpt_every_steps: int | None) -> dict:
+    """The recipe's ``step_scheduler`` from NeMo's batch sizes, val_check_interval and log_every_n_steps (a
+    TrainConfig's or an SftConfig's): ``total`` steps; SIGTERM and SIGUSR1 save a checkpoint and stop."""
+    return {
+        "global_batch_size": config.global_batch_size,
+        "local_batch_size": config.micro_batch_size,
+        "max_steps": total,
+        "num_epochs": num_epochs,
+        "ckpt_every_steps": ckpt_every_steps,
+        "val_every_steps": config.val_check_interval,
+        "log_remote_every_steps": config.log_every_n_steps,
+        "preemption_signal": ["SIGTERM", "SIGUSR1"],
+    }
+
+
+def checkpoint_section(run_dir: Path, *, consolidated: str, is_async: bool) -> dict:
+    """The recipe's ``checkpoint``: safetensors under ``<run_dir>/checkpoints``; ``consolidated``: AutoModel's
+    save_consolidated ("false", "every", ...)."""
+    return {
+        "enabled": True,
+        "checkpoint_dir": str(ckpt.checkpoints_dir(run_dir)),
+        "model_save_format": "safetensors",
+        "save_consolidated": consolidated,
+        "is_async": is_async,
+    }
+
+
+def mixed_precision_policy(compute_dtype: str) -> dict:
+    """FSDP2's mixed-precision policy (the recipe's ``distributed.mp_policy``): compute in ``compute_dtype``,
+    gradients reduced in fp32."""
+    return {
+        "_target_": MIXED_PRECISION,
+        "param_dtype": compute_dtype,
+        "reduce_dtype": "float32",
+        "output_dtype": None,
+        "cast_forward_inputs": False,
+    }
+
+
+def lr_scheduler(config, total: int) -> dict:
+    """The recipe's ``lr_scheduler`` from NeMo's lr / min_lr / warmup_steps / lr_schedule (a TrainConfig's or an
+    SftConfig's) over ``total`` steps: warmup from 0 like Megatron."""
+    return {
+        "lr_decay_style": "constant" if config.lr_schedule == "constant" else "cosine",
+        # AutoModel asserts warmup < decay steps; the last step of a run that is all warmup decays.
+        "lr_warmup_steps": min(config.warmup_steps, max(total - 1, 0)),
+        "lr_decay_steps": total,
+        "init_lr": 0.0,
+        "max_lr": config.lr,
+        "min_lr": config.min_lr if config.lr_schedule == "cosine" else config.lr,
     }
 
 
@@ -336,6 +362,14 @@ class RankPrefixed:
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
+
+
+def prefix_output_with_rank() -> None:
+    """In a world of more than one rank, every line this process prints starts with its rank (``[rank N] ``)."""
+    rank, _, world_size = launch_world()
+    if world_size > 1:
+        sys.stdout = RankPrefixed(sys.stdout, rank)
+        sys.stderr = RankPrefixed(sys.stderr, rank)
 
 
 class MetricsLog:
@@ -1034,10 +1068,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="TrainConfig as a JSON file")
     parser.add_argument("--check", action="store_true", help="only check the configuration and the data, then exit")
     args = parser.parse_args(argv)
-    rank, _, world_size = launch_world()
-    if world_size > 1:
-        sys.stdout = RankPrefixed(sys.stdout, rank)
-        sys.stderr = RankPrefixed(sys.stderr, rank)
+    prefix_output_with_rank()
     config = None
     try:
         config = load_train_config(_read_config(args.config))

@@ -30,7 +30,21 @@ EXIT_PREEMPTED = ExitCode.PREEMPTED
 EXIT_BAD_CONFIG = ExitCode.BAD_CONFIG
 
 
-class TrainConfig(BaseModel):
+class RunLayout:
+    """``procs_per_node`` and ``world_size`` of a run's config (a model with fields ``num_nodes``,
+    ``gpus_per_node`` and ``nproc_per_node``): pretraining's and fine-tuning's alike."""
+
+    @property
+    def procs_per_node(self) -> int:
+        """Training processes per node: one per GPU, or nproc_per_node (CPU: gloo processes)."""
+        return self.nproc_per_node or self.gpus_per_node or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.procs_per_node
+
+
+class TrainConfig(BaseModel, RunLayout):
     """Everything one training run needs; serialised to ``<run_dir>/train_config.json``."""
 
     model_config = ConfigDict(extra="forbid")
@@ -152,15 +166,6 @@ class TrainConfig(BaseModel):
         if (self.max_steps is None) == (self.max_tokens is None):
             raise ValueError("set exactly one of max_steps and max_tokens")
         return self
-
-    @property
-    def procs_per_node(self) -> int:
-        """Training processes per node: one per GPU, or nproc_per_node (CPU: gloo processes)."""
-        return self.nproc_per_node or self.gpus_per_node or 1
-
-    @property
-    def world_size(self) -> int:
-        return self.num_nodes * self.procs_per_node
 
     @property
     def kv_heads(self) -> int:

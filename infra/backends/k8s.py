@@ -790,16 +790,7 @@ class KubernetesBackend(Backend):
         """Under the current name: a rolling update of the Deployment, gated by its readiness probe (old pods
         serve until new ones are ready), then ``check``. Under a new name: a second Deployment + Service,
         checked, then the old one deleted (clients move to the new Service name)."""
-        new = self.start_service(spec, ready_timeout_s=ready_timeout_s, on_log=on_log)
-        try:
-            check(new)
-        except BaseException:
-            if current != spec.name:
-                self.stop_service(spec.name)
-            raise
-        if current and current != spec.name:
-            self.stop_service(current)
-        return new
+        return self._start_checked_then_stop(current, spec, check, ready_timeout_s=ready_timeout_s, on_log=on_log)
 
     def stage_image(
         self,

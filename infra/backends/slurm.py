@@ -470,15 +470,7 @@ class SlurmBackend(Backend):
         """
         if current == spec.name:
             raise ValueError(f"switch_service: the new service needs a name other than the current {current!r}")
-        new = self.start_service(spec, ready_timeout_s=ready_timeout_s, on_log=on_log)
-        try:
-            check(new)
-        except BaseException:
-            self.stop_service(spec.name)
-            raise
-        if current:
-            self.stop_service(current)
-        return new
+        return self._start_checked_then_stop(current, spec, check, ready_timeout_s=ready_timeout_s, on_log=on_log)
 
     # ------------------------------------------------------------------ images
 

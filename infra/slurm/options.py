@@ -27,7 +27,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from infra.jobs import JobSpec, Resources, parse_time_limit
+from infra.jobs import JobSpec, Resources, TimeLimit, parse_time_limit
 
 
 class ClusterPreset(BaseModel):
@@ -50,6 +50,19 @@ _GIB_COMMON = {
     "NCCL_IB_TC": "52",
     "NCCL_IB_FIFO_TC": "84",
 }
+
+
+def _gib_preset(name: str, machine: str, partition: str, tuner_config: str) -> ClusterPreset:
+    """An RDMA cluster (gIB NCCL plugin): the same NCCL settings and library path, a tuner config of its own."""
+    return ClusterPreset(
+        name=name,
+        description=f"{machine}, RDMA over CX-7 (gIB NCCL plugin)",
+        gpus_per_node=8,
+        partition=partition,
+        env={**_GIB_COMMON, "NCCL_TUNER_CONFIG_PATH": f"/usr/local/gib/configs/{tuner_config}"},
+        setup_lines=["export LD_LIBRARY_PATH=/usr/local/gib/lib64:${LD_LIBRARY_PATH:-}"],
+    )
+
 
 PRESETS: dict[str, ClusterPreset] = {
     preset.name: preset
@@ -84,22 +97,8 @@ PRESETS: dict[str, ClusterPreset] = {
             },
             setup_lines=["export LD_LIBRARY_PATH=/var/lib/tcpxo/lib64:${LD_LIBRARY_PATH:-}"],
         ),
-        ClusterPreset(
-            name="hcc-a3u",
-            description="A3 Ultra: 8x H200 141GB, RDMA over CX-7 (gIB NCCL plugin)",
-            gpus_per_node=8,
-            partition="a3ultra",
-            env={**_GIB_COMMON, "NCCL_TUNER_CONFIG_PATH": "/usr/local/gib/configs/tuner_config_a3u.txtpb"},
-            setup_lines=["export LD_LIBRARY_PATH=/usr/local/gib/lib64:${LD_LIBRARY_PATH:-}"],
-        ),
-        ClusterPreset(
-            name="hcc-a4",
-            description="A4: 8x B200 180GB, RDMA over CX-7 (gIB NCCL plugin)",
-            gpus_per_node=8,
-            partition="a4high",
-            env={**_GIB_COMMON, "NCCL_TUNER_CONFIG_PATH": "/usr/local/gib/configs/tuner_config_a4.txtpb"},
-            setup_lines=["export LD_LIBRARY_PATH=/usr/local/gib/lib64:${LD_LIBRARY_PATH:-}"],
-        ),
+        _gib_preset("hcc-a3u", "A3 Ultra: 8x H200 141GB", "a3ultra", "tuner_config_a3u.txtpb"),
+        _gib_preset("hcc-a4", "A4: 8x B200 180GB", "a4high", "tuner_config_a4.txtpb"),
         ClusterPreset(
             name="hcc-a3h",
             description="A3 High: 8x H100 80GB, GPUDirect-TCPX",
@@ -151,7 +150,7 @@ class SlurmOptions(BaseSettings):
     gpus_per_node: int | None = Field(None, ge=0)
     cpus_per_task: int | None = Field(None, ge=1)
     mem: str | None = None
-    time: str | None = None
+    time: TimeLimit = None
     exclusive: bool = False
     constraint: str | None = None
     dependency: str | None = Field(None, description="e.g. 'afterok:1234'")
@@ -179,13 +178,6 @@ class SlurmOptions(BaseSettings):
     def _known_preset(cls, value: str | None) -> str | None:
         if value is not None and value not in PRESETS:
             raise ValueError(f"unknown cluster preset {value!r}; choose one of {', '.join(PRESETS)}")
-        return value
-
-    @field_validator("time")
-    @classmethod
-    def _check_time(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_time_limit(value)
         return value
 
     @property

@@ -68,19 +68,6 @@ def test_the_readmes_command_section_is_the_train_section_of_every_training_flow
         EndToEndConfig.model_validate({"train": {**train, "hidden_size": 64}})  # AutoModel's option on a command
 
 
-@pytest.fixture
-def local_state(tmp_path, monkeypatch):
-    """NEMOFLOW_HOME (the service table) in the test's directory; servers it started are stopped after."""
-    from infra import services
-    from infra.settings import reload_settings
-
-    monkeypatch.setenv("NEMOFLOW_HOME", str(tmp_path / "home"))
-    reload_settings()
-    yield
-    for handle in services.list_services():
-        services.stop_service(handle.name)
-
-
 @pytest.mark.slow
 @pytest.mark.prefect
 def test_end_to_end_trains_with_a_users_command(prefect_server, work_dir, local_state):

@@ -165,16 +165,10 @@ def test_an_authenticated_server_without_credentials_is_one_line(tmp_path):
         env, PREFECT_SERVER_API_AUTH_STRING="admin:s3cret-value", PREFECT_UI_API_URL=f"http://127.0.0.1:{port}/api"
     )
     log = tmp_path / "server.log"
-    server = subprocess.Popen(
-        [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=server_env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        from tests.conftest import wait_http
+    from tests.conftest import prefect_server_process, wait_http
 
+    server = prefect_server_process(port, server_env, log)
+    try:
         wait_http(f"http://127.0.0.1:{port}/api/health", 90, server, log)
         proc = run(
             [str(VENV_BIN / "nemoflow"), "deploy", "--port", str(port)],

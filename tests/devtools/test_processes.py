@@ -88,18 +88,17 @@ def test_stop_group_kills_children_and_a_second_sigterm_stops_a_draining_process
     assert not processes.pid_alive(child)
 
 
-def test_stop_escalates_to_sigkill():
-    proc = spawn(
-        [
-            sys.executable,
-            "-c",
-            "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
-            "time.sleep(60)",
-        ],
-        stdout=subprocess.PIPE,
-    )
-    # until it ignores SIGTERM (a fixed sleep lost the race on a loaded machine: the SIGTERM came first)
+def _ready_python(on_sigterm: str) -> subprocess.Popen:
+    """A Python process whose SIGTERM handler is ``on_sigterm``, returned once it is in place (it says so: a fixed
+    sleep lost the race on a loaded machine, the SIGTERM came first); then it sleeps for a minute."""
+    code = f"import signal, sys, time; signal.signal(signal.SIGTERM, {on_sigterm}); print('ready', flush=True)"
+    proc = spawn([sys.executable, "-c", code + "; time.sleep(60)"], stdout=subprocess.PIPE)
     assert proc.stdout.readline().strip() == b"ready"
+    return proc
+
+
+def test_stop_escalates_to_sigkill():
+    proc = _ready_python(on_sigterm="signal.SIG_IGN")
     assert processes.stop(proc.pid, grace_s=0.3, proc=proc)
     assert proc.returncode == -signal.SIGKILL
 
@@ -116,16 +115,7 @@ def test_port_owner_finds_the_listening_process():
 def test_stop_collects_the_exit_status_of_a_leader_that_exits_during_the_group_scan(tmp_path, monkeypatch):
     """The leader may exit between the poll of its status and the scan of its group (seen in CI under
     load): stop() must still collect its exit status, not report the group gone with returncode None."""
-    proc = spawn(
-        [
-            sys.executable,
-            "-c",
-            "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))"
-            "; print('ready', flush=True); time.sleep(60)",
-        ],
-        stdout=subprocess.PIPE,
-    )
-    assert proc.stdout.readline().strip() == b"ready"
+    proc = _ready_python(on_sigterm="lambda *a: sys.exit(3)")
     real_members = processes.group_members
 
     def members_after_the_leader_exited(pgid: int) -> list[int]:

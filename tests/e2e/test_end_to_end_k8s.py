@@ -32,15 +32,13 @@ import os
 import re
 import subprocess
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import REPO, VENV_BIN, free_port
+from tests.conftest import REPO, VENV_BIN, free_port, get_json
 from tests.support.require import need
 from tests.support.tiny import TINY_TRAIN
 
@@ -148,15 +146,6 @@ def _tails(cluster, lines: int = 40) -> str:
     return "\n".join(out)
 
 
-def _get(url: str, key: str | None) -> tuple[int, dict]:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.status, json.load(resp)
-    except urllib.error.HTTPError as exc:
-        return exc.code, {}
-
-
 async def test_end_to_end_k8s_as_shipped_every_pod_a_container(kmock, prefect_server, tmp_path, shipped_image):
     from devtools.prefect_local import ensure_pools
     from infra.k8s.config import api_client_for_url
@@ -241,9 +230,9 @@ async def test_end_to_end_k8s_as_shipped_every_pod_a_container(kmock, prefect_se
             "key": "NEMOFLOW_SERVE_API_KEY",
             "optional": False,
         }
-        status, models = await asyncio.to_thread(_get, f"http://127.0.0.1:{port}/v1/models", SERVE_KEY)
+        status, models = await asyncio.to_thread(get_json, f"http://127.0.0.1:{port}/v1/models", SERVE_KEY)
         assert status == 200 and models["data"][0]["id"] == MODEL
-        assert (await asyncio.to_thread(_get, f"http://127.0.0.1:{port}/v1/models", None))[0] == 401
+        assert (await asyncio.to_thread(get_json, f"http://127.0.0.1:{port}/v1/models", None))[0] == 401
 
         # the registry promoted the validated checkpoint, which lies on the PVC
         promoted = ModelRegistry(str(root / "registry")).read().promoted_model()

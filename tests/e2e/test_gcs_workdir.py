@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.error
-import urllib.request
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, get_json
 from tests.slurm.conftest import slurm_cluster  # noqa: F401 - the fixture (skips, or fails under CI=true)
 from tests.support.tiny import TINY_TRAIN
 
@@ -62,15 +60,6 @@ def _upload_demo_sources(bucket: str, tmp_path) -> str:
     for path in write_slimpajama_layout(local, chunks=2, shards_per_chunk=4):
         storage.put_file(str(path), storage.join(bucket, "raw", str(path.relative_to(local))))
     return storage.join(bucket, "raw", DEMO_TEMPLATE)
-
-
-def _get(url: str, key: str | None) -> tuple[int, dict]:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.status, json.load(resp)
-    except urllib.error.HTTPError as exc:
-        return exc.code, {}
 
 
 def _run_and_check(executor: dict, image: dict, work_dir: str, bucket: str, tmp_path, train: dict) -> dict:
@@ -123,9 +112,9 @@ def _run_and_check(executor: dict, image: dict, work_dir: str, bucket: str, tmp_
         assert storage.glob(f"{work_dir}/prefect-results/*"), "Prefect's task results persist in the bucket"
 
         # the server serves the gs:// checkpoint (a local copy by its manifest) and wants its key
-        status, models = _get(f"{summary['endpoint']}/v1/models", SERVE_KEY)
+        status, models = get_json(f"{summary['endpoint']}/v1/models", SERVE_KEY)
         assert status == 200 and models["data"][0]["id"] == model
-        assert _get(f"{summary['endpoint']}/v1/models", None)[0] == 401
+        assert get_json(f"{summary['endpoint']}/v1/models", None)[0] == 401
         return summary
     finally:
         get_backend(executor).stop_service(model)

@@ -19,6 +19,7 @@ import pytest
 
 from flows.cpt_refresh import CONCURRENCY_LIMIT, LOCK_LEASE_S
 from infra import processes
+from tests.conftest import wait_for
 from tests.support import fault_ledger
 
 from .conftest import ZOMBIE_AFTER_S
@@ -27,16 +28,6 @@ pytestmark = [pytest.mark.faults, pytest.mark.prefect, pytest.mark.slow]
 
 # The server's repossessor looks for expired leases every 15 s.
 REPOSSESSOR_S = 15
-
-
-def wait_for(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.5)
-    pytest.fail(f"{what} not seen after {timeout:.0f}s")
 
 
 def pid_in(path: Path, timeout: float = 120) -> int:

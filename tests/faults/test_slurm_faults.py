@@ -18,6 +18,7 @@ import pytest
 
 from infra.jobs import JobSpec, JobState
 from infra.slurm.commands import SlurmCLI
+from tests.conftest import wait_for
 from tests.slurm.conftest import backend, jobs_under, slurm, slurm_cluster  # noqa: F401 - fixtures
 from tests.support import fault_ledger
 
@@ -26,13 +27,7 @@ PY = sys.executable
 
 
 def _wait(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.3)
-    pytest.fail(f"{what} not seen after {timeout:.0f}s")
+    return wait_for(check, timeout, what, interval=0.3)
 
 
 def _job_state(job_id: str) -> str:

@@ -9,7 +9,6 @@ half-written under the final name); its row in the fault table counts what the f
 from __future__ import annotations
 
 import hashlib
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from infra import storage
 from infra.fetch import FetchError, NotFound, download, probe
 from tests.conftest import REPO
 from tests.support import fault_ledger
-from tests.support.fault_proxy import gcs_behind, unresolvable_gcs
+from tests.support.fault_proxy import does_not_resolve, gcs_behind, unresolvable_gcs
 from tests.support.fault_server import Fault
 from tests.support.tmpfs import is_full, resize, tmpfs
 
@@ -39,15 +38,6 @@ def one_line(text: str) -> None:
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def does_not_resolve(host: str) -> bool:
-    """The fault is in place: the name really does not resolve here."""
-    try:
-        socket.getaddrinfo(host, 443)
-    except socket.gaierror:
-        return True
-    return False
 
 
 @pytest.mark.gcs

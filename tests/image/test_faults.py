@@ -13,7 +13,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from infra import images, storage
 from infra.images import ImageDestinationError, ImageError, ImageNotFound, ImageVerificationError, copy_image
 from tests.conftest import REPO
 from tests.support import fault_ledger
-from tests.support.fault_proxy import gcs_behind, unresolvable_gcs
+from tests.support.fault_proxy import does_not_resolve, gcs_behind, unresolvable_gcs
 from tests.support.fault_server import Fault, FaultServer
 from tests.support.tmpfs import is_full
 
@@ -38,14 +37,6 @@ MEDIA = r"^GET /download/storage/v1/b/[^/]+/o/containers%2Fnemo-test\.sqsh"
 
 def sha256(path) -> str:
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
-
-
-def does_not_resolve(host: str) -> bool:
-    try:
-        socket.getaddrinfo(host, 443)
-    except socket.gaierror:
-        return True
-    return False
 
 
 @pytest.mark.gcs

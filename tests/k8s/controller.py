@@ -240,22 +240,9 @@ class FakeCluster:
             return await self._forever()
         if script.waiting:
             reason, message = script.waiting
+            waiting = {"reason": reason, "message": message}
             await self._patch(
-                path,
-                {
-                    "status": {
-                        "containerStatuses": [
-                            {
-                                "name": container,
-                                "ready": False,
-                                "restartCount": 0,
-                                "image": "x",
-                                "imageID": "",
-                                "state": {"waiting": {"reason": reason, "message": message}},
-                            }
-                        ]
-                    }
-                },
+                path, {"status": {"containerStatuses": [_container_status(container, False, waiting=waiting)]}}
             )
             return await self._forever()
         self.logs[name] = []
@@ -268,14 +255,7 @@ class FakeCluster:
                 "status": {
                     "phase": "Running",
                     "containerStatuses": [
-                        {
-                            "name": container,
-                            "ready": True,
-                            "restartCount": 0,
-                            "image": "x",
-                            "imageID": "",
-                            "state": {"running": {"startedAt": "2026-11-29T20:00:00Z"}},
-                        }
+                        _container_status(container, True, running={"startedAt": "2026-11-29T20:00:00Z"})
                     ],
                 }
             },
@@ -296,16 +276,7 @@ class FakeCluster:
             {
                 "status": {
                     "phase": "Succeeded" if script.exit_code == 0 else "Failed",
-                    "containerStatuses": [
-                        {
-                            "name": container,
-                            "ready": False,
-                            "restartCount": 0,
-                            "image": "x",
-                            "imageID": "",
-                            "state": {"terminated": terminated},
-                        }
-                    ],
+                    "containerStatuses": [_container_status(container, False, terminated=terminated)],
                 }
             },
         )
@@ -500,3 +471,8 @@ class FakeCluster:
                 await asyncio.sleep(0.02)
 
         return kmock.Response(payload=stream(), headers={"Content-Type": "text/plain"})
+
+
+def _container_status(name: str, ready: bool, **state: dict) -> dict:
+    """A pod's containerStatuses entry in ``state`` (waiting, running or terminated, with its details)."""
+    return {"name": name, "ready": ready, "restartCount": 0, "image": "x", "imageID": "", "state": state}

@@ -239,6 +239,31 @@ async def test_inference_service_start_and_stop(ready, make_backend):
     assert ready.live("apps/v1/deployments") == [] and ready.live("v1/services") == []
 
 
+async def test_switch_to_a_new_name_stops_the_old_service_only_after_the_check(ready, make_backend):
+    """A second Deployment + Service beside the serving one: a failed check removes the new one and leaves the
+    old one serving; a passed check removes the old one."""
+    backend = make_backend(ready)
+
+    def serve(name: str) -> ServiceSpec:
+        return ServiceSpec(name=name, command=["python", "-m", "workloads.serve"], port=8000, container_image=IMAGE)
+
+    def deployments() -> list[str]:
+        return sorted(d["metadata"]["name"] for d in ready.live("apps/v1/deployments"))
+
+    def refuse(info):
+        assert deployments() == ["llm-blue", "llm-green"]  # checked while both run
+        raise RuntimeError(f"smoke test of {info.url} failed")
+
+    await asyncio.to_thread(backend.start_service, serve("llm-blue"))
+    with pytest.raises(RuntimeError, match="smoke test of http://llm-green"):
+        await asyncio.to_thread(backend.switch_service, "llm-blue", serve("llm-green"), refuse)
+    assert deployments() == ["llm-blue"]
+    checked = []  # (kmock's controller drives a Deployment name once: the second candidate has a name of its own)
+    new = await asyncio.to_thread(backend.switch_service, "llm-blue", serve("llm-teal"), checked.append)
+    assert [c.url for c in checked] == [new.url] == ["http://llm-teal.team.svc.cluster.local:8000"]
+    assert deployments() == ["llm-teal"]
+
+
 async def test_unschedulable_service_fails_with_scheduler_message(ready, make_backend):
     ready.scripts["llm-serve"] = JobScript(
         pod=lambda i: PodScript(unschedulable="0/2 nodes are available: 2 Insufficient nvidia.com/gpu.")

@@ -6,6 +6,7 @@ from prefect import flow
 
 from infra.secrets import CredentialFree
 from tasks.image import ImageConfig
+from tests.support.tiny import TINY_TRAIN
 
 
 @flow(name="security-schema-check")
@@ -14,22 +15,10 @@ def schema_check(image: ImageConfig) -> str | None:
     return image.source
 
 
-# A training run as small as the trainer allows: two steps, one checkpoint (AutoModel's writer).
-TINY = dict(
-    hidden_size=64,
-    num_layers=2,
-    num_attention_heads=4,
-    ffn_hidden_size=128,
-    seq_length=64,
-    global_batch_size=4,
-    micro_batch_size=4,
-    max_steps=2,
-    warmup_steps=0,
-    val_check_interval=2,
-    ckpt_every_n_steps=2,
-    limit_val_batches=1,
-    log_every_n_steps=1,
-    cpus_per_task=1,
+# The tests' tiny model, trained as little as the trainer allows: two steps, one checkpoint (AutoModel's
+# writer), at the default learning rate.
+TINY = {k: v for k, v in TINY_TRAIN.items() if k != "lr"} | dict(
+    max_steps=2, val_check_interval=2, ckpt_every_n_steps=2, limit_val_batches=1, log_every_n_steps=1, cpus_per_task=1
 )
 
 

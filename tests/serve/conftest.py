@@ -2,39 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import free_port, wait_http
+from tests.support.tiny_models import tiny_llama
 
 MODEL_NAME = "tiny-llama"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def build_tiny_checkpoint(dest: Path, tokenizer_model: Path) -> Path:
     """The trainer's layout: save_pretrained of a random LlamaForCausalLM + the Mixtral tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(1234)  # a fixed random model: greedy outputs are reproducible across runs
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    LlamaForCausalLM(config).save_pretrained(dest)
-    shutil.copyfile(tokenizer_model, dest / "tokenizer.model")
-    return dest
+    return tiny_llama(dest, tokenizer_model, seed=1234)
 
 
 @pytest.fixture(scope="session")
@@ -61,28 +47,54 @@ def serve_command(checkpoint: Path, port: int, model_name: str = MODEL_NAME, *ex
     ]
 
 
-@pytest.fixture(scope="session")
-def live_server(tiny_checkpoint, tmp_path_factory):
-    """A real ``python -m workloads.serve`` process on a free localhost port; yields its base URL."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen(
-        serve_command(tiny_checkpoint, port, MODEL_NAME, "--max-tokens-cap", "64"),
-        cwd=repo,
-        env=dict(os.environ, PYTHONPATH=str(repo)),
+@pytest.fixture
+def cleanup(work_dir):
+    """Stop anything a test left registered, so a failing test leaks no process."""
+    from infra import services
+
+    yield
+    for entry in services.list_services():
+        services.stop_service(entry.name, grace_s=1)
+
+
+def start_server(command: list[str], log: Path, **env: str) -> subprocess.Popen:
+    """``command`` (a :func:`serve_command`) in a session of its own, its output in ``log``, this checkout's code
+    on its PYTHONPATH; ``env``: more variables."""
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO), **env),
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def serving(command: list[str], port: int, log: Path, **env: str) -> Iterator[str]:
+    """The server ``command`` starts on ``port``: yields its base URL once /health answers, stops it after."""
+    proc = start_server(command, log, **env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health", 90, proc, log)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def live_server(tiny_checkpoint, tmp_path_factory):
+    """A real ``python -m workloads.serve`` process on a free localhost port; yields its base URL."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    with serving(serve_command(tiny_checkpoint, port, MODEL_NAME, "--max-tokens-cap", "64"), port, log) as url:
+        yield url

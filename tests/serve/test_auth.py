@@ -4,7 +4,6 @@ shape, a non-loopback bind needs a key or an explicit opt-out, and the key never
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port, wait_http
-from tests.serve.conftest import MODEL_NAME, serve_command
+from tests.serve.conftest import MODEL_NAME, serve_command, start_server, stop_server
 from workloads.serve_http import check_exposure, is_loopback, resolve_api_key
 
 KEY_ENV = "NEMOFLOW_TEST_SERVE_KEY"
@@ -25,24 +24,7 @@ def start(checkpoint: Path, log: Path, env: dict[str, str], *extra: str, host: s
     port = free_port()
     command = serve_command(checkpoint, port, MODEL_NAME, *extra)
     command[command.index("--host") + 1] = host
-    proc = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO), **env),
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return start_server(command, log, **env), f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +36,7 @@ def keyed_server(tiny_checkpoint, tmp_path_factory):
         wait_http(url + "/health", 90, proc, log)
         yield url, key, proc, log
     finally:
-        stop(proc)
+        stop_server(proc)
 
 
 def test_bearer_key_required_everywhere_but_health(keyed_server):
@@ -133,7 +115,7 @@ def test_all_interfaces_without_a_key_needs_the_opt_out(tiny_checkpoint, tmp_pat
         assert "WARNING" in (tmp_path / "open.log").read_text()
         assert "WITHOUT an API key" in (tmp_path / "open.log").read_text()
     finally:
-        stop(allowed)
+        stop_server(allowed)
 
 
 def test_exposure_rules(caplog):

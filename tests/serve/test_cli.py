@@ -14,13 +14,6 @@ from tasks.serve import local_checkpoint
 from tests.conftest import free_port
 
 
-@pytest.fixture
-def cleanup(work_dir):
-    yield
-    for entry in services.list_services():
-        services.stop_service(entry.name, grace_s=1)
-
-
 @pytest.mark.slow
 def test_start_status_list_stop(work_dir, cleanup, tiny_checkpoint, capsys):
     port = free_port()

@@ -7,29 +7,17 @@ import shutil
 import pytest
 import torch
 
+from tests.support.tiny_models import save_tiny, tiny_mixtral_config
 from workloads.serve_engines.builtin import Engine, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def tiny_mixtral(tmp_path_factory, mixtral_tokenizer_model):
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
 
-    torch.manual_seed(99)
+    config = tiny_mixtral_config(vocab_size=32000, max_position_embeddings=128)
     dest = tmp_path_factory.mktemp("ckpt") / "tiny-mixtral"
-    config = MixtralConfig(
-        vocab_size=32000,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=128,
-    )
-    MixtralForCausalLM(config).save_pretrained(dest)
-    shutil.copyfile(mixtral_tokenizer_model, dest / "tokenizer.model")
-    return dest
+    return save_tiny(dest, mixtral_tokenizer_model, config, MixtralForCausalLM, seed=99)
 
 
 @pytest.mark.parametrize("which", ["tiny_checkpoint", "tiny_mixtral"])

@@ -4,20 +4,16 @@ gets a 5xx; what does not fit the queue is refused with 429 + Retry-After, and n
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from infra import failpoints
-from tests.conftest import free_port, wait_http
-from tests.serve.conftest import MODEL_NAME, serve_command
+from tests.conftest import free_port
+from tests.serve.conftest import MODEL_NAME, serve_command, serving
 
-REPO = Path(__file__).resolve().parents[2]
 MAX_CONCURRENCY, MAX_QUEUE = 2, 4
 BURST = 40
 DEADLINE_S = 120
@@ -29,23 +25,10 @@ def small_queue_server(tiny_checkpoint, tmp_path_factory):
     log = tmp_path_factory.mktemp("load") / "server.log"
     command = serve_command(tiny_checkpoint, port, MODEL_NAME, "--max-tokens-cap", "16")
     command += ["--max-concurrency", str(MAX_CONCURRENCY), "--max-queue", str(MAX_QUEUE)]
-    proc = subprocess.Popen(
-        command,
-        cwd=REPO,
-        # A slow model (150 ms a token): the burst overflows 2 generating + 4 waiting however slowly the
-        # clients' threads get going on a loaded machine (CI once saw 16 openai clients never refused).
-        env=dict(os.environ, PYTHONPATH=str(REPO), **failpoints.env(serve__step_delay_ms=150)),
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/health", 90, proc, log)
+    # A slow model (150 ms a token): the burst overflows 2 generating + 4 waiting however slowly the
+    # clients' threads get going on a loaded machine (CI once saw 16 openai clients never refused).
+    with serving(command, port, log, **failpoints.env(serve__step_delay_ms=150)) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
 
 
 def one_request(url: str, index: int, start: threading.Barrier) -> tuple[int, dict[str, str], str]:

@@ -24,14 +24,6 @@ def standin(name: str, port: int, mode: str) -> ServiceSpec:
     return ServiceSpec(name=name, command=[sys.executable, STANDINS, "--port", str(port), "--mode", mode], port=port)
 
 
-@pytest.fixture
-def cleanup(work_dir):
-    """Stop anything a test left registered, so a failing test leaks no process."""
-    yield
-    for entry in services.list_services():
-        services.stop_service(entry.name, grace_s=1)
-
-
 @pytest.mark.faults
 def test_busy_port_fails_before_starting_anything(work_dir, cleanup, tmp_path):
     marker = tmp_path / "started"

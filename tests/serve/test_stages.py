@@ -52,13 +52,6 @@ def smoke_only(endpoint: EndpointRef, timeout_s: float = 30):
     return smoke_test(endpoint, timeout_s=timeout_s, retry_s=5)
 
 
-@pytest.fixture
-def cleanup(work_dir):
-    yield
-    for entry in services.list_services():
-        services.stop_service(entry.name, grace_s=1)
-
-
 @pytest.mark.slow
 def test_deploy_is_cached_while_serving_and_redeploys_otherwise(
     prefect_server, work_dir, cleanup, tiny_checkpoint, tmp_path

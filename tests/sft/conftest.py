@@ -2,33 +2,16 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.support.tiny_models import tiny_llama
+
 
 def make_base_model(directory: Path, tokenizer_model: Path, seed: int = 0) -> Path:
     """A 4M-parameter Llama (vocab 32000) saved in the Hugging Face layout, with its tokenizer.model."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(directory)
-    shutil.copyfile(tokenizer_model, directory / "tokenizer.model")
-    return directory
+    return tiny_llama(directory, tokenizer_model, seed)
 
 
 @pytest.fixture(scope="session")

@@ -10,19 +10,6 @@ from tests.sft.test_sft_flow import DATA, TINY_SFT
 from tests.support.tiny import TINY_TRAIN
 
 
-@pytest.fixture
-def local_state(tmp_path, monkeypatch):
-    """NEMOFLOW_HOME (the service table) in the test's directory; servers it started are stopped after."""
-    from infra import services
-    from infra.settings import reload_settings
-
-    monkeypatch.setenv("NEMOFLOW_HOME", str(tmp_path / "home"))
-    reload_settings()
-    yield
-    for handle in services.list_services():
-        services.stop_service(handle.name)
-
-
 def test_sft_config_is_refused_with_unknown_keys_and_merges_over_the_demo_run():
     from pydantic import ValidationError
 

@@ -27,13 +27,11 @@ import json
 import os
 import re
 import socket
-import struct
 import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from tests.support.fault_server import Fault
+from tests.support.fault_server import Fault, FaultyHandler, ThreadedHTTP
 
 # Headers that describe one hop, not the message (RFC 9110 7.6.1): never forwarded.
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"}
@@ -59,7 +57,7 @@ class _Queue:
     faults: list[Fault] = field(default_factory=list)
 
 
-class FaultProxy:
+class FaultProxy(ThreadedHTTP):
     """Forward to ``upstream`` (``http://host:port``) with scripted faults. Use as a context manager."""
 
     def __init__(self, upstream: str):
@@ -69,28 +67,7 @@ class FaultProxy:
         self.injected: list[Injected] = []
         self._queues: list[_Queue] = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._httpd: ThreadingHTTPServer | None = None
-
-    def start(self) -> FaultProxy:
-        handler = type("Handler", (_Handler,), {"proxy": self})
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self._httpd.daemon_threads = True
-        threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
-
-    def __enter__(self) -> FaultProxy:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        super().__init__(_Handler, "proxy")
 
     @property
     def url(self) -> str:
@@ -136,12 +113,8 @@ class FaultProxy:
         return None
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(FaultyHandler):
     proxy: FaultProxy
-    protocol_version = "HTTP/1.0"  # one request per connection: a fault never leaks into the next attempt
-
-    def log_message(self, format, *args):  # noqa: A002 - keep pytest output clean
-        pass
 
     def do_GET(self):
         self._relay()
@@ -197,22 +170,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command == "HEAD":
             return
-        cut = next((n for n in (fault.truncate_at, fault.reset_at, fault.stall_at) if n is not None), None)
+        cut = fault.cut_at
         self.wfile.write(payload if cut is None else payload[:cut])
-        if cut is None:
-            return
-        self.wfile.flush()
-        if fault.stall_at is not None:
-            proxy._stop.wait(fault.stall)
-        elif fault.reset_at is not None:
-            # SO_LINGER 0: close() sends RST instead of FIN, as a dropped connection does.
-            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.close_connection = True
-        try:
-            self.connection.close()
-        except OSError:
-            pass
-        self._aborted = True
+        if cut is not None:
+            self._cut_off(fault, proxy._stop)
 
     def _error(self, fault: Fault) -> None:
         """A GCS JSON API error answer (what gcsfs parses into its HttpError / OSError)."""
@@ -234,14 +195,6 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
-
-    def finish(self) -> None:
-        if getattr(self, "_aborted", False):
-            return
-        try:
-            super().finish()
-        except OSError:
-            pass
 
 
 @contextlib.contextmanager
@@ -279,3 +232,12 @@ def unresolvable_gcs():
         else:
             os.environ["NEMOFLOW_GCS_ENDPOINT"] = old
         reload_settings()
+
+
+def does_not_resolve(host: str) -> bool:
+    """The fault is in place: the name really does not resolve here."""
+    try:
+        socket.getaddrinfo(host, 443)
+    except socket.gaierror:
+        return True
+    return False

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Self
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 
@@ -69,6 +70,11 @@ class Fault:
     redirect: str | None = None
     before: Callable[[], None] | None = None
 
+    @property
+    def cut_at(self) -> int | None:
+        """Where the body stops (truncated, reset or stalled); None: it is sent whole."""
+        return next((n for n in (self.truncate_at, self.reset_at, self.stall_at) if n is not None), None)
+
     def misbehaves(self) -> bool:
         """True unless this fault serves normally (a ``before`` hook alone changes nothing on the wire)."""
         return dataclasses.replace(self, before=None) != Fault()
@@ -100,7 +106,75 @@ class _PathState:
     gets: int = 0
 
 
-class FaultServer:
+class FaultyHandler(BaseHTTPRequestHandler):
+    """A request handler for fault-injecting test servers: no keep-alive, nothing in pytest's output, and
+    answers cut off as a :class:`Fault` says."""
+
+    protocol_version = "HTTP/1.0"  # one request per connection: a fault never leaks into the next attempt
+
+    def log_message(self, format, *args):  # noqa: A002 - keep pytest output clean
+        pass
+
+    def _cut_off(self, fault: Fault, stop: threading.Event) -> None:
+        """End an answer cut at ``fault.cut_at``: stall (until ``stop``), reset the connection, or close it."""
+        self.wfile.flush()
+        if fault.stall_at is not None:
+            stop.wait(fault.stall)
+        elif fault.reset_at is not None:
+            # SO_LINGER 0: close() sends RST instead of FIN, as a dropped connection does.
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close_connection = True
+        self._abort()
+
+    def _abort(self) -> None:
+        try:
+            self.connection.close()
+        except OSError:
+            pass
+        self._aborted = True
+
+    def finish(self) -> None:
+        if getattr(self, "_aborted", False):
+            return
+        try:
+            super().finish()
+        except OSError:
+            pass
+
+
+class ThreadedHTTP:
+    """A ThreadingHTTPServer on 127.0.0.1 (a free port), served by a daemon thread; a context manager.
+
+    Each handler reaches its server through the attribute ``handler_attr``; :meth:`stop` also sets ``_stop``,
+    which wakes handlers sleeping in a delay or a stall.
+    """
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler], handler_attr: str):
+        self._handler = type("Handler", (handler,), {handler_attr: self})
+        self._stop = threading.Event()
+        self._httpd: ThreadingHTTPServer | None = None
+
+    def start(self) -> Self:
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler)
+        self._httpd.daemon_threads = True
+        threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class FaultServer(ThreadedHTTP):
     """Serve ``root`` over HTTP on 127.0.0.1 with scripted faults. Use as a context manager."""
 
     def __init__(
@@ -128,32 +202,9 @@ class FaultServer:
         self.requests: list[Request] = []
         self._paths: dict[str, _PathState] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._httpd: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        super().__init__(_Handler, "server_state")
 
     # ---------------------------------------------------------------- control
-
-    def start(self) -> FaultServer:
-        handler = type("Handler", (_Handler,), {"server_state": self})
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()  # wakes handlers sleeping in delay/stall
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
-
-    def __enter__(self) -> FaultServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     @property
     def port(self) -> int:
@@ -225,12 +276,8 @@ def _norm(path: str) -> str:
     return "/" + unquote(urlsplit(path).path).lstrip("/")
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(FaultyHandler):
     server_state: FaultServer
-    protocol_version = "HTTP/1.0"  # one request per connection: a fault never leaks into the next attempt
-
-    def log_message(self, format, *args):  # noqa: A002 - keep pytest output clean
-        pass
 
     def do_HEAD(self):
         self._serve_quietly(head=True)
@@ -320,7 +367,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if head:
             return
-        cut = next((n for n in (fault.truncate_at, fault.reset_at, fault.stall_at) if n is not None), None)
+        cut = fault.cut_at
         limit = length if cut is None else min(cut, length)
         # Streamed from disk, so large files (container images) cost no memory.
         with file.open("rb") as fh:
@@ -329,31 +376,8 @@ class _Handler(BaseHTTPRequestHandler):
             while sent < limit and (block := fh.read(min(64 << 10, limit - sent))):
                 self.wfile.write(block)
                 sent += len(block)
-        if cut is None:
-            return
-        self.wfile.flush()
-        if fault.stall_at is not None:
-            srv._sleep(fault.stall)
-        elif fault.reset_at is not None:
-            # SO_LINGER 0: close() sends RST instead of FIN, as a dropped connection does.
-            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.close_connection = True
-        self._abort()
-
-    def _abort(self) -> None:
-        try:
-            self.connection.close()
-        except OSError:
-            pass
-        self._aborted = True
-
-    def finish(self) -> None:
-        if getattr(self, "_aborted", False):
-            return
-        try:
-            super().finish()
-        except OSError:
-            pass
+        if cut is not None:
+            self._cut_off(fault, srv._stop)
 
     def _checksum_headers(self, digests: _Digests, status: int, bad: bool) -> None:
         srv = self.server_state

@@ -153,6 +153,12 @@ def corpus(kjv_chapters) -> list[str]:
     return docs
 
 
+def mixtral_flags(tokenizer_model) -> list[str]:
+    """The tokenizer flags these tests give ``nemoflow preprocess`` and ``python -m workloads.tokenize``:
+    Mixtral's sentencepiece model, as Megatron's GPTSentencePieceTokenizer."""
+    return ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", str(tokenizer_model)]
+
+
 def write_jsonl(path: Path, records: list[dict], compress: bool = False) -> Path:
     data = b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in records)
     if compress:

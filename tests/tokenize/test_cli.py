@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tokenize.conftest import write_jsonl
+from tests.tokenize.conftest import mixtral_flags, write_jsonl
 from tests.tokenize.reference import assert_same_files, megatron_reference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,10 +36,7 @@ def test_preprocess_command_matches_megatron_reference(tmp_path, kjv_chapters, m
             str(src),
             "--output-prefix",
             str(tmp_path / "out" / "kjv"),
-            "--tokenizer-type",
-            "GPTSentencePieceTokenizer",
-            "--tokenizer-model",
-            str(mixtral_tokenizer_model),
+            *mixtral_flags(mixtral_tokenizer_model),
             "--append-eod",
             "--workers",
             "2",
@@ -85,10 +82,7 @@ def test_preprocess_command_errors(tmp_path, mixtral_tokenizer_model):
             str(tmp_path / "missing.jsonl"),
             "--output-prefix",
             str(tmp_path / "o"),
-            "--tokenizer-type",
-            "GPTSentencePieceTokenizer",
-            "--tokenizer-model",
-            str(mixtral_tokenizer_model),
+            *mixtral_flags(mixtral_tokenizer_model),
         ]
     )
     assert proc.returncode == 2 and f"{tmp_path}/missing.jsonl" in proc.stderr
@@ -112,10 +106,7 @@ def test_job_entry_point_takes_its_array_index(tmp_path, kjv_chapters, mixtral_t
             str(listing),
             "--output-prefix",
             str(tmp_path / "tok" / "{stem}"),
-            "--tokenizer-type",
-            "GPTSentencePieceTokenizer",
-            "--tokenizer-model",
-            str(mixtral_tokenizer_model),
+            *mixtral_flags(mixtral_tokenizer_model),
             "--append-eod",
         ],
         env={"NEMOFLOW_ARRAY_INDEX": "1"},
@@ -137,10 +128,7 @@ def test_job_entry_point_takes_its_array_index(tmp_path, kjv_chapters, mixtral_t
             "3",
             "--output-prefix",
             str(tmp_path / "tok" / "{stem}"),
-            "--tokenizer-type",
-            "GPTSentencePieceTokenizer",
-            "--tokenizer-model",
-            str(mixtral_tokenizer_model),
+            *mixtral_flags(mixtral_tokenizer_model),
         ],
     )
     assert proc.returncode == 2 and "array index 3 is out of range" in proc.stderr

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tokenize.conftest import write_jsonl
+from tests.tokenize.conftest import mixtral_flags, write_jsonl
 from workloads.tokenize import InputError, TokenizerConfig, tokenize_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,10 +73,7 @@ def test_preprocess_command_refuses_empty_input_unless_allowed(tmp_path, mixtral
         str(src),
         "--output-prefix",
         str(tmp_path / "o"),
-        "--tokenizer-type",
-        "GPTSentencePieceTokenizer",
-        "--tokenizer-model",
-        str(mixtral_tokenizer_model),
+        *mixtral_flags(mixtral_tokenizer_model),
         "--append-eod",
     ]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
@@ -168,10 +165,7 @@ def test_tokenize_job_takes_the_limit_flags(tmp_path, mixtral_tokenizer_model):
         str(src),
         "--output-prefix",
         str(tmp_path / "o"),
-        "--tokenizer-type",
-        "GPTSentencePieceTokenizer",
-        "--tokenizer-model",
-        str(mixtral_tokenizer_model),
+        *mixtral_flags(mixtral_tokenizer_model),
         "--max-line-bytes",
         "4096",
     ]

@@ -155,3 +155,16 @@ def safetensors_problems(file: Path) -> list[str]:
     if file.stat().st_size < 8 + length + end:
         return [f"{file.name}: shorter than its tensors ({file.stat().st_size} < {8 + length + end} bytes)"]
     return []
+
+
+def tensor_layout(path: Path) -> dict[str, tuple]:
+    """Every tensor in the safetensors files of ``path``: its name, shape and dtype (not its values)."""
+    from safetensors import safe_open
+
+    found = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as fh:
+            for key in fh.keys():
+                tensor = fh.get_slice(key)
+                found[key] = (tuple(tensor.get_shape()), tensor.get_dtype())
+    return found

@@ -150,13 +150,7 @@ def test_export_killed_from_outside_leaves_no_checkpoint(tmp_path, reference_run
     assert not (ckpt.consolidated_dir(step_dir) / ckpt.MANIFEST).exists()
     assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [12]
 
-    done = subprocess.run(
-        [sys.executable, "-m", "workloads.consolidate", str(step_dir)],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-    )
+    done = _export(step_dir)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"exported {ckpt.consolidated_dir(step_dir)}" in done.stdout
     assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [8, 12]
@@ -172,13 +166,7 @@ def test_export_refuses_what_is_not_a_saved_checkpoint(tmp_path, reference_run):
         (half, "was never published"),
         (tmp_path / "nowhere", "is not an AutoModel checkpoint directory"),
     ):
-        proc = subprocess.run(
-            [sys.executable, "-m", "workloads.consolidate", str(target)],
-            cwd=REPO,
-            env=_env(),
-            capture_output=True,
-            text=True,
-        )
+        proc = _export(target)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
@@ -220,6 +208,17 @@ def test_too_little_shared_memory_saves_synchronously(tmp_path, train_dataset, r
     metrics = read_metrics(run_dir)
     assert not [m for m in metrics if "checkpoint_wait_s" in m]  # synchronous: nothing left to wait for
     assert deterministic_part(metrics) == deterministic_part(reference_run["metrics"])
+
+
+def _export(target) -> subprocess.CompletedProcess:
+    """``python -m workloads.consolidate TARGET``, as a user runs it by hand."""
+    return subprocess.run(
+        [sys.executable, "-m", "workloads.consolidate", str(target)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
 
 
 def _env() -> dict:

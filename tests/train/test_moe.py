@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.helpers import read_metrics, run_trainer, tiny_config, write_config
+from tests.support.tiny_models import tiny_mixtral_config
+from tests.train.helpers import read_metrics, run_trainer, tensor_layout, tiny_config, write_config
 from workloads import checkpoint as ckpt
 from workloads.train_config import ParallelismError, TrainConfig, check_parallelism
 
@@ -110,23 +111,10 @@ def test_recipe_builds_the_grouped_model_or_the_hf_model():
 
 # ------------------------------------------------------------------------------------------- the model itself
 def _tiny_hf_config(**overrides):
-    from transformers import MixtralConfig
-
     values = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        architectures=["MixtralForCausalLM"],
+        vocab_size=512, max_position_embeddings=64, tie_word_embeddings=False, architectures=["MixtralForCausalLM"]
     )
-    values.update(overrides)
-    return MixtralConfig(**values)
+    return tiny_mixtral_config(**{**values, **overrides})
 
 
 @pytest.fixture
@@ -304,20 +292,8 @@ def test_two_gloo_ranks_match_one_process(moe_runs, name):
         assert curve2[key] == pytest.approx(value, rel=2e-4, abs=1e-5), key
     # The same checkpoint as one process writes: Mixtral's tensor names, shapes and dtypes.
     (mine,), (theirs,) = ckpt.list_checkpoints(two_dir), ckpt.list_checkpoints(one_dir)
-    assert _tensors(mine.path) == _tensors(theirs.path)
+    assert tensor_layout(mine.path) == tensor_layout(theirs.path)
     assert ckpt.verify_manifest(mine.path) == []
-
-
-def _tensors(path: Path) -> dict[str, tuple]:
-    from safetensors import safe_open
-
-    found = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as fh:
-            for key in fh.keys():
-                tensor = fh.get_slice(key)
-                found[key] = (tuple(tensor.get_shape()), tensor.get_dtype())
-    return found
 
 
 @pytest.mark.slow
@@ -333,7 +309,7 @@ def test_grouped_checkpoint_is_a_transformers_mixtral_with_the_training_models_l
     saved = json.loads((info.path / "config.json").read_text())
     assert saved["architectures"] == ["MixtralForCausalLM"] and saved["num_local_experts"] == 4
     assert not {"scoring_func", "use_qk_norm"} & set(saved)  # the plain Mixtral config, nothing of MiniMax
-    names = set(_tensors(info.path))
+    names = set(tensor_layout(info.path))
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in names
     assert "model.layers.1.block_sparse_moe.gate.weight" in names
 
