@@ -6,9 +6,6 @@ demo printed only the worker log's path. Now the demo generates a key (mode 0600
 on the local Slurm: flow run, tokenization array, training, validation and the server each a Slurm job,
 the smoke test sending the key.
 
-The one setting a newcomer would not have: NEMOFLOW_DEMO_STEPS=20 (`nemoflow demo --steps`), half the demo's
-training, to keep the suite short; the line itself is the README's.
-
 Isolation from the other users of this machine: a private HOME (so ~/.nemoflow, ~/.prefect and the
 profile are the test's own) and PREFECT_API_URL naming a free local port (the demo starts its Prefect
 server there); `nemoflow demo --down` afterwards. The endpoint uses the demo's port 8000, as printed.
@@ -73,9 +70,6 @@ def newcomer_env(tmp_path):
         PATH=f"{VENV_BIN}:{env.get('PATH', '/usr/bin:/bin')}",
         PYTHONPATH=str(REPO),  # this checkout's code in every process and Slurm job
         PREFECT_API_URL=f"http://127.0.0.1:{free_port()}/api",  # a free port for the demo's own server
-        # 20 training steps, not 40: one CPU trains on this lane (prefect.yaml's slurm deployment) and the
-        # suite's longest test was the training half of this one; 20 still pass the validation gate.
-        NEMOFLOW_DEMO_STEPS="20",
     )
     yield env
     down = subprocess.run(
@@ -97,8 +91,7 @@ def test_demo_on_slurm_generates_a_key_and_completes(newcomer_env):
     )
     assert proc.returncode == 0, out[-6000:] + "\nworker log:\n" + worker_log
     print(f"`{COMMAND}` took {took:.0f} s")
-    assert "a shorter demo: 20 training steps instead of 40" in out
-    assert re.search(r"^training:\s+20 steps, ", out, re.M), out[-3000:]  # the setting reached the trainer
+    assert re.search(r"^training:\s+40 steps, ", out, re.M), out[-3000:]  # the demo's own training, as printed
 
     # The key: generated once, the owner's alone, named in the summary with how to send it, never printed.
     key_file = os.path.join(env["HOME"], ".nemoflow", "serve-api-key")
