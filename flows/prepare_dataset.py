@@ -20,6 +20,8 @@ from prefect import flow
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from infra import storage
+from infra.configs.fetch import FetchOptions
+from infra.configs.tokenizer import SENTENCEPIECE_TYPES, TOKENIZER_TYPES, TokenizerConfig
 from infra.executors import Executor, default_executor
 from infra.jobs import ImageRef
 from infra.secrets import CredentialFree
@@ -43,7 +45,6 @@ from tasks.data import (
     write_fetch_plan,
 )
 from tasks.refs import DatasetRef, TokenizerRef
-from workloads.fetch_array import FetchOptions
 from workloads.jsonl import MAX_LINE_BYTES
 from workloads.shard_manifest import index_manifest, read_progress
 from workloads.shards import group
@@ -60,8 +61,6 @@ def default_tokenizer_model() -> str:
 
 def _check_tokenizer(config) -> None:
     """Unknown type or missing file: fail before any download (loading it would cost seconds)."""
-    from workloads.tokenizers import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
-
     if config.type not in TOKENIZER_TYPES:
         raise ValueError(f"unknown tokenizer type {config.type!r}; supported: {', '.join(TOKENIZER_TYPES)}")
     required = {"GPT2BPETokenizer": ("vocab_file", "merge_file")}.get(
@@ -140,8 +139,6 @@ class PrepareConfig(BaseModel):
 
         ``materialize=False`` (``nemoflow render``): name the demo corpus without writing it.
         """
-        from workloads.tokenize import TokenizerConfig
-
         update: dict = {}
         if self.sources is None:
             from workloads.demo_data import write_slimpajama_layout

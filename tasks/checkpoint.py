@@ -22,11 +22,11 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
 from infra import storage
+from infra.configs.train import parse_blend
 from infra.executors import Executor
 from infra.jobs import ImageRef, JobSpec, Resources, workload_job
 from tasks.common import cache_policy, logger, run_job, transient_only
 from tasks.refs import CheckpointRef, DatasetRef
-from workloads.train_config import parse_blend
 
 DEFAULT_RESOURCES = Resources(cpus_per_task=2, time="01:00:00")
 

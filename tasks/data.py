@@ -55,12 +55,13 @@ from prefect.cache_policies import INPUTS, NO_CACHE
 from pydantic import BaseModel, Field
 
 from infra import storage
+from infra.configs.fetch import FetchOptions
 from infra.executors import Executor
 from infra.jobs import ImageRef, JobFailed, JobSpec, Resources, workload_job
 from infra.settings import get_settings
 from tasks.common import CodeVersion, cache_policy, code_fingerprint, logger, run_job, transient_only
 from tasks.refs import DatasetRef, TokenizerRef
-from workloads.fetch_array import FetchOptions, FetchPlan
+from workloads.fetch_array import FetchPlan
 from workloads.jsonl import MAX_LINE_BYTES
 from workloads.shard_manifest import (
     ShardEntry,

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from infra import registry as reg
 from infra import storage
+from infra.configs.train import parse_blend
 from infra.executors import Executor, as_executor, get_backend
 from infra.jobs import ImageRef, JobSpec, Resources, ServiceInfo, workload_job
 from infra.settings import SERVE_API_KEY_ENV
@@ -34,7 +35,6 @@ from tasks.refs import CheckpointRef, EndpointRef
 from tasks.serve import build_serve_spec, local_checkpoint, service_name
 from tasks.smoke import smoke_test
 from workloads.serve_engines import ServeEngineConfig
-from workloads.train_config import parse_blend
 
 _GLOB = re.compile(r"[*?\[]")
 DEFAULT_RESOURCES = Resources(cpus_per_task=2, time="01:00:00")

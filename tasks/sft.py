@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infra import registry as reg
 from infra import secrets, storage
+from infra.configs.sft import SftConfig
 from infra.executors import Executor
 from infra.jobs import ImageRef
 from infra.secrets import CredentialFree
@@ -52,7 +53,6 @@ from tasks.train_engines.automodel import (
     write_sft_config,
 )
 from workloads import chat_data
-from workloads.sft import SftConfig
 
 
 class ChatDataConfig(BaseModel):

@@ -20,12 +20,12 @@ from prefect import task
 from prefect.cache_policies import INPUTS, CachePolicy
 
 from infra import storage
+from infra.configs.train import TrainConfig
 from infra.executors import Executor
 from infra.jobs import ImageRef
 from tasks.common import code_fingerprint, logger, run_job, transient_only
 from tasks.refs import CheckpointRef, DatasetRef
 from tasks.train_engines import PretrainEngine, TrainEngine, TrainInputs, as_engine
-from workloads.train_config import TrainConfig
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workloads.train_config import parse_blend
+from infra.configs.train import parse_blend
 
 
 class DatasetMissingError(FileNotFoundError):

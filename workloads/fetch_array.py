@@ -43,6 +43,7 @@ import orjson
 from pydantic import BaseModel, Field
 
 from infra import storage
+from infra.configs.fetch import FetchOptions
 from infra.jobs import ExitCode
 from infra.settings import redact
 from workloads.array_task import read_array_task
@@ -60,13 +61,6 @@ from workloads.throttle import DEFAULT_COOLDOWN_S, HostThrottle
 _HTTP_STATUS = re.compile(r"\bHTTP (\d{3})\b")
 PROGRESS_EVERY_S = 30.0
 NOISY_SHARDS = 20
-
-
-class FetchOptions(BaseModel):
-    threads: int = Field(4, ge=1, description="shards in flight per array task")
-    requests_per_second: float | None = Field(None, gt=0, description="for the whole job; each task gets 1/tasks")
-    delete_compressed: bool = False
-    revalidate: bool = Field(False, description="probe HTTP(S) sources again instead of trusting their record")
 
 
 class FetchItem(BaseModel):

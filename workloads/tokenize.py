@@ -57,15 +57,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import BaseModel
 
+from infra.configs.tokenizer import TOKENIZER_TYPES, TokenizerConfig
 from workloads.indexed_dataset import DType, IndexedDatasetWriter, bin_path, idx_path
 from workloads.jsonl import MAX_LINE_BYTES, InputError, iter_line_batches, parse_line
-from workloads.tokenizers import (
-    TOKENIZER_TYPES,
-    Tokenizer,
-    TokenizerConfig,
-    TokenizerError,
-    load_tokenizer,
-)
+from workloads.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 
 __all__ = [
     "InputError",

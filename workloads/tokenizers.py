@@ -29,7 +29,6 @@ it differs from sentencepiece on ~46% of real documents.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -37,13 +36,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+
+from infra.configs.tokenizer import HF_TYPES, SENTENCEPIECE_TYPES, TOKENIZER_TYPES, TokenizerConfig
 
 log = logging.getLogger("nemoflow.tokenize")
 
-SENTENCEPIECE_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer")
-HF_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer")
-TOKENIZER_TYPES = SENTENCEPIECE_TYPES + HF_TYPES
 
 # Texts on which a fast implementation most often drifts from the reference.
 PROBE_TEXTS = [
@@ -73,63 +70,6 @@ PROBE_TEXTS = [
 
 class TokenizerError(ValueError):
     """The tokenizer cannot be built; the message names the type or file."""
-
-
-class TokenizerConfig(BaseModel):
-    """What ``--tokenizer-type/--tokenizer-model/--vocab-file/--merge-file`` say."""
-
-    model_config = ConfigDict(frozen=True)
-
-    type: str
-    model: str | None = None
-    vocab_file: str | None = None
-    merge_file: str | None = None
-    # Use the verified gigatoken twin when there is one (ids are identical either way).
-    fast: bool = True
-
-    def files(self) -> list[Path]:
-        """The local files whose content defines the tokenizer (empty for a hub id)."""
-        out: list[Path] = []
-        for value in (self.model, self.vocab_file, self.merge_file):
-            if not value:
-                continue
-            path = Path(value).expanduser()
-            if path.is_dir():
-                out.extend(sorted(p for p in path.rglob("*") if p.is_file()))
-            elif path.exists():
-                out.append(path)
-        return out
-
-    def fingerprint(self) -> str:
-        """sha256 over the type and the content of every tokenizer file: the cache key.
-
-        Paths do not enter it (the same files elsewhere give the same key); a hub
-        model id that is not a local path enters by name.
-        """
-        digest = hashlib.sha256()
-        digest.update(f"type={self.type}\n".encode())
-        for role, value in (("model", self.model), ("vocab", self.vocab_file), ("merges", self.merge_file)):
-            if not value:
-                continue
-            path = Path(value).expanduser()
-            if path.is_dir():
-                for file in sorted(p for p in path.rglob("*") if p.is_file()):
-                    digest.update(f"{role}:{file.relative_to(path).as_posix()}\n".encode())
-                    digest.update(_file_digest(file))
-            elif path.exists():
-                digest.update(f"{role}:\n".encode())
-                digest.update(_file_digest(path))
-            else:
-                digest.update(f"{role}=hub:{value}\n".encode())
-        return digest.hexdigest()
-
-
-def _file_digest(path: Path) -> bytes:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while block := fh.read(8 << 20):
-            digest.update(block)
-    return digest.digest()
 
 
 def _flatten(ids: Sequence[Sequence[int]], dtype=np.int64) -> tuple[np.ndarray, np.ndarray]:

@@ -5,7 +5,7 @@
     srun python -m torch.distributed.run --nnodes $N --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint $HEAD:29500 -m workloads.train --config run.json   # one srun task per node
 
-``run.json`` is a :class:`workloads.train_config.TrainConfig` (NeMo names; an unknown
+``run.json`` is a :class:`infra.configs.train.TrainConfig` (NeMo names; an unknown
 key is an error naming it). :func:`recipe_config` maps it onto NeMo AutoModel's
 pretraining recipe (``TrainFinetuneRecipeForNextTokenPrediction``): the model is a
 Hugging Face ``LlamaForCausalLM`` / ``MixtralForCausalLM`` built from its config (or
@@ -68,17 +68,9 @@ from pathlib import Path
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 from infra import failpoints, storage  # noqa: E402 - after the warnings filter
-from workloads import checkpoint as ckpt  # noqa: E402 - see above
-from workloads import staging  # noqa: E402 - see above
-from workloads.data_loader import (  # noqa: E402 - see above
-    DatasetMissingError,
-    SentencePieceInfo,
-    check_prefixes,
-    check_splits,
-)
-from workloads.moe import backend_config as moe_backend_config  # noqa: E402 - see above
-from workloads.moe import resolve_moe_impl  # noqa: E402 - see above
-from workloads.train_config import (  # noqa: E402 - see above
+from infra.configs.moe import backend_config as moe_backend_config  # noqa: E402 - see above
+from infra.configs.moe import resolve_moe_impl  # noqa: E402 - see above
+from infra.configs.train import (  # noqa: E402 - see above
     EXIT_BAD_CONFIG,
     EXIT_OUT_OF_MEMORY,
     EXIT_PREEMPTED,
@@ -89,6 +81,14 @@ from workloads.train_config import (  # noqa: E402 - see above
     load_train_config,
     parse_blend,
     resolve_strategy,
+)
+from workloads import checkpoint as ckpt  # noqa: E402 - see above
+from workloads import staging  # noqa: E402 - see above
+from workloads.data_loader import (  # noqa: E402 - see above
+    DatasetMissingError,
+    SentencePieceInfo,
+    check_prefixes,
+    check_splits,
 )
 
 MIXED_PRECISION = "torch.distributed.fsdp.MixedPrecisionPolicy"
@@ -879,7 +879,7 @@ def train(config: TrainConfig) -> int:
     check_launch(config, world_size, cuda, torch.cuda.device_count())
     plan = check_parallelism(config, on_cpu=not cuda, world_size=world_size)
     if cuda:
-        from workloads.memory_plan import check_memory
+        from infra.configs.memory_plan import check_memory
 
         check_memory(config, world_size=world_size)  # against gpu_memory_gib when the config states it
     mirror = run_mirror(config)

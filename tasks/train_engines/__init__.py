@@ -50,7 +50,7 @@ _ADAPTERS = {name: TypeAdapter(union) for name, union in (("pretrain", PretrainE
 
 def as_engine(value: Any, stage: str) -> TrainEngine:
     """An engine of ``stage`` ("pretrain" or "sft") from an engine, a mapping or a plain options model (a
-    :class:`~workloads.train_config.TrainConfig` handed to ``pretrain`` is the AutoModel engine's options)."""
+    :class:`~infra.configs.train.TrainConfig` handed to ``pretrain`` is the AutoModel engine's options)."""
     if isinstance(value, TrainEngine):
         return value
     if hasattr(value, "model_dump"):

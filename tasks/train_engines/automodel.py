@@ -5,12 +5,12 @@
 One engine, one option set per stage, each a value with the training engines' interface
 (:mod:`tasks.train_engines.base`):
 
-- :class:`AutoModel` pretraining (end-to-end): :class:`workloads.train_config.TrainConfig`, the NeMo-named
+- :class:`AutoModel` pretraining (end-to-end): :class:`infra.configs.train.TrainConfig`, the NeMo-named
   fields ``python -m workloads.train`` reads; the parallelism arithmetic and the memory plan are checked
   before launch, the result is the best checkpoint by validation loss, with loss-curve artifacts;
 - :class:`AutoModelCpt` a CPT refresh: the budget and schedule; the model's shape is the promoted
   checkpoint's, read from its config.json (:func:`cpt_train_config` makes the run's :class:`AutoModel`);
-- :class:`AutoModelSft` fine-tuning (sft): :class:`workloads.sft.SftConfig` for ``python -m workloads.sft``.
+- :class:`AutoModelSft` fine-tuning (sft): :class:`infra.configs.sft.SftConfig` for ``python -m workloads.sft``.
 
 The run directory is derived from the inputs, so a retry (or a pre-empted job, exit 76) starts the trainer
 on the same directory and it resumes from its latest checkpoint.
@@ -28,17 +28,17 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import Field, model_validator
 
 from infra import storage
+from infra.configs.sft import SftConfig
+from infra.configs.train import TrainConfig, check_parallelism, parse_blend
 from infra.jobs import ImageRef, JobSpec, Resources, workload_job
 from infra.settings import get_settings
 from tasks.refs import ChatDataRef, CheckpointRef, DatasetRef
 from tasks.train_engines.base import RunJob, TrainEngine, TrainInputs, launcher_resources
-from workloads.sft import SftConfig
-from workloads.train_config import TrainConfig, check_parallelism, parse_blend
 
 TRAIN_MODULES = (
     "workloads.train",
     "workloads.automodel_shim",
-    "workloads.train_config",
+    "infra.configs.train",
     "workloads.checkpoint",
     "workloads.data_loader",
     "workloads.staging",
@@ -46,6 +46,7 @@ TRAIN_MODULES = (
 )
 SFT_MODULES = (
     "workloads.sft",
+    "infra.configs.sft",
     "workloads.chat_data",
     "workloads.checkpoint",
     "workloads.automodel_shim",
@@ -74,7 +75,7 @@ class AutoModel(TrainConfig, TrainEngine):
         return with_dataset(config, inputs.dataset)
 
     def check(self, executor=None) -> str:
-        from workloads.memory_plan import check_memory, executor_gpu_memory_gib
+        from infra.configs.memory_plan import check_memory, executor_gpu_memory_gib
 
         plan = check_parallelism(self)
         check_memory(self, executor_gpu_memory_gib(executor))
@@ -132,7 +133,7 @@ class AutoModel(TrainConfig, TrainEngine):
     def memory_plan(self, executor=None) -> str | None:
         if not self.gpus_per_node:
             return None
-        from workloads.memory_plan import executor_gpu_memory_gib, plan_memory
+        from infra.configs.memory_plan import executor_gpu_memory_gib, plan_memory
 
         memory = self.gpu_memory_gib or executor_gpu_memory_gib(executor)
         plan = plan_memory(self, gpu_memory_gib=memory)

@@ -61,11 +61,11 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infra import storage
+from infra.configs.train import parse_blend
 from infra.jobs import ImageRef, JobSpec, Resources, workload_job
 from infra.settings import get_settings
 from tasks.refs import ChatDataRef, CheckpointRef, DatasetRef
 from tasks.train_engines.base import RunJob, TrainEngine, TrainInputs, launcher_resources
-from workloads.train_config import parse_blend
 
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 # Step numbers in the checkpoint directory names of the engines people use (first match wins).

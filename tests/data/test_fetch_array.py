@@ -16,12 +16,13 @@ import zstandard
 
 from infra import storage
 from infra.backends.local import LocalBackend
+from infra.configs.fetch import FetchOptions
 from infra.jobs import JobState
 from infra.sources import expand_sources
 from tasks.data import build_fetch_job, write_fetch_plan, write_json_streaming
 from tasks.data import check_shards as check_names
 from tests.support.fault_server import Fault, FaultServer
-from workloads.fetch_array import FetchOptions, FetchPlan, run_task
+from workloads.fetch_array import FetchPlan, run_task
 from workloads.shard_manifest import (
     FLUSH_LINES,
     Journal,

@@ -2,6 +2,7 @@
 
     workloads/  code that runs inside jobs          -> infra only (and the standard/third-party libraries)
     infra/      talks to the outside                -> workloads (job formats), not the pipeline above it
+    infra/configs/  the config models all of them share -> infra only, and no torch (flows import them)
     tasks/      the stages                          -> infra, workloads
     flows/      chain stages                        -> tasks, infra, workloads
     nemoflow/   the CLI                             -> anything
@@ -27,6 +28,12 @@ FORBIDDEN = {
     "flows": {"nemoflow", "devtools"},
     "devtools": {"tasks", "flows", "nemoflow"},
 }
+
+# infra/configs/ sits below workloads/: the job imports the models from there, so they import no job code
+CONFIGS = "infra.configs"
+CONFIGS_FORBIDDEN = {"workloads"}
+# ... and no training or tokenizer stack: a flow or the CLI imports a config without loading one
+HEAVY_MODULES = ("torch", "transformers", "nemo_automodel", "megatron", "numpy", "sentencepiece")
 
 ENTRY_POINT = "runs as a job entry point (python -m): job code lives in workloads/"
 
@@ -150,6 +157,8 @@ def layer_violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
     for importer, targets in graph.items():
         forbidden = FORBIDDEN.get(importer.split(".")[0], set())
         bad |= {(importer, target) for target in targets if target.split(".")[0] in forbidden}
+        if importer == CONFIGS or importer.startswith(CONFIGS + "."):
+            bad |= {(importer, target) for target in targets if target.split(".")[0] in CONFIGS_FORBIDDEN}
     modules = first_party_modules()
     bad |= {(module, ENTRY_POINT) for module in job_entry_points(modules) if not module.startswith("workloads.")}
     return bad
@@ -191,3 +200,32 @@ def test_known_violations_still_exist():
     """An allowlisted violation that was fixed must leave KNOWN_VIOLATIONS (so it cannot come back unseen)."""
     gone = sorted(KNOWN_VIOLATIONS - layer_violations(import_graph()))
     assert gone == [], "fixed, remove from KNOWN_VIOLATIONS: " + ", ".join(f"{a} -> {b}" for a, b in gone)
+
+
+def test_config_models_import_no_job_code():
+    """A config model imported from workloads/ by infra/configs/ is found (the rule can fail)."""
+    assert ("infra.configs.train", "workloads.moe_model") in layer_violations(
+        {"infra.configs.train": {"workloads.moe_model", "infra.jobs"}}
+    )
+    assert "infra.configs.moe" in import_graph()["infra.configs.train"]
+
+
+def test_config_models_load_no_training_stack():
+    """Importing every shared config model (and running a check of each kind) loads no torch, numpy, ..."""
+    import subprocess
+    import sys
+
+    names = sorted(name for name in first_party_modules() if name.startswith(CONFIGS + "."))
+    assert {"infra.configs.train", "infra.configs.sft", "infra.configs.memory_plan"} <= set(names)
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}: importlib.import_module(name)\n"
+        "from infra.configs.train import TrainConfig, check_parallelism\n"
+        "from infra.configs.memory_plan import plan_memory\n"
+        "config = TrainConfig(max_steps=1)\n"
+        "check_parallelism(config)\n"
+        "plan_memory(config, gpu_memory_gib=80.0)\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY_MODULES!r})))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -181,8 +181,8 @@ def test_server_killed_while_starting_is_retried(prefect_server, work_dir, tmp_p
 def test_invalid_value_is_not_retried(prefect_server, tmp_path):
     from prefect import task
 
+    from infra.configs.train import TrainConfig
     from tasks.common import transient_only
-    from workloads.train_config import TrainConfig
 
     counter = tmp_path / "attempts"
 

@@ -26,8 +26,8 @@ TINY = {k: v for k, v in TINY_TRAIN.items() if k != "lr"} | dict(
 def security_pipeline(sources: list[CredentialFree]) -> dict:
     """prepare-dataset from ``sources`` (credentials by reference), then a two-step pretrain on it."""
     from flows.prepare_dataset import PrepareConfig, prepare_dataset
+    from infra.configs.train import TrainConfig
     from tasks.train import pretrain
-    from workloads.train_config import TrainConfig
 
     dataset = prepare_dataset(PrepareConfig(name="signed", sources=sources, shards_per_file=1, workers=1))
     checkpoint = pretrain(TrainConfig(**TINY), dataset)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workloads.train_config import (
+from infra.configs.train import (
     ParallelismError,
     TrainConfig,
     check_parallelism,

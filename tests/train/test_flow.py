@@ -29,9 +29,9 @@ def test_pretrain_then_validate_flow(prefect_server, work_dir, train_dataset, tm
     from prefect import flow
     from prefect.client.orchestration import get_client
 
+    from infra.configs.train import TrainConfig
     from tasks.checkpoint import CheckpointValidationFailed, validate_checkpoint
     from tasks.train import pretrain
-    from workloads.train_config import TrainConfig
 
     dataset = _dataset_ref(train_dataset, tmp_path)
     # No run_dir, no data_prefix: the task derives both (from the work dir and the dataset).
@@ -90,8 +90,8 @@ def test_pretrain_then_validate_flow(prefect_server, work_dir, train_dataset, tm
 
 
 def test_invalid_config_fails_before_any_job(work_dir, train_dataset, tmp_path):
+    from infra.configs.train import ParallelismError, TrainConfig
     from tasks.train import pretrain
-    from workloads.train_config import ParallelismError, TrainConfig
 
     dataset = _dataset_ref(train_dataset, tmp_path)
     config = TrainConfig(**tiny_config(train_dataset, tmp_path / "run", global_batch_size=6, micro_batch_size=4))

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from infra import failpoints
+from infra.configs.train import EXIT_PREEMPTED
 from tests.train.helpers import REPO, deterministic_part, tiny_config, trainer_env
 from workloads import checkpoint as ckpt
-from workloads.train_config import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Transformer Engine and Apex")
 
@@ -118,8 +118,8 @@ def test_gs_run_dir_preempted_on_one_node_resumes_on_another(gcs_bucket, tmp_pat
 
 
 def test_gs_run_dir_needs_one_node(tmp_path):
+    from infra.configs.train import TrainConfig
     from workloads.train import run_mirror
-    from workloads.train_config import TrainConfig
 
     data = {"blend": [1.0, "gs://b/data/x_text_document"], "tokenizer_model": "gs://b/data/tokenizer.model"}
     one = TrainConfig(**tiny_config(data, "gs://b/runs/one"))

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from infra.configs.train import ParallelismError, TrainConfig, check_parallelism
 from tests.support.tiny_models import tiny_mixtral_config
 from tests.train.helpers import read_metrics, run_trainer, tensor_layout, tiny_config, write_config
 from workloads import checkpoint as ckpt
-from workloads.train_config import ParallelismError, TrainConfig, check_parallelism
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Transformer Engine and Apex")
 
@@ -131,8 +131,8 @@ def _grouped_model(config, aux_loss_coeff: float = 0.0):
     import torch
     from nemo_automodel.components.models.common import BackendConfig
 
+    from infra.configs.moe import backend_config
     from workloads import moe_model
-    from workloads.moe import backend_config
 
     config.torch_dtype = torch.float32
     model = moe_model.MixtralForCausalLM(

@@ -1,7 +1,7 @@
 """The seed's Mixtral-8x7B on a cluster preset: layout, memory per GPU, and a refusal with the arithmetic.
 
 ``nemoflow render`` builds the pretrain job as the stage submits it (Slurm preset hcc-a3m: 8 x H100 80GB a
-node; Kubernetes with GPU node labels) and states the layout's memory per GPU (workloads/memory_plan.py);
+node; Kubernetes with GPU node labels) and states the layout's memory per GPU (infra/configs/memory_plan.py);
 a layout that does not fit is refused before anything is written, naming what would fit.
 """
 
@@ -12,9 +12,9 @@ import re
 import pytest
 import yaml
 
+from infra.configs.memory_plan import GIB, RESERVE_GIB, executor_gpu_memory_gib, plan_memory
+from infra.configs.train import TrainConfig
 from nemoflow.cli import main as cli
-from workloads.memory_plan import GIB, RESERVE_GIB, executor_gpu_memory_gib, plan_memory
-from workloads.train_config import TrainConfig
 
 # Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json) at the seed's sequence length.
 MIXTRAL_8X7B = dict(

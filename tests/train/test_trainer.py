@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from infra import failpoints
+from infra.configs.train import EXIT_OUT_OF_MEMORY, EXIT_PREEMPTED
 from tests.support import fault_ledger
 from tests.train.helpers import (
     REPO,
@@ -25,7 +26,6 @@ from tests.train.helpers import (
     write_config,
 )
 from workloads import checkpoint as ckpt
-from workloads.train_config import EXIT_OUT_OF_MEMORY, EXIT_PREEMPTED
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Transformer Engine and Apex")
 
@@ -199,9 +199,9 @@ def test_out_of_memory_exits_75_and_backend_reports_it(tmp_path, train_dataset):
 
     BACKEND_OOM = ExitCode.OUT_OF_MEMORY
     from infra.backends.local import LocalBackend
+    from infra.configs.train import TrainConfig
     from infra.jobs import JobState
     from tasks.train_engines.automodel import build_train_job, write_config
-    from workloads.train_config import TrainConfig
 
     assert EXIT_OUT_OF_MEMORY == BACKEND_OOM
     config = TrainConfig(**tiny_config(train_dataset, tmp_path / "run", micro_batch_size=2))

@@ -31,10 +31,10 @@ def test_pretrain_writes_an_offline_wandb_run_with_config_and_metrics(
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
+    from infra.configs.train import TrainConfig
     from infra.settings import reload_settings
     from tasks.train import pretrain
     from tests.support.tiny import TINY_TRAIN
-    from workloads.train_config import TrainConfig
 
     monkeypatch.setenv("WANDB_API_KEY", SENTINEL_KEY)
     monkeypatch.setenv("WANDB_MODE", "offline")

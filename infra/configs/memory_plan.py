@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workloads.train_config import ParallelismError, TrainConfig, resolve_strategy
+from infra.configs.train import ParallelismError, TrainConfig, resolve_strategy
 
 GIB = 2**30
 RESERVE_GIB = 2.0

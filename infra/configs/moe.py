@@ -6,7 +6,7 @@
   experts as ``torch._grouped_mm`` over tokens sorted by expert, expert parallelism
   (``expert_model_parallel_size``), checkpoints in the Hugging Face Mixtral layout;
 * ``hf``: transformers' ``MixtralForCausalLM`` as it is (``force_hf``), sharded by FSDP2: its experts run
-  one after another, it has no expert parallelism and it does not compile (see train_config._engine_limits).
+  one after another, it has no expert parallelism and it does not compile (see train._engine_limits).
 """
 
 from __future__ import annotations
