@@ -10,7 +10,8 @@ the help shows the model's default. The option's own default is "not given"
 user typed, so every default lives in the model and nowhere else. Mapping:
 
 - ``bool``: ``--flag`` / ``--no-flag``;
-- ``list[X]``: ``nargs="+"`` of X; ``X | list[X]``: the same, and one value stays a scalar X;
+- ``list[X]``: ``nargs="+"`` of X (``Option(repeat=True)``: the flag once per value, ``--mount A --mount B``);
+  ``X | list[X]``: ``nargs="+"``, and one value stays a scalar X;
 - ``Literal[...]`` and enums: ``choices``;
 - ``int``, ``float``, ``str`` (and ``X | None`` of them): typed values;
 - a nested model: its fields flattened under the field's name (``tokenizer.type`` ->
@@ -53,7 +54,8 @@ class Option:
 
     ``flag``: the option name (``--vocab-file``); ``help``: used when the field has no
     description; ``choices`` and ``convert`` (the parsed string -> the field's value)
-    map a field the generator cannot map by itself.
+    map a field the generator cannot map by itself; ``repeat``: a list field given as
+    the flag once per value (argparse's ``append``) instead of values after one flag.
     """
 
     flag: str | None = None
@@ -61,6 +63,7 @@ class Option:
     choices: tuple[str, ...] | None = None
     convert: Callable[[str], Any] | None = None
     metavar: str | None = None
+    repeat: bool = False
 
 
 @dataclasses.dataclass
@@ -143,7 +146,7 @@ def _show(value: Any, flag: str, is_bool: bool) -> str | None:
     if isinstance(value, enum.Enum):
         value = value.value
     if isinstance(value, list | tuple):
-        return " ".join(str(v) for v in value)
+        return " ".join(str(v) for v in value) or None  # an empty list: nothing to show
     return str(value)
 
 
@@ -213,7 +216,7 @@ class ModelOptions:
         elif (scalar := _scalar_kwargs(annotation)) is not None:
             kwargs.update(scalar)
         elif (item := _list_item(annotation)) is not None and (scalar := _scalar_kwargs(item)) is not None:
-            kwargs.update(scalar, nargs="+")
+            kwargs.update(scalar, **({"action": "append"} if override.repeat else {"nargs": "+"}))
         elif (one_or_many := _scalar_or_list(annotation)) is not None:
             kwargs.update(one_or_many, nargs="+")
             mapped.scalar_if_one = True
@@ -222,10 +225,14 @@ class ModelOptions:
                 f"{self.model.__name__}.{key} ({info.annotation}) cannot be one command-line option: "
                 "add it to exclude, or give it an Option with choices/convert"
             )
+        if override.repeat and kwargs.get("action") != "append":
+            raise TypeError(f"{self.model.__name__}.{key} ({info.annotation}) is not a list: it cannot repeat")
         if not is_bool and "choices" not in kwargs:
             kwargs["metavar"] = override.metavar or flag.removeprefix("--").replace("-", "_").upper()
         elif override.metavar:
             kwargs["metavar"] = override.metavar
+        if override.repeat:
+            help_text = f"{help_text} (repeatable)" if help_text else "repeatable"
         shown = _show(default, flag, is_bool)
         if info.is_required():
             kwargs["required"] = True

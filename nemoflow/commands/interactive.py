@@ -34,15 +34,7 @@ def register(sub) -> None:
     )
     p.add_argument("--backend", choices=["slurm", "k8s"], default=None, help="default: NEMOFLOW_EXECUTOR, else slurm")
     p.add_argument("--preset", help="cluster type (infra/slurm/options.py PRESETS): partition, GPUs, NCCL env")
-    p.add_argument("--partition")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus", type=int, default=None, help="GPUs per node (default: the preset's, else 0)")
-    p.add_argument("--cpus", type=int, default=None, help="CPUs per task")
-    p.add_argument("--mem")
-    p.add_argument("--time", default="01:00:00", help="time limit, sbatch syntax (default 01:00:00)")
-    p.add_argument("--image", help="container image: a .sqsh / docker:// reference (Slurm, pyxis) or the pod's image")
-    p.add_argument("--mount", action="append", default=[], help="extra container mount src:dst[:ro] (repeatable)")
-    p.add_argument("--shell", default="bash")
+    request_options().add_to(p)  # --partition --nodes --gpus --cpus --mem --time --image --mount --shell
     p.add_argument("--keep", action="store_true", help="keep the allocation after the shell exits (release it later)")
     p.add_argument("--no-shell", action="store_true", help="only allocate (print the job id); attach later")
     p.add_argument("--kubeconfig", help="Kubernetes: kubeconfig file (default: in-cluster, then ~/.kube/config)")
@@ -93,20 +85,24 @@ def _dev_pods(args):
     return DevPods(KubernetesBackend(kubeconfig=args.kubeconfig))
 
 
-def _request(args):
+def request_options():
+    """The session's options: the fields of :class:`~infra.interactive.InteractiveRequest`, in sbatch's short names."""
     from infra.interactive import InteractiveRequest
+    from nemoflow.options import ModelOptions, Option
 
-    return InteractiveRequest(
-        partition=args.partition,
-        nodes=args.nodes,
-        gpus_per_node=args.gpus,
-        cpus_per_task=args.cpus,
-        mem=args.mem,
-        time=args.time,
-        image=args.image,
-        mounts=args.mount,
-        shell=args.shell,
+    return ModelOptions(
+        InteractiveRequest,
+        exclude={"workdir"},
+        fields={
+            "gpus_per_node": Option("--gpus"),
+            "cpus_per_task": Option("--cpus", help="CPUs per task"),
+            "mounts": Option("--mount", repeat=True),
+        },
     )
+
+
+def _request(args):
+    return request_options().build(args)  # a bad value: OptionsError, one line naming the option
 
 
 def run_interactive(args) -> int:
@@ -120,10 +116,10 @@ def run_interactive(args) -> int:
         print(
             f"dev job {name} created in namespace {ns}: image {body['spec']['template']['spec']['containers'][0]['image']}, "
             f"workspace PVC {pods.backend.options.pvc_name} at {pods.backend.options.workspace_mount}; "
-            f"Kubernetes deletes it after {args.time}"
+            f"Kubernetes deletes it after {request.time}"
         )
         print(
-            f"  a shell:  kubectl exec -it -n {ns} $(kubectl get pods -n {ns} -l job-name={name} -o name) -- {args.shell}"
+            f"  a shell:  kubectl exec -it -n {ns} $(kubectl get pods -n {ns} -l job-name={name} -o name) -- {request.shell}"
         )
         print(f"            (or: nemoflow attach {name} --backend k8s)")
         print(f"  release:  nemoflow release {name} --backend k8s")
@@ -153,7 +149,7 @@ def run_interactive(args) -> int:
         signal.signal(sig, lambda *_: (release(), sys.exit(129)))
     try:
         status = subprocess.call(
-            interactive.attach_argv(job_id, session, args.shell), env=interactive.session_env(session)
+            interactive.attach_argv(job_id, session, request.shell), env=interactive.session_env(session)
         )
     finally:
         release()

@@ -33,15 +33,10 @@ def register(sub) -> None:
     parser.add_argument("--data", help="preference JSONL (prompt, chosen, rejected) on shared storage")
     parser.add_argument("--validation-data", help="held-out preference JSONL")
     parser.add_argument("--demo-data", action="store_true", help="write KJV preference pairs to <out>/prefs.jsonl")
-    parser.add_argument("--container", required=True, help="the NeMo-RL container: .sqsh or docker:// reference")
     parser.add_argument("--out", required=True, help="shared directory: the files, and each job's <job_id>/ output")
     parser.add_argument("--preset", help="cluster type: partition, GPUs per node, NCCL env (infra/slurm/options.py)")
-    parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus", type=int, help="GPUs per node (default: the preset's, else 8)")
-    parser.add_argument("--partition")
-    parser.add_argument("--account")
-    parser.add_argument("--time", default="04:00:00")
-    parser.add_argument("--mount", action="append", default=[], help="extra container mount src:dst[:ro]")
+    launch_options().add_to(parser)  # --nodes --partition --account --time --container --mount
     parser.add_argument("--max-steps", type=int, default=150)
     parser.add_argument("--global-batch-size", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=2)
@@ -50,6 +45,20 @@ def register(sub) -> None:
     parser.add_argument("--beta", type=float, default=0.05, help="reference_policy_kl_penalty (DPO's beta)")
     parser.add_argument("--wandb-project", help="log to W&B (WANDB_API_KEY from sbatch's environment)")
     parser.set_defaults(func=run)
+
+
+def launch_options():
+    """Where the job runs: the fields of :class:`~infra.nemo_rl.RayLaunch` a user sets."""
+    from infra import nemo_rl
+    from nemoflow.options import ModelOptions, Option
+
+    return ModelOptions(
+        nemo_rl.RayLaunch,
+        # the rest: GPUs and the output directory are --gpus and --out, the files' paths follow from --out
+        exclude={"job_name", "gpus_per_node", "qos", "out_dir", "config_path", "nemo_rl_dir", "ray_port"}
+        | {"ray_ready_timeout_s"},
+        fields={"mounts": Option("--mount", repeat=True)},
+    )
 
 
 def build(args) -> dict[str, str]:
@@ -73,6 +82,14 @@ def build(args) -> dict[str, str]:
     if not data:
         raise ValueError("--data (a preference JSONL) or --demo-data is required")
     gpus = args.gpus or (PRESETS[args.preset].gpus_per_node if args.preset else 8)
+    data_dirs = sorted({os.path.dirname(os.path.abspath(p)) for p in (data, args.validation_data) if p})
+    options = launch_options()
+    mounts = [*options.given(args).get("mounts", []), *(f"{d}:{d}:ro" for d in data_dirs if d != out)]
+    if os.path.isabs(args.model):
+        mounts.append(f"{args.model}:{args.model}:ro")
+    launch = options.build(
+        args, gpus_per_node=gpus, mounts=mounts, out_dir=out, config_path=os.path.join(out, "dpo.yaml")
+    )
     config = nemo_rl.DpoConfig(
         policy=nemo_rl.Policy(
             model_name=args.model,
@@ -94,27 +111,12 @@ def build(args) -> dict[str, str]:
             wandb_enabled=bool(args.wandb_project),
             wandb=nemo_rl.WandbSection(project=args.wandb_project or "nemoflow-dpo"),
         ),
-        cluster=nemo_rl.Cluster(gpus_per_node=gpus, num_nodes=args.nodes),
+        cluster=nemo_rl.Cluster(gpus_per_node=gpus, num_nodes=launch.nodes),
     ).to_nemo_rl()
     nemo_rl.check_config(config)
     files["dpo.yaml"] = (
         "# NeMo-RL DPO config, rendered by nemoflow (checked against NeMo-RL's schema)\n"
         + yaml.safe_dump(config, sort_keys=False)
-    )
-    data_dirs = sorted({os.path.dirname(os.path.abspath(p)) for p in (data, args.validation_data) if p})
-    mounts = [*args.mount, *(f"{d}:{d}:ro" for d in data_dirs if d != out)]
-    if os.path.isabs(args.model):
-        mounts.append(f"{args.model}:{args.model}:ro")
-    launch = nemo_rl.RayLaunch(
-        nodes=args.nodes,
-        gpus_per_node=gpus,
-        partition=args.partition,
-        account=args.account,
-        time=args.time,
-        container=args.container,
-        mounts=mounts,
-        out_dir=out,
-        config_path=os.path.join(out, "dpo.yaml"),
     )
     files["dpo.sbatch"] = nemo_rl.render_sbatch(launch, args.preset)
     return files

@@ -134,6 +134,23 @@ def test_an_option_with_convert_maps_a_union_of_models():
     assert options.build(parser.parse_args([])).run == LocalRun()
 
 
+class Mounts(BaseModel):
+    mounts: list[str] = Field(default_factory=list, description="extra mounts")
+    shell: str = "bash"
+
+
+def test_a_repeated_option_collects_one_value_per_flag():
+    options = ModelOptions(Mounts, fields={"mounts": Option("--mount", repeat=True)})
+    parser = parser_for(options)
+    text = " ".join(parser.format_help().split())
+    assert "--mount MOUNT extra mounts (repeatable) --shell" in text  # an empty default is not "(default: )"
+    args = parser.parse_args(["--mount", "/a:/a", "--mount", "/b:/b:ro"])
+    assert options.build(args).mounts == ["/a:/a", "/b:/b:ro"]
+    assert options.build(parser.parse_args([])) == Mounts()
+    with pytest.raises(TypeError, match=r"Mounts\.shell .*is not a list: it cannot repeat"):
+        ModelOptions(Mounts, fields={"shell": Option(repeat=True)}).add_to(argparse.ArgumentParser())
+
+
 def test_prepare_help_lists_every_prepareconfig_field_with_its_default():
     from flows.prepare_dataset import PrepareConfig
     from nemoflow.commands.prepare import config_options
