@@ -12,10 +12,11 @@ few minutes: the King James Bible, Mixtral's tokenizer, a 20M-parameter Llama.
 from __future__ import annotations
 
 import os
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 from uuid import UUID
 
-from prefect import flow
+from prefect import Task, flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -34,6 +35,33 @@ from tasks.sft import SftStageConfig, run_sft
 from tasks.smoke import DEFAULT_PROMPT, SEED_MAX_TOKENS, smoke_test
 from tasks.train import pretrain
 from tasks.train_engines import AutoModel, PretrainEngine, TrainEngine, over_default
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the pipeline: its name, the task (or subflow) that runs it, and the job or service it submits
+    under that name in ``nemoflow render`` (flows/plan.py builds it with the same task module's builder), if any."""
+
+    name: str
+    runs: Any
+    submits: str | None = None
+
+    def runner(self, results):
+        """What the flow calls: a task persisting its result in ``results``; a subflow as it is."""
+        return self.runs.with_options(result_storage=results) if isinstance(self.runs, Task) else self.runs
+
+
+# The pipeline, declared once: the flow below runs these in this order (and then registers the model, and
+# fine-tunes it when the config asks), `nemoflow render` writes the jobs they submit
+# (tests/foundation/test_end_to_end_plan.py checks the flow, the list and the plan agree).
+STAGES: tuple[Stage, ...] = (
+    Stage("stage-image", stage_image),
+    Stage("prepare-dataset", prepare_dataset, submits="tokenize"),
+    Stage("pretrain", pretrain, submits="pretrain"),
+    Stage("validate", validate_checkpoint, submits="validate"),
+    Stage("deploy", deploy_inference, submits="serve"),
+    Stage("smoke-test", smoke_test),
+)
 
 
 def demo_train_config() -> AutoModel:
@@ -168,16 +196,13 @@ def end_to_end(config: EndToEndConfig | None = None) -> dict:
     config = config or EndToEndConfig()
     executor = config.executor
     results = result_storage()  # every stage persists its (small) result where NEMOFLOW_RESULT_STORAGE says
-    stage_image_, pretrain_, validate_, deploy_, smoke_ = (
-        t.with_options(result_storage=results)
-        for t in (stage_image, pretrain, validate_checkpoint, deploy_inference, smoke_test)
-    )
+    stage_image_, prepare_dataset_, pretrain_, validate_, deploy_, smoke_ = (stage.runner(results) for stage in STAGES)
 
     # 1. the image every later stage runs in (locally: this Python environment, recorded)
     image = stage_image_(config.image.source, config.image.dest, executor, config.image.convert)
 
     # 2. the dataset: raw shards -> Megatron .bin/.idx + NeMo blend
-    dataset = prepare_dataset(config.data, executor, image)
+    dataset = prepare_dataset_(config.data, executor, image)
 
     # 3. pretraining on the blend
     checkpoint = pretrain_(config.train, dataset, image, executor)

@@ -1,5 +1,8 @@
 """The jobs and the server one end-to-end run submits, built by the stages' own builders.
 
+The stages and their order are the flow's own (flows/end_to_end.py ``STAGES``): each stage that submits a
+job or a service names it, and :data:`BUILDERS` builds it as that stage's task module does.
+
     for stage, spec in planned_specs(EndToEndConfig(executor="k8s")): ...
 
 ``nemoflow render`` writes these through the executor's backend
@@ -15,18 +18,21 @@ checkpoint is the run's last step.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
 
-from flows.end_to_end import EndToEndConfig, validation_resources
+from flows.end_to_end import STAGES, EndToEndConfig, validation_resources
 from infra import storage
 from infra.executors import get_backend
-from infra.jobs import JobSpec, ServiceSpec
+from infra.jobs import Backend, ImageRef, JobSpec, ServiceSpec
 from infra.sources import expand_sources
 from tasks.checkpoint import build_validate_job, report_path
 from tasks.data import build_tokenize_job
 from tasks.image import default_dest
-from tasks.refs import DatasetRef
+from tasks.refs import CheckpointRef, DatasetRef
 from tasks.serve import build_serve_spec, deployment_fingerprint
-from tasks.train_engines import TrainInputs
+from tasks.train_engines import TrainEngine, TrainInputs
 
 
 def planned_dataset(config: EndToEndConfig) -> tuple[DatasetRef, int]:
@@ -71,41 +77,79 @@ def planned_dataset(config: EndToEndConfig) -> tuple[DatasetRef, int]:
     return ref, count
 
 
+@dataclass
+class _Planned:
+    """What one run's stages hand each other, as planned before any of them ran."""
+
+    config: EndToEndConfig
+    backend: Backend
+    image: ImageRef
+    dataset: DatasetRef
+    parts: int
+
+    @cached_property
+    def inputs(self) -> TrainInputs:
+        return TrainInputs(dataset=self.dataset, image=self.image)
+
+    @cached_property
+    def engine(self) -> TrainEngine:
+        return self.config.train.prepared(self.inputs)
+
+    @cached_property
+    def checkpoint(self) -> CheckpointRef:
+        return self.engine.expected_result(self.inputs)
+
+
+def _tokenize_job(run: _Planned) -> JobSpec:
+    dataset_uri = storage.parent(run.dataset.manifest_uri)
+    return build_tokenize_job(
+        storage.join(dataset_uri, "tokenized", "array-plan.json"),
+        run.parts,
+        run.config.data.workers,
+        run.image,
+        [storage.local_path(dataset_uri)] if storage.is_local(dataset_uri) else [],
+    )
+
+
+def _train_job(run: _Planned) -> JobSpec:
+    return run.engine.job(run.inputs)
+
+
+def _validate_job(run: _Planned) -> JobSpec:
+    threshold = run.config.validation_threshold
+    return build_validate_job(
+        run.checkpoint,
+        run.dataset,
+        threshold,
+        report_path(run.checkpoint, threshold),
+        run.image,
+        resources=validation_resources(run.config.train),
+    )
+
+
+def _serve_spec(run: _Planned) -> ServiceSpec:
+    config, serve = run.config, run.config.serve
+    fingerprint = deployment_fingerprint(
+        run.checkpoint, serve.port, serve.model_name, config.executor, run.image, serve.engine
+    )
+    return build_serve_spec(
+        run.checkpoint, serve.port, serve.model_name, run.backend.bind_host, run.image, fingerprint, serve.engine
+    )
+
+
+# What each stage of flows/end_to_end.py STAGES submits, by the name it submits it under.
+BUILDERS: dict[str, Callable[[_Planned], JobSpec | ServiceSpec]] = {
+    "tokenize": _tokenize_job,
+    "pretrain": _train_job,
+    "validate": _validate_job,
+    "serve": _serve_spec,
+}
+
+
 def planned_specs(config: EndToEndConfig) -> list[tuple[str, JobSpec | ServiceSpec]]:
-    """(stage, spec) for every job and service of one run, in pipeline order."""
+    """(stage, spec) for every job and service of one run, in the pipeline's order (the flow's STAGES)."""
     backend = get_backend(config.executor)
     image = backend.planned_image(config.image.source, config.image.dest or default_dest(), config.image.convert)
     dataset, parts = planned_dataset(config)
-    data = config.data
-    dataset_uri = storage.parent(dataset.manifest_uri)
-    tokenize = build_tokenize_job(
-        storage.join(dataset_uri, "tokenized", "array-plan.json"),
-        parts,
-        data.workers,
-        image,
-        [storage.local_path(dataset_uri)] if storage.is_local(dataset_uri) else [],
-    )
-    inputs = TrainInputs(dataset=dataset, image=image)
-    engine = config.train.prepared(inputs)
-    train = engine.job(inputs)
-    checkpoint = engine.expected_result(inputs)
-    validate = build_validate_job(
-        checkpoint,
-        dataset,
-        config.validation_threshold,
-        report_path(checkpoint, config.validation_threshold),
-        image,
-        resources=validation_resources(config.train),
-    )
-    serve = build_serve_spec(
-        checkpoint,
-        config.serve.port,
-        config.serve.model_name,
-        backend.bind_host,
-        image,
-        deployment_fingerprint(
-            checkpoint, config.serve.port, config.serve.model_name, config.executor, image, config.serve.engine
-        ),
-        config.serve.engine,
-    )
-    return [("tokenize", tokenize), ("pretrain", train), ("validate", validate), ("serve", serve)]
+    run = _Planned(config, backend, image, dataset, parts)
+    return [(stage.submits, BUILDERS[stage.submits](run)) for stage in STAGES if stage.submits]
