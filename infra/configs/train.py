@@ -49,10 +49,6 @@ class TrainConfig(BaseModel, RunLayout):
 
     model_config = ConfigDict(extra="forbid")
 
-    # Three descriptions below still name where their modules lived before they moved here (workloads/moe.py,
-    # workloads/memory_plan.py, workloads.train_config): descriptions are part of the deployments' parameter
-    # schemas, which that move left byte-identical. Update them with the next change to the schema.
-
     # ---- model (a small Llama or Mixtral built from a transformers config, random init)
     arch: Literal["llama", "mixtral"] = "llama"
     hidden_size: int = Field(256, ge=1)
@@ -66,7 +62,7 @@ class TrainConfig(BaseModel, RunLayout):
         "auto",
         description="mixtral only: grouped = NeMo AutoModel's MoE layers (torch._grouped_mm experts, expert "
         "parallel); hf = transformers' MixtralForCausalLM (experts in a loop, no expert parallel, no compile); "
-        "auto = grouped. Either writes Hugging Face Mixtral checkpoints (workloads/moe.py)",
+        "auto = grouped. Either writes Hugging Face Mixtral checkpoints (infra/configs/moe.py)",
     )
     moe_aux_loss_coeff: float = Field(
         0.0, ge=0, description="mixtral, moe_impl grouped: load-balancing loss coefficient (NeMo name; 0 = off)"
@@ -123,7 +119,7 @@ class TrainConfig(BaseModel, RunLayout):
         description="data-parallel engine (NeMo / AutoModel distributed.strategy): ddp = a full replica per rank, "
         "gradients all-reduced; fsdp2 = weights, gradients and optimizer state sharded over the ranks; "
         "auto = ddp for a dense model of at most 500M parameters on one node without tensor/context parallel, "
-        "else fsdp2 (the rule: workloads.train_config.resolve_strategy)",
+        "else fsdp2 (the rule: infra.configs.train.resolve_strategy)",
     )
 
     # ---- where it runs (the arithmetic check, and how many processes torchrun starts)
@@ -140,7 +136,7 @@ class TrainConfig(BaseModel, RunLayout):
         None,
         gt=0,
         description="memory of one GPU: the layout's memory per GPU is checked against it before launch "
-        "(workloads/memory_plan.py); None = the executor's (Slurm preset, GKE accelerator label) where known",
+        "(infra/configs/memory_plan.py); None = the executor's (Slurm preset, GKE accelerator label) where known",
     )
     cpus_per_task: int = Field(2, ge=1)
     mem: str | None = None
