@@ -155,6 +155,7 @@ def make_dataset(root: Path, tokens: int, seq: int) -> str:
 
 def run_nemoflow(args, prefix: str, out: Path, moe_impl: str | None = None, ckpt_every: int | None = None) -> dict:
     hidden, layers, heads, kv, ffn, mbs = MODELS[args.model]
+    mbs = args.micro_batch or mbs
     cuda = not args.cpu
     ckpt_every = ckpt_every or args.ckpt_every
     tag = f"{args.model}-{args.gpus}gpu" + (f"-{moe_impl}" if moe_impl else "") + f"-every{ckpt_every}"
@@ -278,6 +279,7 @@ def reference_worker(args) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hidden, layers, heads, kv, ffn, mbs = MODELS[args.model]
+    mbs = args.micro_batch or mbs
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     cuda = not args.cpu
@@ -361,6 +363,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the medians (compile, allocator)")
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--micro-batch", type=int, help="micro batch size per GPU (default: the model's, in MODELS)")
     parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "bf16", "32"])
     parser.add_argument("--strategy", default="auto", choices=["auto", "fsdp2", "ddp"], help="TrainConfig.strategy")
     parser.add_argument("--no-compile", action="store_true")
@@ -388,6 +391,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     _, _, _, _, _, mbs = MODELS[args.model]
+    mbs = args.micro_batch or mbs
     impls = [x.strip() for x in args.moe_impl.split(",") if x.strip()] if args.model in MOE else [None]
     if unknown := [x for x in impls if x is not None and x not in MOE_IMPLS]:
         parser.error(f"--moe-impl {','.join(unknown)}: choose from {', '.join(MOE_IMPLS)}")

@@ -10,6 +10,7 @@
 #   devtools/gpu_node.sh test-gpu OUT            # the tests marked `gpu` (resume on the GPU)
 #   devtools/gpu_node.sh bench-moe OUT           # the Mixtral-shaped MoE, today's path against grouped GEMM
 #   devtools/gpu_node.sh profile-saves OUT       # 1.1B, two saves: cProfile of what each save blocks on
+#   devtools/gpu_node.sh profile-steps OUT ARGS  # torch.profiler over steps 8-10 of a bench_train_gpu.py run (ARGS)
 #
 # Everything lives under /tmp (the venv, NEMOFLOW_HOME, the work dir): on the lent machines files under /tmp
 # survive between calls while the machine stays warm, and the repository copy does not. The node's Python is
@@ -91,6 +92,12 @@ case "$cmd" in
       "$VENV/bin/python" -c 'import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats("cumulative").print_stats(40); s.sort_stats("tottime").print_stats(15)' "$f"
     done > "$out/profile.txt" 2>&1
     grep -E "checkpoint_(save|wait|finalize)_s" "$out/bench-prof.log" | head
+    ;;
+  profile-steps)
+    out=${1:?profile-steps OUT}; shift; mkdir -p "$out"
+    NEMOFLOW_PROFILE_STEPS=$out/prof:8:3 "$VENV/bin/python" benchmarks/bench_train_gpu.py --gpus 1 --steps 12 --warmup 5 \
+      --ckpt-every 100 --skip-reference --out "$ROOT/bench-steps" "$@" > "$out/bench-steps.log" 2>&1 || true
+    head -45 "$out"/prof/*.txt
     ;;
   *)
     echo "unknown command $cmd" >&2; exit 2 ;;

@@ -473,7 +473,38 @@ def build_recipe(
                 if self.metrics is not None:
                     self.metrics.log({"step": self.saved_step, "checkpoint_wait_s": time.perf_counter() - started})
                 self.saved_step = None
-            return super()._run_train_optim_step(batches, max_grad_norm)
+            self.profile_steps(done, start=True)
+            result = super()._run_train_optim_step(batches, max_grad_norm)
+            self.profile_steps(done, start=False)
+            return result
+
+        def profile_steps(self, done: int, start: bool) -> None:
+            """``NEMOFLOW_PROFILE_STEPS=DIR[:FIRST[:COUNT]]`` (default steps 8-10): torch.profiler over those steps.
+
+            Writes ``DIR/steps-rank<R>.txt``, the operators by their own GPU time (CPU time on CPU), to find where a
+            step's time goes (benchmarks/bench_train_gpu.py passes it on; off unless set).
+            """
+            spec = os.environ.get("NEMOFLOW_PROFILE_STEPS")
+            if not spec:
+                return
+            out, first, count = (spec.split(":") + ["8", "3"])[:3]
+            first, last = int(first), int(first) + int(count) - 1
+            if start and done == first:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if torch.cuda.is_available():
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self.step_profiler = torch.profiler.profile(activities=activities)
+                self.step_profiler.__enter__()
+            elif not start and done == last and getattr(self, "step_profiler", None) is not None:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.step_profiler.__exit__(None, None, None)
+                sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+                table = self.step_profiler.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)
+                Path(out).mkdir(parents=True, exist_ok=True)
+                name = f"{out}/steps-rank{self.dist_env.rank}.txt"
+                Path(name).write_text(f"steps {first}-{last}, sorted by {sort}\n{table}\n")
+                self.step_profiler = None
 
         def publish_written_save(self) -> None:
             """Publish the last asynchronous save as soon as its files are written.

@@ -246,14 +246,25 @@ def moe_runs(tmp_path_factory, train_dataset):
             }[name]
             config = tiny_config(train_dataset, run_dir, **overrides, **extra)
             nproc = config.get("nproc_per_node", 1)
+        # The "one" run also profiles steps 2-3 (NEMOFLOW_PROFILE_STEPS): test_profile_steps_... reads the table.
+        profile = {"NEMOFLOW_PROFILE_STEPS": f"{root / 'profile'}:2:2"} if name == "one" else {}
         proc = run_trainer(
-            write_config(config, root / f"{name}.json"), nproc=nproc, timeout=600, NEMOFLOW_HOME=str(home)
+            write_config(config, root / f"{name}.json"), nproc=nproc, timeout=600, NEMOFLOW_HOME=str(home), **profile
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         done[name] = (proc, run_dir, config)
         return done[name]
 
     return get
+
+
+def test_profile_steps_writes_each_operators_time_for_the_chosen_steps(moe_runs):
+    run_dir = moe_runs("one")[1]
+    table = (run_dir.parents[1] / "profile" / "steps-rank0.txt").read_text()
+    assert table.startswith("steps 2-3, sorted by self_cpu_time_total")
+    assert "aten::mm" in table and "Self CPU" in table
+    # only that run asked for it
+    assert not (run_dir.parents[1] / "profile" / "steps-rank1.txt").exists()
 
 
 def _curve(run_dir: Path) -> dict:
