@@ -12,6 +12,7 @@ few minutes: the King James Bible, Mixtral's tokenizer, a 20M-parameter Llama.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 from uuid import UUID
@@ -312,21 +313,30 @@ def register_checkpoint(config, checkpoint, dataset, report, endpoint, image) ->
     return record.id
 
 
-def stage_times(flow_run_id) -> list[dict]:
+def stage_times(flow_run_id, settle_s: float = 30) -> list[dict]:
     """Every task run of a flow run and of its subflows (prepare-dataset), oldest first, with its state and the
     seconds it ran (a Cached stage ran none), as the Prefect API records them. A subflow's own stages are
     named with the subflow's flow (``tokenize 4 part(s) (in prepare-dataset)``), and the task run that stands
-    for the subflow call itself is left out (its state is the call's, not its stages')."""
+    for the subflow call itself is left out (its state is the call's, not its stages').
+
+    The API records a task run's last state a moment after the task returns (it travels as an event), so
+    the runs are read again, for up to ``settle_s`` seconds, until every one is in a final state (CI saw the
+    cached re-run's last stage still ``Pending``)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
 
     root = UUID(str(flow_run_id))
+    deadline = time.monotonic() + settle_s
     with get_client(sync_client=True) as client:
         children = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[root]))
         )
         names = {root: None, **{child.id: client.read_flow(child.flow_id).name for child in children}}
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(names))))
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(names))))
+            if all(r.state and r.state.is_final() for r in runs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
     rows = []
     for run in sorted(runs, key=lambda r: r.expected_start_time or r.created):
         if run.state and run.state.state_details.child_flow_run_id:
