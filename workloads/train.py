@@ -386,7 +386,7 @@ class MetricsLog:
     def log(self, record: dict) -> None:
         self.fh.write(json.dumps(record) + "\n")
         self.fh.flush()
-        print(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), flush=True)
+        _say(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()))
 
     def close(self) -> None:
         self.fh.close()
@@ -461,7 +461,7 @@ def build_recipe(
                 rows = [
                     hashlib.sha256(row.numpy().tobytes()).hexdigest()[:12] for b in batches for row in b["input_ids"]
                 ]
-                print(f"samples step={done} rank={self.dist_env.rank} {','.join(rows)}", flush=True)
+                _say(f"samples step={done} rank={self.dist_env.rank} {','.join(rows)}")
             self.step_lr = self.optimizer[0].param_groups[0]["lr"]  # the lr this step trains with
             self.publish_written_save()
             if self.saved_step is not None:
@@ -679,6 +679,19 @@ def checkpoint_meta(config: TrainConfig, step: int, val_loss: float | None, trai
     }
 
 
+_STDOUT = threading.Lock()
+
+
+def _say(line: str) -> None:
+    """One whole line on stdout, written at once under a lock: the checkpoint finisher's thread and the training
+    loop print at the same time, and print() may write a line and its newline separately. (Hardening, not a
+    proven fix: one loaded full run at 85194b4 never showed "saved checkpoint ..." at the start of a line for a
+    save that was made; interleaved lines are a suspect, not reproduced.)"""
+    with _STDOUT:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
 class CheckpointFinisher:
     """Rank 0: once AutoModel has published a checkpoint, prune to ``save_top_k`` and upload it (a remote
     run directory), in the background, in publication order (joined before the process exits)."""
@@ -703,11 +716,11 @@ class CheckpointFinisher:
         try:
             for path in paths:
                 meta = ckpt.step_meta(path)
-                print(f"saved checkpoint {path} (step {meta.get('step')}, val_loss {meta.get('val_loss')})")
+                _say(f"saved checkpoint {path} (step {meta.get('step')}, val_loss {meta.get('val_loss')})")
                 if self.mirror is not None:
                     uri = self.mirror.push_checkpoint(path)
                     self.mirror.push_file("metrics.jsonl")
-                    print(f"uploaded checkpoint {uri}")
+                    _say(f"uploaded checkpoint {uri}")
             self.prune()
             sys.stdout.flush()
         except BaseException as exc:  # noqa: BLE001 - reported by join() in the training thread
@@ -717,11 +730,11 @@ class CheckpointFinisher:
         saved = ckpt.saved_checkpoints(self.run_dir)
         protect = {saved[-1].step_dir} if saved else set()
         for gone in ckpt.prune_checkpoints(self.run_dir, self.save_top_k, protect=protect):
-            print(f"pruned checkpoint {gone} (save_top_k={self.save_top_k})")
+            _say(f"pruned checkpoint {gone} (save_top_k={self.save_top_k})")
         if self.mirror is not None:
             names = {saved[-1].step_dir.name} if saved else set()
             for gone in self.mirror.prune(self.save_top_k, protect=names):
-                print(f"pruned checkpoint {gone} (save_top_k={self.save_top_k})")
+                _say(f"pruned checkpoint {gone} (save_top_k={self.save_top_k})")
 
     def join(self) -> None:
         if self.thread is not None:

@@ -54,11 +54,10 @@ def test_saves_are_asynchronous_and_the_loop_waits_only_for_the_copy(reference_r
     # reported before step 12 is reached. (Before step 8 on a quiet machine; on a loaded one its background
     # write can outlast four steps of the tiny model, and the step-8 save then waits for it.)
     lines = reference_run["stdout"].splitlines()
-    published = next(
-        i
-        for i, line in enumerate(lines)
-        if line.startswith(f"saved checkpoint {_step_dir(reference_run['run_dir'], 4)} ")
-    )
+    wanted = f"saved checkpoint {_step_dir(reference_run['run_dir'], 4)} "
+    found = [i for i, line in enumerate(lines) if line.startswith(wanted)]
+    assert found, "\n".join(line for line in lines if "checkpoint" in line)  # what was reported instead
+    published = found[0]
     assert published < next(i for i, line in enumerate(lines) if line.startswith("step=12 loss="))
 
 
