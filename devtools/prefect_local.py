@@ -246,10 +246,12 @@ def cancel_active_runs(echo=print, timeout: float = 45.0) -> list[str]:
     from prefect.client.schemas.objects import StateType
     from prefect.states import Cancelling
 
-    try:
-        api = PrefectApi.from_settings()
-    except ControlPlaneError:
-        return []
+    api = started_server_api()
+    if api is None:  # a server started before its URL was recorded: the profile names it
+        try:
+            api = PrefectApi.from_settings()
+        except ControlPlaneError:
+            return []
     live = FlowRunFilter(
         state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.RUNNING]))
     )
@@ -271,12 +273,23 @@ def cancel_active_runs(echo=print, timeout: float = 45.0) -> list[str]:
 
 
 def stop_all(echo=print) -> list[str]:
-    """Stop every background process the demo started (workers first, then the server)."""
+    """Stop every background process the demo started (workers first, then the server).
+
+    Between the two, the runs that the stopped process workers were running are set Crashed
+    (:func:`crash_orphaned_runs`), so the next ``nemoflow demo`` shows what happened to them.
+    """
     stopped = []
     directory = state_dir()
     if not directory.exists():
         return stopped
+    server = started_server_api()
     for pidfile in sorted(directory.glob("*.pid"), key=lambda p: p.stem == "server"):
+        if pidfile.stem == "server" and server is not None:
+            worker_pools = [n.removeprefix("worker-") for n in stopped if n.startswith("worker-")]
+            try:
+                crash_orphaned_runs(server, worker_pools, echo)
+            except Exception as exc:  # noqa: BLE001 - the server may not answer: stop it all the same
+                echo(f"note: could not mark the stopped workers' runs Crashed: {exc}")
         pid = processes.read_pidfile(pidfile)
         if pid is not None:
             # Prefect workers ignore the first SIGTERM (they drain); the second stops them.
@@ -284,12 +297,76 @@ def stop_all(echo=print) -> list[str]:
             echo(f"stopped {pidfile.stem} (pid {pid})")
             stopped.append(pidfile.stem)
         pidfile.unlink()
+    _server_record().unlink(missing_ok=True)
     if "server" in stopped:
         forget_profile(echo)
     return stopped
 
 
+def crash_orphaned_runs(api: PrefectApi, pools: list[str], echo=print, wait_s: float = 10.0) -> list[str]:
+    """Set Crashed the unfinished runs of ``pools``' process workers whose flow-run process is gone.
+
+    ``--down`` cancels the runs in progress first; a run that cancel did not end dies with its
+    process worker (a process worker's flow runs are its children). Left alone it would stay
+    Running until the heartbeat automation noticed, and never if the server stopped before the
+    automation saw the run's first heartbeat. Runs of other pool types (a Slurm flow-run job) do
+    not die with their worker and are left alone. Names of the runs set Crashed.
+    """
+    if not pools:
+        return []
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        WorkPoolFilter,
+        WorkPoolFilterName,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    unfinished = FlowRunFilter(
+        state=FlowRunFilterState(
+            type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.RUNNING, StateType.CANCELLING])
+        )
+    )
+    crashed = []
+    with api.settings(), get_client(sync_client=True) as client:
+        process_pools = [p for p in pools if client.read_work_pool(p).type == "process"]
+        if not process_pools:
+            return []
+        runs = client.read_flow_runs(
+            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=process_pools)), flow_run_filter=unfinished
+        )
+        for run in runs:
+            pid = int(run.infrastructure_pid) if (run.infrastructure_pid or "").isdigit() else None
+            deadline = time.monotonic() + wait_s
+            while pid is not None and processes.pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if pid is not None and processes.pid_alive(pid):
+                echo(f"note: flow run {run.name}'s process {pid} still runs after its worker stopped")
+                continue
+            process = f"its process (pid {pid}) ended with it" if pid is not None else "it had no process yet"
+            message = f"nemoflow demo --down stopped the {run.work_pool_name!r} worker during this run; {process}"
+            client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+            echo(f"flow run {run.name}: Crashed ({message})")
+            crashed.append(run.name)
+    return crashed
+
+
 # ---------------------------------------------------------------- the server
+
+
+def _server_record() -> Path:
+    return state_dir() / "server.json"
+
+
+def started_server_api() -> PrefectApi | None:
+    """The API of the server :func:`ensure_server` started, while it runs (None otherwise)."""
+    if running("server") is None or not _server_record().exists():
+        return None
+    record = json.loads(_server_record().read_text())
+    return PrefectApi(record["url"], demo_auth_string() if record.get("auth") else None)
 
 
 def configured_api_url() -> str | None:
@@ -335,6 +412,7 @@ def ensure_server(port: int = DEFAULT_PORT, timeout: float = 120.0, auth: bool =
             env["PREFECT_SERVER_API_AUTH_STRING"] = secret.get_secret_value()
         argv = [prefect_bin(), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
         _start_background("server", argv, env)
+        _server_record().write_text(json.dumps({"url": local, "auth": auth}) + "\n")
         note = ", authenticated: clients need PREFECT_API_AUTH_STRING" if auth else ""
         echo(f"starting a local Prefect server on port {port}{note} (log: {log_path('server')})")
     deadline = time.monotonic() + timeout

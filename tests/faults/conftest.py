@@ -68,11 +68,18 @@ class ControlPlane:
             return pl.ensure_worker(pool or self.pool, pool_type, self.api, echo=lambda *_: None)
 
     def stop_all(self) -> list[str]:
-        """What `nemoflow demo --down` does after stopping the endpoint."""
+        """What `nemoflow demo --down` does after cancelling the runs in progress and stopping the endpoint."""
         from devtools import prefect_local as pl
 
         with self.scoped():
             return pl.stop_all(echo=lambda *_: None)
+
+    def cancel_active_runs(self) -> list[str]:
+        """What `nemoflow demo --down` does first: cancel the runs in progress and wait for them."""
+        from devtools import prefect_local as pl
+
+        with self.scoped():
+            return pl.cancel_active_runs(echo=lambda *_: None)
 
     def kill_worker(self) -> int:
         from devtools import prefect_local as pl
@@ -139,6 +146,18 @@ class ControlPlane:
             f"flow run {flow_run_id} not {what} after {timeout:.0f}s (state {state!r}); worker log:\n"
             + pl.log_tail(f"worker-{self.pool}", 40)
         )
+
+    def heartbeats(self, flow_run_id) -> int:
+        """How many heartbeat events of the run the server has stored."""
+        from prefect.client.orchestration import get_client
+        from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+        wanted = EventFilter(
+            event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
+            resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
+        )
+        with self.api.settings(), get_client(sync_client=True) as client:
+            return client.read_events(filter=wanted, limit=1).total  # the client's default 100 is over the API's 50
 
     def active_slots(self, limit: str) -> int:
         from prefect.client.orchestration import get_client
