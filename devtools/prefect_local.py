@@ -236,13 +236,6 @@ def cancel_active_runs(echo=print, timeout: float = 45.0) -> list[str]:
     if not pools:
         return []
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-        WorkPoolFilter,
-        WorkPoolFilterName,
-    )
     from prefect.client.schemas.objects import StateType
     from prefect.states import Cancelling
 
@@ -252,13 +245,8 @@ def cancel_active_runs(echo=print, timeout: float = 45.0) -> list[str]:
             api = PrefectApi.from_settings()
         except ControlPlaneError:
             return []
-    live = FlowRunFilter(
-        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.RUNNING]))
-    )
     with api.settings(), get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(
-            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=pools)), flow_run_filter=live
-        )
+        runs = _runs_in(client, pools, [StateType.PENDING, StateType.RUNNING])
         for run in runs:
             client.set_flow_run_state(run.id, Cancelling(message="nemoflow demo --down"), force=True)
             echo(f"cancelling flow run {run.name} (its worker ends its jobs)")
@@ -270,6 +258,22 @@ def cancel_active_runs(echo=print, timeout: float = 45.0) -> list[str]:
     if pending:
         echo(f"note: {len(pending)} flow run(s) still not cancelled after {timeout:g} s")
     return [run.name for run in runs]
+
+
+def _runs_in(client, pools: list[str], states: list) -> list:
+    """The flow runs of work pools ``pools`` whose state type is one of ``states``."""
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        WorkPoolFilter,
+        WorkPoolFilterName,
+    )
+
+    return client.read_flow_runs(
+        work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=pools)),
+        flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=states))),
+    )
 
 
 def stop_all(echo=print) -> list[str]:
@@ -315,29 +319,15 @@ def crash_orphaned_runs(api: PrefectApi, pools: list[str], echo=print, wait_s: f
     if not pools:
         return []
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-        WorkPoolFilter,
-        WorkPoolFilterName,
-    )
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
-    unfinished = FlowRunFilter(
-        state=FlowRunFilterState(
-            type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.RUNNING, StateType.CANCELLING])
-        )
-    )
     crashed = []
     with api.settings(), get_client(sync_client=True) as client:
         process_pools = [p for p in pools if client.read_work_pool(p).type == "process"]
         if not process_pools:
             return []
-        runs = client.read_flow_runs(
-            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=process_pools)), flow_run_filter=unfinished
-        )
+        runs = _runs_in(client, process_pools, [StateType.PENDING, StateType.RUNNING, StateType.CANCELLING])
         for run in runs:
             pid = int(run.infrastructure_pid) if (run.infrastructure_pid or "").isdigit() else None
             deadline = time.monotonic() + wait_s

@@ -110,52 +110,39 @@ def test_killed_run_and_server_restart_do_not_block_the_next_run(control_plane, 
     )
 
 
-def test_demo_down_while_a_stage_job_runs_leaves_no_orphan(control_plane, tmp_path):
-    """`nemoflow demo --down` when cancelling the run did not end it: the stage job must not keep running.
+@pytest.mark.parametrize("cancel_first", [True, False], ids=["as-run", "cancel-skipped"])
+def test_demo_down_during_a_stage_job_leaves_no_orphan_and_a_final_run(control_plane, tmp_path, cancel_first):
+    """`nemoflow demo --down` during a stage job: no process keeps running, the run ends saying why.
 
-    ``--down`` first cancels the runs in progress (:func:`devtools.prefect_local.cancel_active_runs`);
-    here that step is left out (as when it failed or timed out) and ``stop_all`` stops the worker and
-    the server under the running flow.
+    ``--down`` first cancels the runs in progress (:func:`devtools.prefect_local.cancel_active_runs`),
+    then ``stop_all`` stops the worker and the server: the run ends Cancelled. With the cancel left
+    out (as when it failed or timed out) the worker and the server stop under the running flow.
     """
     plane = control_plane
     deployment = plane.deploy("tests/faults/flows.py:runs_a_stage_job", concurrency_limit=None)
     plane.worker()
-    row = fault_ledger.open_row("`nemoflow demo --down` during a stage job")
+    row = fault_ledger.open_row(
+        "`nemoflow demo --down` during a stage job" + ("" if cancel_first else " (its cancel skipped)")
+    )
     run = plane.run(deployment, directory=str(tmp_path))
     row.watch_runs([run.id], lambda: plane.api.settings())
     flow_pid = pid_in(tmp_path / f"flow-{run.id}.pid")
     job_pid = pid_in(tmp_path / f"job-{run.id}.pid")
-    stopped = plane.stop_all()  # what `nemoflow demo --down` runs after the endpoint
-    assert "server" in stopped and f"worker-{plane.pool}" in stopped
-    row.injected += 1
-    wait_for(lambda: not processes.pid_alive(job_pid), 15, f"the end of the stage job {job_pid}")
-    wait_for(lambda: not processes.pid_alive(flow_pid), 15, f"the end of the flow-run process {flow_pid}")
-    # The next `nemoflow demo` finds the run in a final state that says what happened, at once: not
-    # Running until the heartbeat automation notices (it never does when the server went down before
-    # it saw the run's first heartbeat, as in one CI run: Running for good).
-    plane.start_server()
-    state = plane.flow_run(run.id).state
-    assert state.is_crashed(), state
-    assert "nemoflow demo --down" in state.message and f"pid {flow_pid}" in state.message, state.message
-    print(f"after --down: {state.name}: {state.message}")
-
-
-def test_demo_down_cancels_a_run_with_a_stage_job_and_leaves_no_orphan(control_plane, tmp_path):
-    """`nemoflow demo --down` as it runs: cancel the runs in progress, then stop the worker and the server."""
-    plane = control_plane
-    deployment = plane.deploy("tests/faults/flows.py:runs_a_stage_job", concurrency_limit=None)
-    plane.worker()
-    row = fault_ledger.open_row("`nemoflow demo --down` during a stage job (cancelled first)")
-    run = plane.run(deployment, directory=str(tmp_path))
-    row.watch_runs([run.id], lambda: plane.api.settings())
-    flow_pid = pid_in(tmp_path / f"flow-{run.id}.pid")
-    job_pid = pid_in(tmp_path / f"job-{run.id}.pid")
-    assert plane.cancel_active_runs() == [run.name]
+    if cancel_first:
+        assert plane.cancel_active_runs() == [run.name]
     stopped = plane.stop_all()
     assert "server" in stopped and f"worker-{plane.pool}" in stopped
     row.injected += 1
     for pid, what in ((job_pid, "stage job"), (flow_pid, "flow-run process")):
         wait_for(lambda pid=pid: not processes.pid_alive(pid), 15, f"the end of the {what} {pid}")
+    # The next `nemoflow demo` finds the run in a final state that says what happened, at once: not
+    # Running until the heartbeat automation notices (it never does when the server went down before
+    # it saw the run's first heartbeat, as in one CI run: Running for good).
     plane.start_server()
     state = plane.flow_run(run.id).state
-    assert state.is_cancelled(), state
+    if cancel_first:
+        assert state.is_cancelled(), state
+    else:
+        assert state.is_crashed(), state
+        assert "nemoflow demo --down" in state.message and f"pid {flow_pid}" in state.message, state.message
+    print(f"after --down: {state.name}: {state.message}")
