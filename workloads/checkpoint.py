@@ -47,6 +47,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -291,13 +292,20 @@ def to_export(saved: list) -> list:
     return [best] if best.step_dir == saved[-1].step_dir else sorted([best, saved[-1]], key=lambda c: c.step)
 
 
-def prune_checkpoints(run_dir: str | os.PathLike, save_top_k: int, protect: set[Path] | None = None) -> list[Path]:
+def prune_checkpoints(
+    run_dir: str | os.PathLike,
+    save_top_k: int,
+    protect: set[Path] | None = None,
+    before_delete: Callable[[Path], None] | None = None,
+) -> list[Path]:
     """Keep the best ``save_top_k`` saved checkpoints by val_loss plus the latest; delete the rest.
 
     Without validation losses the newest ``save_top_k`` are kept; -1 keeps all.
     Only saved (published) checkpoints are considered, so a checkpoint still being written
     is never touched; ``protect`` names AutoModel step directories that must stay (its LATEST
-    target). Returns the deleted AutoModel step directories.
+    target). ``before_delete`` is called with each step directory before it is touched (the
+    trainer reports it then, so its output never calls a deleted checkpoint saved). Returns the
+    deleted AutoModel step directories.
     """
     saved = saved_checkpoints(run_dir)
     if save_top_k < 0 or not saved:
@@ -306,6 +314,8 @@ def prune_checkpoints(run_dir: str | os.PathLike, save_top_k: int, protect: set[
     deleted = []
     for info in saved:
         if info.step_dir not in keep:
+            if before_delete is not None:
+                before_delete(info.step_dir)
             # Unpublish first (AutoModel's marker, then the export's manifest): a crash half-way leaves an
             # incomplete directory that nothing loads and the next save of that step replaces.
             (info.step_dir / INCOMPLETE).touch()

@@ -729,8 +729,13 @@ class CheckpointFinisher:
     def prune(self) -> None:
         saved = ckpt.saved_checkpoints(self.run_dir)
         protect = {saved[-1].step_dir} if saved else set()
-        for gone in ckpt.prune_checkpoints(self.run_dir, self.save_top_k, protect=protect):
-            _say(f"pruned checkpoint {gone} (save_top_k={self.save_top_k})")
+        # Said before each deletion, not after: a job killed mid-prune never leaves a line calling it saved.
+        ckpt.prune_checkpoints(
+            self.run_dir,
+            self.save_top_k,
+            protect=protect,
+            before_delete=lambda gone: _say(f"pruned checkpoint {gone} (save_top_k={self.save_top_k})"),
+        )
         if self.mirror is not None:
             names = {saved[-1].step_dir.name} if saved else set()
             for gone in self.mirror.prune(self.save_top_k, protect=names):

@@ -67,6 +67,17 @@ def test_prune_keeps_best_k_plus_latest_and_ignores_unfinished(tmp_path):
     assert ckpt.prune_checkpoints(tmp_path, save_top_k=-1) == []
 
 
+def test_prune_announces_each_checkpoint_before_deleting_it(tmp_path):
+    """The trainer reports a pruned checkpoint before it is gone: a job killed mid-prune never leaves a
+    checkpoint its output still calls saved missing (the fault table counted one as data lost)."""
+    for step, loss in {1: 5.0, 2: 3.0, 3: 4.0}.items():
+        _fake_checkpoint(tmp_path, step, loss)
+    seen = []
+    deleted = ckpt.prune_checkpoints(tmp_path, save_top_k=1, before_delete=lambda d: seen.append((d.name, d.exists())))
+    assert seen == [(p.name, True) for p in deleted] == [("epoch_0_step_0", True)]
+    assert [c.step for c in ckpt.saved_checkpoints(tmp_path)] == [2, 3]
+
+
 def test_checkpoint_info_is_the_consolidated_directory(tmp_path):
     consolidated = _fake_checkpoint(tmp_path, 7, None)
     info = ckpt.latest_checkpoint(tmp_path)
