@@ -132,7 +132,7 @@ def demo_gpu_config(gpus: int) -> dict:
     built-in server on one (vLLM when it is installed: the server decides, engine ``auto``)."""
     return {
         "train": demo_gpu_train_config(gpus).model_dump(exclude_defaults=True),
-        "serve": {"resources": {"gpus_per_node": 1, "cpus_per_task": 2}},
+        "serve": {"engine": {"engine": "auto", "resources": {"gpus_per_node": 1, "cpus_per_task": 2}}},
     }
 
 

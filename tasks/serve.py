@@ -34,7 +34,7 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import CachePolicy
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from infra import services, storage
 from infra.executors import Executor, as_executor, get_backend
@@ -67,23 +67,6 @@ class ServeConfig(BaseModel):
     model_name: str = "nemoflow-demo"
     ready_timeout_s: float = Field(180, gt=0)
     engine: ServeEngineConfig = Field(default_factory=Auto)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _resources_beside_the_engine(cls, value: Any) -> Any:
-        """``serve: {resources: ...}`` (the shape before engines were values) is the engine's resources."""
-        if not isinstance(value, dict) or "resources" not in value:
-            return value
-        value = dict(value)
-        resources = value.pop("resources")
-        engine = value.get("engine", {})
-        if isinstance(engine, ServeEngine):
-            engine = engine.model_dump(exclude_unset=True)
-        if not isinstance(engine, dict):
-            return {**value, "resources": resources}  # pydantic names the bad engine value
-        if "resources" in engine:
-            raise ValueError("serve: resources is given twice (beside the engine and in it); give it in engine")
-        return {**value, "engine": {**engine, "resources": resources}}
 
 
 def service_name(model_name: str) -> str:

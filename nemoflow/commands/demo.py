@@ -99,10 +99,8 @@ def demo_steps(choice: int | None) -> int | None:
     return steps
 
 
-def shorter_config(deployment: str, steps: int) -> dict:
-    """The deployment's own ``config`` parameter (prefect.yaml) with training cut to ``steps``: validated and
-    saved at the last step, as the 40-step demo is. Run parameters replace a deployment's whole ``config``, so
-    the deployment's settings (the executor, the Slurm CPU counts) are carried over here."""
+def deployment_config(deployment: str) -> dict:
+    """The deployment's own ``config`` parameter in prefect.yaml (empty when it sets none)."""
     import copy
 
     import yaml
@@ -110,13 +108,30 @@ def shorter_config(deployment: str, steps: int) -> dict:
     from devtools.prefect_local import REPO_ROOT
 
     flow, name = deployment.split("/")
-    config: dict = {}
     for entry in yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())["deployments"]:
         if entry["name"] == name and entry["entrypoint"].endswith(":" + flow.replace("-", "_")):
-            config = copy.deepcopy((entry.get("parameters") or {}).get("config") or {})
-    train = config.setdefault("train", {})
-    train.update(max_steps=steps, ckpt_every_n_steps=steps, val_check_interval=min(20, steps))
-    return config
+            return copy.deepcopy((entry.get("parameters") or {}).get("config") or {})
+    return {}
+
+
+def demo_parameters(deployment: str, steps: int | None, gpus: int) -> dict | None:
+    """The ``--params`` of the demo's ``prefect deployment run``: none for the demo as deployed; else the
+    deployment's own ``config`` (run parameters replace a deployment's whole ``config``, so its settings, the
+    executor and the Slurm CPU counts, are carried over) with training cut to ``steps`` (validated and saved at
+    the last step, as the 40-step demo is) or the GPU demo's training and serving on ``gpus`` GPUs.
+    tests/foundation/test_submitted_parameters.py checks every set against the deployment's schema as the
+    Prefect server does."""
+    if steps is None and not gpus:
+        return None
+    config = deployment_config(deployment)
+    if gpus:
+        from flows.end_to_end import demo_gpu_config
+
+        config.update(demo_gpu_config(gpus))
+    if steps is not None:
+        train = config.setdefault("train", {})
+        train.update(max_steps=steps, ckpt_every_n_steps=steps, val_check_interval=min(20, steps))
+    return {"config": config}
 
 
 def demo_gpus(choice: str, backend: str) -> int:
@@ -258,19 +273,17 @@ def run(args) -> int:
 
         raise UserError("--steps is for the CPU demo (the GPU demo trains on a token budget): add --gpus 0")
     if steps is not None:
-        import json
-
         print(f"a shorter demo: {steps} training steps instead of {DEMO_STEPS}")
-        params = ["--params", json.dumps({"config": shorter_config(deployment, steps)})]
     if n_gpus:
-        import json
-
-        from flows.end_to_end import demo_gpu_config
         from infra import gpus
 
         names = gpus.probe().names
         print(f"GPU demo: {n_gpus} x {names[0]} (a 0.25B Llama; --gpus 0 for the CPU demo)")
-        params = ["--params", json.dumps({"config": demo_gpu_config(n_gpus)})]
+    run_parameters = demo_parameters(deployment, steps, n_gpus)
+    if run_parameters is not None:
+        import json
+
+        params = ["--params", json.dumps(run_parameters)]
     if args.backend == "slurm":
         subprocess.run([sys.executable, "-m", "nemoflow.cli", "local-slurm", "up"], check=True)
     try:
