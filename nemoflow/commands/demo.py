@@ -158,6 +158,8 @@ def check_endpoint_port(port: int, backend: str) -> None:
     passes: the deploy stage reuses or replaces it. Raises ValueError."""
     import socket
 
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--serve-port {port}: a TCP port is between 1 and 65535")
     with socket.socket() as sock:
         # The Slurm demo's server binds every interface, the local one loopback; probe like uvicorn does.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

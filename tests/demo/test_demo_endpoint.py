@@ -71,6 +71,11 @@ def test_a_held_endpoint_port_stops_the_demo_in_one_line_before_anything_starts(
     assert not (state / "server.pid").exists() and not (state / demo.RECORD_FILE).exists()  # nothing started
 
 
+def test_a_port_out_of_range_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"--serve-port 70000: a TCP port is between 1 and 65535"):
+        demo.check_endpoint_port(70000, "local")
+
+
 def test_the_slurm_demo_serves_beside_the_local_demo_on_a_port_of_its_own():
     assert demo.ENDPOINT_PORTS["slurm"] != demo.ENDPOINT_PORTS["local"]
     assert demo.deployed_serve_port("end-to-end/local") == demo.ENDPOINT_PORTS["local"]  # no override needed
