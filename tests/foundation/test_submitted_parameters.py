@@ -72,8 +72,11 @@ def demo_cases() -> list[tuple[str, str, int | None, int]]:
 
 @pytest.mark.parametrize(("backend", "deployment", "steps", "gpus"), demo_cases())
 def test_every_parameter_set_nemoflow_demo_submits_passes_the_deployments_schema(backend, deployment, steps, gpus):
-    parameters = demo.demo_parameters(deployment, steps=steps, gpus=gpus)
-    if steps is None and not gpus:
+    # the port the demo serves on when it is not the deployment's (the Slurm demo's, beside a local demo)
+    port = demo.ENDPOINT_PORTS[backend]
+    override = port if port != demo.deployed_serve_port(deployment) else None
+    parameters = demo.demo_parameters(deployment, steps=steps, gpus=gpus, serve_port=override)
+    if steps is None and not gpus and override is None:
         assert parameters is None  # the printed command: `prefect deployment run end-to-end/<pool> --watch`
     else:
         assert parameters and "config" in parameters
