@@ -39,7 +39,7 @@ INNER = textwrap.dedent(
 
     def test_fails_after_injecting():
         row = fault_ledger.open_row("a fault that breaks it")
-        row.injected += 3
+        row.injected_from(lambda: 3)  # read when the call ends, failed or not
         row.compare({"a": 1, "b": 2, "c": 3}, {"a": 1, "b": 20})  # b changed, c gone
         assert False, "the run did not tell the truth"
 

@@ -70,6 +70,7 @@ class Row:
     reason: str = ""
     stuck_unknown: str = ""  # why the stuck runs could not be counted ("" = they were, or none were watched)
     _watched: list = dataclasses.field(default_factory=list, repr=False)  # [(run ids, settings factory)]
+    _counters: list = dataclasses.field(default_factory=list, repr=False)  # callables read when the call ends
 
     @property
     def survived(self) -> int | None:
@@ -118,6 +119,11 @@ class Row:
         if self.stuck is None and not self.stuck_unknown:
             self.stuck = 0
 
+    def injected_from(self, count: Callable[[], int]) -> None:
+        """Add ``count()`` to ``injected`` when the test's call ends, passed or not (e.g. a fault server's
+        ``injected_count``): the faults it served are counted even when the test stops half-way."""
+        self._counters.append(count)
+
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
 
@@ -149,6 +155,9 @@ def open_row(fault: str, *, injected: int = 0) -> Row:
         raise RuntimeError("fault_ledger.open_row() is called from inside a test")
     if item.get_closest_marker("faults") is None:
         raise RuntimeError(f"{item.nodeid} injects faults: mark it @pytest.mark.faults (so `-m faults` runs it)")
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and callspec.id not in fault:  # a parametrized test's rows tell its cases apart
+        fault = f"{fault} [{callspec.id}]"
     row = Row(fault=fault, test=item.nodeid, injected=injected)
     item.stash.setdefault(_ROWS, []).append(row)
     return row
@@ -224,6 +233,11 @@ def pytest_runtest_makereport(item, call):
     rows = item.stash.get(_ROWS, [])
     if report.when == "call":
         for row in rows:
+            for count in row._counters:
+                try:
+                    row.injected += int(count())
+                except Exception as exc:  # noqa: BLE001 - the count is lost, the row is not: say why
+                    row.reason = f"injected count unreadable: {type(exc).__name__}: {exc}"[:200]
             if row._watched:
                 _measure_stuck(row)
     if report.when == "teardown":
