@@ -29,6 +29,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import REPO, VENV_BIN, free_port
+from tests.support.require import need
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.prefect]
 
@@ -61,8 +62,11 @@ def _port_free(port: int) -> bool:
 @pytest.fixture
 def newcomer_env(tmp_path):
     """A shell as a newcomer's: the venv on PATH, a fresh HOME, no NEMOFLOW_*/PREFECT_* settings, no key."""
-    if os.geteuid() != 0 or shutil.which("sbatch") is None:
-        pytest.skip("needs the local Slurm cluster (root, scripts/services-up.sh)")
+    need(
+        os.geteuid() == 0 and shutil.which("sbatch"),
+        "the local Slurm cluster (root, sbatch)",
+        "run the tests as root with Debian's slurm packages (scripts/services-up.sh starts the local cluster)",
+    )
     if not _port_free(DEMO_PORT):
         pytest.fail(f"port {DEMO_PORT}, the Slurm demo endpoint's, is taken on this machine: cannot run it as printed")
     mine = subprocess.run(["squeue", "-h", "-n", "nemoflow-demo", "-o", "%i"], capture_output=True, text=True)
