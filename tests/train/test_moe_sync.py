@@ -195,6 +195,29 @@ def test_layer_output_and_gradients_are_autmodels(eager, monkeypatch, masked):
     assert grads.keys() == grads0.keys() and "experts.gate_and_up_projs" in grads
 
 
+def test_moe_block_compiles_as_one_graph(monkeypatch):
+    """Static shapes: torch.compile traces the MoE block forward and backward whole (``fullgraph=True``; the
+    aot_eager backend, which needs no compiler: the same graph capture as the trainer's per-layer compile).
+    AutoModel's boolean masks make the token count data-dependent: its block breaks the graph."""
+    model = _grouped_model(_config())
+    mlp = model.model.layers["0"].mlp
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    block = torch.compile(mlp, backend="aot_eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # torch._grouped_mm's traced form takes bf16 only
+        y = block(x.clone().requires_grad_())
+        eager = mlp(x.clone())
+    y.float().square().sum().backward()
+    assert mlp.experts.gate_and_up_projs.grad.abs().sum() > 0
+    torch.testing.assert_close(y, eager, rtol=2**-7, atol=1e-4)  # decompositions round bf16 differently
+    _upstream(monkeypatch)
+    torch._dynamo.reset()
+    block = torch.compile(mlp, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="data-dependent"), torch.autocast("cpu", dtype=torch.bfloat16):
+        block(x.clone())
+    torch._dynamo.reset()
+
+
 def _loss_and_grad_norm(model, ids) -> tuple[float, float]:
     out = model(ids)
     logits = out.logits if hasattr(out, "logits") else out
@@ -329,3 +352,13 @@ def test_on_the_gpu_a_whole_model_step_never_waits_for_the_device():
         step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    # The profile the README's 216 came from (torch.profiler over 3 steps), counting the syncing calls by name.
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+    torch.cuda.synchronize()
+    names = ("aten::nonzero", "aten::item", "aten::_local_scalar_dense", "aten::bincount", "cudaStreamSynchronize")
+    calls = {e.key: e.count for e in prof.key_averages() if e.key in names}
+    print(f"syncing calls in 3 steps of a 2-layer grouped Mixtral: {calls or 0}")
+    assert not calls
