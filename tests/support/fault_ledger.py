@@ -373,7 +373,7 @@ def document(rows: list[Row], *, commit: str, command: str, exitstatus: int, whe
         f"- command: `{command}`",
         f"- finished: {when}, pytest exit status {exitstatus}",
         "",
-        "```",
+        "```text",
         table(rows),
         "```",
         "",
@@ -389,7 +389,7 @@ def document(rows: list[Row], *, commit: str, command: str, exitstatus: int, whe
 
 def read_document(text: str) -> tuple[str, list[Row]]:
     """(the table printed in a saved document, the rows saved under it)."""
-    printed = text.split("```\n", 1)[1].split("\n```", 1)[0]
+    printed = text.split("```text\n", 1)[1].split("\n```", 1)[0]
     saved = text.split(ROWS_BEGIN, 1)[1].split(ROWS_END, 1)[0]
     lines = [line for line in saved.splitlines() if line.strip() not in ("", "<!--", "-->")]
     return printed, [Row(**json.loads(line)) for line in lines]
