@@ -94,8 +94,8 @@ class StageClock:
         if self.job is not None and self.job["process_start_unix"] < self.started_unix - CLOCK_SLACK_S:
             self.job = None  # a process older than the stage (a server already running): not this stage's phases
         if self.job is not None:
-            launch = self.job["process_start_unix"] - self.started_unix
-            after = self.started_unix + self.seconds - self.job["end_unix"]
+            launch = _slack(self.job["process_start_unix"] - self.started_unix)
+            after = _slack(self.started_unix + self.seconds - self.job["end_unix"])
             return {phases.LAUNCH: launch, **self.job["seconds"], self.tail: after}
         if self.parts:
             return {**self.parts, phases.OTHER: self.seconds - sum(self.parts.values())}
@@ -113,6 +113,12 @@ class StageClock:
             "held_by": accelerators(self.resources),
             "phases": {name: round(value, 3) for name, value in itemised.items()},
         }
+
+
+def _slack(seconds: float) -> float:
+    """0 for a gap a hair below 0: /proc counts a process's start in clock ticks (10 ms), the clocks may differ
+    by that much; a larger negative gap is left as it is (the artifact then shows the clocks disagree)."""
+    return 0.0 if -CLOCK_SLACK_S < seconds < 0 else seconds
 
 
 def _save(clock: StageClock) -> None:

@@ -233,9 +233,23 @@ def _artifact_table(flow_run_id: str, key: str) -> list[dict]:
     return json.loads(data) if isinstance(data, str) else data
 
 
+ARTIFACT_KEYS = (
+    "end-to-end-summary",
+    "staged-image",
+    "loss-curve-",
+    "checkpoint-validation-",
+    "endpoint-",
+    "smoke-test-",
+    "end-to-end-stage-times",
+    "gpu-time",
+    "gpu-time-summary",
+)
+
+
 def _ui_shows_artifacts(api: str, flow_run_id: str) -> None:
     """Open the run page like a person and find the artifacts on its Artifacts tab."""
     need(Path("/usr/bin/chromium").exists(), "Debian's chromium", "apt-get install chromium (scripts/setup.sh --test)")
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     ui = api.removesuffix("/api")
@@ -255,20 +269,16 @@ def _ui_shows_artifacts(api: str, flow_run_id: str) -> None:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(f"{ui}/runs/flow-run/{flow_run_id}")
         page.get_by_text("Artifacts", exact=True).first.click()
-        page.get_by_text("end-to-end-summary").first.wait_for(timeout=30000)
+        # The flow run's artifacts render first, the task runs' after them: wait for each one looked for.
+        for key in ARTIFACT_KEYS:
+            try:
+                page.get_by_text(key).first.wait_for(timeout=30000)
+            except PlaywrightTimeout:
+                break  # the assertion below names the one missing and shows the page
         text = page.inner_text("body")
         page.screenshot(path=str(Path(os.environ.get("NEMOFLOW_SCREENSHOT_DIR", "/tmp")) / "nemoflow-run.png"))
         browser.close()
-    for key in (
-        "end-to-end-summary",
-        "staged-image",
-        "loss-curve-",
-        "checkpoint-validation-",
-        "endpoint-",
-        "smoke-test-",
-        "end-to-end-stage-times",
-        "gpu-time",
-    ):
+    for key in ARTIFACT_KEYS:
         assert key in text, f"artifact {key!r} not on the run page:\n{text[-3000:]}"
 
 
