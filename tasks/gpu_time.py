@@ -98,7 +98,8 @@ class StageClock:
             after = _slack(self.started_unix + self.seconds - self.job["end_unix"])
             return {phases.LAUNCH: launch, **self.job["seconds"], self.tail: after}
         if self.parts:
-            return {**self.parts, phases.OTHER: self.seconds - sum(self.parts.values())}
+            rest = self.seconds - sum(self.parts.values())
+            return {**self.parts, **({phases.OTHER: rest} if rest >= 0.01 else {})}
         return {phases.UNITEMISED: self.seconds}
 
     def record(self) -> dict[str, Any]:

@@ -202,6 +202,7 @@ def _gpu_time_adds_up(run_id: str, stage_times: dict[str, dict], work_dir: Path)
     )
     assert abs(record["phase_s"][phases.STEPS] - pretrain[phases.STEPS]) < 0.01, (record, pretrain)
     print("gpu-time:", json.dumps(accounting["goodput"]), json.dumps(rows))
+    print(_artifact_markdown(run_id, "gpu-time-summary"))
 
 
 def _artifact_markdown(flow_run_id: str, key: str) -> str:
@@ -266,7 +267,9 @@ def _ui_shows_artifacts(api: str, flow_run_id: str) -> None:
                 "--disable-sync",
             ],
         )
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        # Tall: the page renders artifact cards only once they scroll into view, and the task runs' come after
+        # the flow run's (four of them since the gpu-time pair).
+        page = browser.new_page(viewport={"width": 1400, "height": 4000})
         page.goto(f"{ui}/runs/flow-run/{flow_run_id}")
         page.get_by_text("Artifacts", exact=True).first.click()
         # The flow run's artifacts render first, the task runs' after them: wait for each one looked for.
