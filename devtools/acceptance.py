@@ -233,7 +233,7 @@ def _fmt(value, unit: str = "") -> str:
 
 
 def _unit(name: str) -> str:
-    return "%" if name.endswith(("_mfu", "_ratio")) else " s" if name.endswith("_s") else ""
+    return "%" if name.endswith(("_mfu", "_ratio", "_goodput")) else " s" if name.endswith("_s") else ""
 
 
 def render(report: dict) -> str:
@@ -282,6 +282,19 @@ def render(report: dict) -> str:
                 f"{runs[0]['untrained_loss']:.3f}). Smoke answer in {runs[0]['latency_s']:.2f} s: "
                 f"{runs[0]['answer'][:120]!r}",
             ]
+    held = (runs[0].get("gpu_time") or {}) if runs else {}
+    if held.get("rows"):
+        column = held["column"]
+        lines += [
+            "",
+            f"Where the first run's {held['unit']}-seconds went (its `gpu-time` artifact): held "
+            f"{held['held']:,.1f} {column}, training steps {held['training_steps']:,.1f}: goodput "
+            f"{_fmt(held.get('goodput'), '%')}.",
+            "",
+            f"| stage | phase | seconds | {column} |",
+            "|---|---|---:|---:|",
+        ]
+        lines += [f"| {r['stage']} | {r['phase']} | {r['seconds']:.1f} | {r[column]:.1f} |" for r in held["rows"]]
     bench = [(part, name, r) for part in ("train", "moe") for name, r in (report.get(part) or {}).items() if r]
     if bench:
         lines += [
