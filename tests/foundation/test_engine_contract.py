@@ -81,14 +81,15 @@ def test_in_json_schema_exactly_one_serving_engine_matches():
         jsonschema.validate({"engine": "builtin", "max_input_len": 2}, schema)
 
 
-def test_a_serve_config_of_the_shape_before_engines_were_values_still_works():
+def test_a_serve_config_of_the_shape_before_engines_were_values_is_refused_by_name():
+    """One accepted shape (issue 31): ``serve.resources`` went into ``serve.engine``; pydantic refuses the old
+    shape as the deployment's schema does, naming the field, instead of silently moving it."""
     from tasks.serve import ServeConfig
 
-    old = ServeConfig.model_validate({"resources": {"gpus_per_node": 2}, "engine": {"engine": "vllm"}})
-    assert old.engine.resources.gpus_per_node == 2 and old.engine.engine == "vllm"
-    assert ServeConfig.model_validate({"resources": {"cpus_per_task": 3}}).engine.resources.cpus_per_task == 3
-    with pytest.raises(ValidationError, match="resources is given twice"):
-        ServeConfig.model_validate({"resources": {}, "engine": {"resources": {}}})
+    with pytest.raises(ValidationError, match=r"(?s)resources.*Extra inputs are not permitted"):
+        ServeConfig.model_validate({"resources": {"gpus_per_node": 2}, "engine": {"engine": "vllm"}})
+    config = ServeConfig.model_validate({"engine": {"engine": "vllm", "resources": {"gpus_per_node": 2}}})
+    assert config.engine.resources.gpus_per_node == 2 and config.engine.engine == "vllm"
 
 
 def test_a_test_only_serving_engine_is_served_by_the_stage_unchanged(tmp_path):

@@ -75,7 +75,8 @@ def fake_wandb(tmp_path_factory):
     root = tmp_path_factory.mktemp("fake-wandb")
     (root / "wandb").mkdir()
     calls = root / "calls.jsonl"
-    # The surface NeMo AutoModel uses: init (with Settings), the module-level run, log and finish.
+    # The surface NeMo AutoModel and the trainer use: init (with Settings), the module-level run and its summary,
+    # log and finish.
     (root / "wandb" / "__init__.py").write_text(
         "import json, os\n"
         f"_LOG = {str(calls)!r}\n"
@@ -84,8 +85,11 @@ def fake_wandb(tmp_path_factory):
         "    with open(_LOG, 'a') as fh: fh.write(json.dumps({'call': kind, 'pid': os.getpid(), **kw}) + '\\n')\n"
         "class Settings:\n"
         "    def __init__(self, **kw): pass\n"
+        "class _Summary(dict):\n"
+        "    def update(self, data): _rec('summary', keys=sorted(data)); super().update(data)\n"
         "class _Run:\n"
         "    url = 'wandb://stand-in'\n"
+        "    def __init__(self): self.summary = _Summary()\n"
         "def init(**kw):\n"
         "    global run\n"
         "    _rec('init', project=kw.get('project'), id=kw.get('id'), key=os.environ.get('WANDB_API_KEY'))\n"

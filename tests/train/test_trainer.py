@@ -282,7 +282,8 @@ def test_mixtral_run_reports_to_wandb_only_with_key(tmp_path, train_dataset, ref
     assert type(AutoModelForCausalLM.from_pretrained(latest.path)).__name__ == "MixtralForCausalLM"
 
     records = [json.loads(line) for line in calls.read_text().splitlines()]
-    assert [r["call"] for r in records if r["call"] != "log"] == ["init", "finish"]
+    assert [r["call"] for r in records if r["call"] != "log"] == ["init", "summary", "finish"]
+    assert next(r for r in records if r["call"] == "summary")["keys"] == ["gpu_time"]  # the run's phase seconds
     assert records[0]["project"] == "nemoflow" and records[0]["key"] == secret
     logs = [r for r in records if r["call"] == "log"]
     assert logs and all({"loss", "lr", "grad_norm"} <= set(r["keys"]) for r in logs)
