@@ -86,7 +86,9 @@ ENGINES = {
     "vllm": EngineSpec(
         check_imports=(
             "vllm",
-            "vllm._C_stable_libtorch",
+            "vllm._C_stable_libtorch",  # vLLM 0.26.0's name for vllm._C (its CUDA kernels)
+            "vllm._moe_C_stable_libtorch",
+            "vllm.platforms.cuda",
             "vllm.vllm_flash_attn",
             "vllm.entrypoints.openai.api_server",
             "vllm.v1.engine.core",
