@@ -537,7 +537,11 @@ def install(dirs: list[Path], venv: Path, reuse_python: str, check: bool = True,
                 p.unlink()  # a joined wheel: installed, its bytes are not needed again
     missing = [w for w in manifest["wheels"] if w["file"] not in done]
     if missing:
-        chunks = sorted({w.get("chunk") or p["chunk"] for w in missing for p in w.get("parts", [w])})
+        # the chunks still to come: a missing wheel's, or a missing wheel's parts not staged here yet
+        chunks = sorted(
+            {w["chunk"] for w in missing if "parts" not in w}
+            | {p["chunk"] for w in missing for p in w.get("parts", []) if not (state / p["file"]).is_file()}
+        )
         log(
             f"==> {len(manifest['wheels']) - len(missing)} of {len(manifest['wheels'])} wheels installed; still to "
             f"come: {', '.join(chunks)} ({sum(w['size'] for w in missing) / MIB:.1f} MiB)"
