@@ -170,13 +170,20 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "serve-vllm")
     p.add_argument("--checkpoint", type=Path, help="a Hugging Face export (default: the GPU demo's shape, random)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[16, 64, 1],
+        help="levels, in order (the targets first: a run cut short keeps them)",
+    )
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--builtin-concurrency", type=int, nargs="*", default=[1, 16])
-    p.add_argument("--builtin-requests", type=int, default=16, help="per level (at least the concurrency)")
+    p.add_argument("--builtin-requests", type=int, default=4, help="per level (at least the concurrency)")
     p.add_argument("--engine-arg", action="append", default=[], help="one more vllm serve argument (repeat)")
     p.add_argument("--skip-builtin", action="store_true", help="only vLLM (a) and (b)")
     p.add_argument("--skip-vllm", action="store_true", help="only the built-in engine (c)")
+    p.add_argument("--builtin-device", default="cuda", help="the built-in engine's --device (default cuda)")
     p.add_argument("--model-dir", type=Path, help="where the random-weight model is made (default: under --out)")
     args = p.parse_args()
     out = args.out.absolute()
@@ -207,7 +214,7 @@ def main() -> int:
         run_vllm(args, report, save, serve, env, vllm, tokenizer, out, key)
     if not args.skip_builtin:
         port = free_port()
-        cmd = serve + ["--port", str(port), "--engine", "builtin", "--device", "cuda"]
+        cmd = serve + ["--port", str(port), "--engine", "builtin", "--device", args.builtin_device]
         server, ready_s = start(cmd, env, out / "builtin.log", f"http://127.0.0.1:{port}", 600)
         report["builtin_start_to_ready_s"] = round(ready_s, 1)
         try:
