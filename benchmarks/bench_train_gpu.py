@@ -82,9 +82,13 @@ MODELS = {
     "1.1b": (2048, 16, 16, 8, 8192, 4),
     "tiny-moe": (64, 2, 4, 2, 128, 2),
     "moe-0.9b": (1024, 12, 16, 8, 2816, 4),  # the issue's Mixtral: 0.93B parameters, 0.28B active (top-2 of 8)
+    # Two layers of the seed's Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1: hidden 4096, 32 heads, 8 KV heads, FFN
+    # 14336 per expert, 8 experts, top-2): 3.16B parameters, 1.05B active; one H200 holds it with its AdamW state
+    # (the memory plan's check of the full model's per-GPU numbers, issue 35)
+    "mixtral-8x7b-2l": (4096, 2, 32, 8, 14336, 2),
 }
 # MoE models (Mixtral-style, arch mixtral): name -> (experts, experts per token)
-MOE = {"tiny-moe": (4, 2), "moe-0.9b": (8, 2)}
+MOE = {"tiny-moe": (4, 2), "moe-0.9b": (8, 2), "mixtral-8x7b-2l": (8, 2)}
 MOE_IMPLS = ("hf", "grouped", "grouped-eager")  # --moe-impl entries: TrainConfig.moe_impl, and whether to compile
 
 

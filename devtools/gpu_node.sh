@@ -16,6 +16,11 @@
 #   devtools/gpu_node.sh vllm-check OUT          # the engine venv's import check again, its freeze, vllm --version
 #   devtools/gpu_node.sh vllm-bench OUT [ARGS]   # benchmarks/bench_serve_vllm.py: vLLM behind the proxy and direct
 #   devtools/gpu_node.sh vllm-bench-builtin OUT  # the same client against the built-in engine, same checkpoint
+#   devtools/gpu_node.sh acceptance OUT PART [COMMIT]  # THE acceptance run, one PART a call (each fits a 10-minute
+#       call): demo (`nemoflow demo` twice + the tests marked gpu), train (1.1B with a save every 10 steps against
+#       none), moe (moe-0.9b and the Mixtral-8x7B 2-layer slice, grouped), serve (the serving benchmark, when its
+#       engine is installed); after each part OUT/acceptance.json + acceptance.md hold every part run so far,
+#       checked against the targets (devtools/acceptance.py). COMMIT: the commit the tree is (the copy has no .git).
 #
 # Everything lives under /tmp (the venv, NEMOFLOW_HOME, the work dir): on the lent machines files under /tmp
 # survive between calls while the machine stays warm, and the repository copy does not. The node's Python is
@@ -128,7 +133,41 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
     ckpt=$(find "$NEMOFLOW_WORK_DIR" -type d -name consolidated -path '*model*' 2>/dev/null | sort | tail -1 || true)
     which=(--skip-builtin); [ "$cmd" = vllm-bench-builtin ] && which=(--skip-vllm)
     "$VENV/bin/python" benchmarks/bench_serve_vllm.py --out "$out" --model-dir "$ROOT/bench-model" \
-      ${ckpt:+--checkpoint "$ckpt"} "${which[@]}" "$@" 2>&1 | tee "$out/bench.log" || true
+      ${ckpt:+--checkpoint "$ckpt"} "${which[@]}" "$@" 2>&1 | tee "$out/bench.log"
+    ;;
+  acceptance)
+    out=${1:?acceptance OUT PART [COMMIT]}; part=${2:?acceptance OUT demo|train|moe|serve [COMMIT]}
+    commit=${3:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+    parts=$ROOT/acceptance; dir=$parts/$part
+    rm -rf "$dir"; mkdir -p "$dir" "$out"
+    start=$(date +%s); rc=0
+    case "$part" in
+      demo)
+        "$0" demo "$dir" || rc=$?
+        # the tests marked gpu (collected from their files: the node lacks the CPU suite's test tools)
+        mapfile -t files < <(grep -l "pytest.mark.gpu" -r tests --include='test_*.py')
+        "$VENV/bin/python" -m pytest "${files[@]}" -m gpu -q -p no:cacheprovider 2>&1 | tee "$dir/tests-gpu.log" \
+          || rc=$? ;;
+      train)
+        "$VENV/bin/python" benchmarks/bench_train_gpu.py --model 1.1b --gpus 1 --steps 40 --warmup 5 --ckpt-every 10 \
+          --compare-no-saves --skip-reference --out "$ROOT/bench-acc-train" 2>&1 | tee "$dir/ckpt10.log" || rc=$?
+        cp "$ROOT/bench-acc-train/bench_train_gpu-1.1b-1gpu.json" "$dir/ckpt10.json" || rc=1 ;;
+      moe)
+        for spec in moe-0.9b:4 mixtral-8x7b-2l:2 mixtral-8x7b-2l:4; do
+          model=${spec%:*}; mb=${spec#*:}
+          "$VENV/bin/python" benchmarks/bench_train_gpu.py --model "$model" --micro-batch "$mb" --moe-impl grouped \
+            --gpus 1 --steps 20 --warmup 5 --ckpt-every 1000 --skip-reference --out "$ROOT/bench-acc-moe-$model-$mb" \
+            > "$dir/$model-mb$mb.log" 2>&1 || rc=$?
+          cp "$ROOT/bench-acc-moe-$model-$mb/bench_train_gpu-$model-1gpu.json" "$dir/$model-mb$mb.json" || rc=1
+          tail -3 "$dir/$model-mb$mb.log"
+        done ;;
+      serve)
+        "$0" vllm-bench "$dir" || rc=$? ;;
+      *) echo "acceptance: unknown part $part (demo, train, moe, serve)" >&2; exit 2 ;;
+    esac
+    echo "{\"exit\": $rc, \"wall_s\": $(( $(date +%s) - start ))}" > "$dir/status.json"
+    "$VENV/bin/python" -m devtools.acceptance collect "$parts" "$out" "$commit"
+    cp "$dir"/*.log "$out/" 2>/dev/null || true
     ;;
   *)
     echo "unknown command $cmd" >&2; exit 2 ;;

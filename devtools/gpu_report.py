@@ -51,6 +51,13 @@ def training(checkpoint: str, skip: int = 2) -> dict:
     }
 
 
+def _json_or_none(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def main(argv: list[str]) -> int:
     work_dir, out = Path(argv[0]), Path(argv[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -67,6 +74,8 @@ def main(argv: list[str]) -> int:
                 "answer": summary["answer"],
                 "latency_s": summary["latency_s"],
                 "checkpoint": summary["checkpoint"],
+                # where the run's GPU-seconds went (tasks/gpu_time.py wrote it; a cached run held nothing)
+                "gpu_time": _json_or_none(work_dir / "flow-runs" / summary["flow_run_id"] / "gpu-time.json"),
             }
         )
     report = {"runs": runs, "training": training(runs[0]["checkpoint"]) if runs else None}

@@ -52,6 +52,7 @@ from infra import storage
 from infra.executors import Executor, default_executor
 from infra.secrets import CredentialFree
 from infra.settings import get_settings
+from tasks import gpu_time
 from tasks.checkpoint import validate_checkpoint
 from tasks.common import logger, result_storage
 from tasks.image import ImageConfig, stage_image
@@ -410,6 +411,7 @@ def _train_and_decide(config, registry, state, base_generation, promoted, new, r
             config.sft.promote,
         )
     log.info("%s %s: %s", "promoted" if accept else "kept", new_state.promoted, why)
+    summary["gpu_time"] = gpu_time.publish("cpt-refresh")  # where the training and validation GPU-seconds went
     return summary
 
 

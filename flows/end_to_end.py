@@ -28,6 +28,7 @@ from infra import storage
 from infra.executors import Executor, default_executor
 from infra.jobs import Resources
 from infra.settings import get_settings
+from tasks import gpu_time
 from tasks.checkpoint import validate_checkpoint
 from tasks.common import result_storage
 from tasks.image import ImageConfig, stage_image
@@ -132,7 +133,7 @@ def demo_gpu_config(gpus: int) -> dict:
     built-in server on one (vLLM when it is installed: the server decides, engine ``auto``)."""
     return {
         "train": demo_gpu_train_config(gpus).model_dump(exclude_defaults=True),
-        "serve": {"resources": {"gpus_per_node": 1, "cpus_per_task": 2}},
+        "serve": {"engine": {"engine": "auto", "resources": {"gpus_per_node": 1, "cpus_per_task": 2}}},
     }
 
 
@@ -254,6 +255,8 @@ def end_to_end(config: EndToEndConfig | None = None) -> dict:
         summary["sft"] = run_sft(
             config.sft.train, config.sft.data, base, registry_uri, executor, image, config.sft.promote
         )
+    # where each GPU-second (CPU-second without GPUs) of the stages that ran went, and the run's goodput
+    summary["gpu_time"] = gpu_time.publish("end-to-end", serving=config.serve.engine.resources)
     _publish_stage_times()
     return summary
 

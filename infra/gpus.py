@@ -21,7 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-INSTALL_HINT = "scripts/setup.sh --torch cuda (README: 'Install on a GPU machine')"
+INSTALL_HINT = "scripts/setup.sh --torch cuda (docs/install.md: 'A GPU machine')"
 
 
 class GpuRequestError(ValueError):

@@ -8,7 +8,7 @@
 #   scripts/wheelhouse.sh install-engine CHUNK... --venv PATH --reuse-torch PY   (scripts/setup.sh --engine-venv)
 #   scripts/wheelhouse.sh show DIR          what a wheelhouse holds (sizes, chunks, what the node supplies)
 #   scripts/wheelhouse.sh freeze [--python PY]   name==version of a Python's packages (for --have)
-# Install it on the node with `scripts/setup.sh --offline DIR ...` (README: "Install on a node without internet").
+# Install it on the node with `scripts/setup.sh --offline DIR ...` (docs/install.md: "A node without internet").
 # Runs on the project's .venv Python when there is one, else python3 (any Python >= 3.11 with pip).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -25,7 +25,8 @@ from infra import storage
 from infra.configs.train import parse_blend
 from infra.executors import Executor
 from infra.jobs import ImageRef, JobSpec, Resources, workload_job
-from tasks.common import cache_policy, logger, run_job, transient_only
+from tasks.common import cache_policy, logger, transient_only
+from tasks.gpu_time import run_timed
 from tasks.refs import CheckpointRef, DatasetRef
 
 DEFAULT_RESOURCES = Resources(cpus_per_task=2, time="01:00:00")
@@ -150,7 +151,8 @@ def validate_checkpoint(
     log = logger()
     output = report_path(ckpt, threshold)
     storage.makedirs(storage.parent(output))
-    run_job(build_validate_job(ckpt, dataset, threshold, output, image, num_batches, resources), executor)
+    job = build_validate_job(ckpt, dataset, threshold, output, image, num_batches, resources)
+    run_timed(job, executor, beside=storage.parent(output))  # timed for the run's gpu-time artifact
     report = ValidationReport.model_validate({**storage.read_json(output), "report_uri": output})
     key = "checkpoint-validation-" + hashlib.sha256(report.checkpoint.encode()).hexdigest()[:10]
     create_markdown_artifact(key=key, markdown=report_markdown(report), description="checkpoint validation checks")

@@ -34,12 +34,13 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import CachePolicy
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from infra import services, storage
+from infra import phases, services, storage
 from infra.executors import Executor, as_executor, get_backend
 from infra.jobs import ImageRef, ServiceInfo, ServiceSpec, workload_service
 from infra.settings import SERVE_API_KEY_ENV, get_settings
+from tasks import gpu_time
 from tasks.common import code_fingerprint, logger, transient_only
 from tasks.refs import CheckpointRef, EndpointRef
 from workloads.serve_engines import SERVE_ENGINES, Auto, ServeEngine, ServeEngineConfig
@@ -67,23 +68,6 @@ class ServeConfig(BaseModel):
     model_name: str = "nemoflow-demo"
     ready_timeout_s: float = Field(180, gt=0)
     engine: ServeEngineConfig = Field(default_factory=Auto)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _resources_beside_the_engine(cls, value: Any) -> Any:
-        """``serve: {resources: ...}`` (the shape before engines were values) is the engine's resources."""
-        if not isinstance(value, dict) or "resources" not in value:
-            return value
-        value = dict(value)
-        resources = value.pop("resources")
-        engine = value.get("engine", {})
-        if isinstance(engine, ServeEngine):
-            engine = engine.model_dump(exclude_unset=True)
-        if not isinstance(engine, dict):
-            return {**value, "resources": resources}  # pydantic names the bad engine value
-        if "resources" in engine:
-            raise ValueError("serve: resources is given twice (beside the engine and in it); give it in engine")
-        return {**value, "engine": {**engine, "resources": resources}}
 
 
 def service_name(model_name: str) -> str:
@@ -312,9 +296,13 @@ def deploy_inference(
     if "--allow-unauthenticated" in spec.command:
         log.warning("%s serves on %s without an API key (allow_unauthenticated)", spec.name, backend.bind_host)
     log.info("starting %s on the %s backend: %s", spec.name, backend.name, shlex.join(spec.command))
-    info = backend.start_service(
-        spec, ready_timeout_s=ready_timeout_s, on_log=lambda line: log.info("[%s] %s", spec.name, line)
-    )
+    # timed for the run's gpu-time artifact: the server's start, itemised by its own /health report
+    with gpu_time.clocked(spec.resources, tail=phases.WAIT) as clock:
+        info = backend.start_service(
+            spec, ready_timeout_s=ready_timeout_s, on_log=lambda line: log.info("[%s] %s", spec.name, line)
+        )
+        clock.stop()
+        clock.job = gpu_time.service_phases(info.url)
     endpoint = EndpointRef(
         url=info.url,
         model=model_name,

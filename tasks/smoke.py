@@ -43,7 +43,9 @@ from prefect.cache_policies import INPUTS, CachePolicy
 from pydantic import BaseModel
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from infra import phases
 from infra.executors import get_backend
+from tasks import gpu_time
 from tasks.common import code_fingerprint, logger
 from tasks.refs import EndpointRef
 
@@ -339,9 +341,12 @@ def smoke_test(
     def on_retry(attempt: int, status: str, sleep_s: float) -> None:
         log.warning("smoke test attempt %d: %s; retrying in %.1fs", attempt, status, sleep_s)
 
-    result = smoke_with_retries(
-        endpoint, body, timeout_s, shape=shape, api_key=api_key, retry_s=retry_s, on_retry=on_retry
-    )
+    # The server's accelerators are held for the generation: timed for the run's gpu-time artifact (the
+    # flow knows the server's resources; this record names none).
+    with gpu_time.clocked(None) as clock, clock.part(phases.GENERATION):
+        result = smoke_with_retries(
+            endpoint, body, timeout_s, shape=shape, api_key=api_key, retry_s=retry_s, on_retry=on_retry
+        )
     log_lines = [] if result.passed else server_log_tail(endpoint)
     create_markdown_artifact(
         key="smoke-test-" + "".join(c if c.isalnum() else "-" for c in endpoint.model.lower()).strip("-"),

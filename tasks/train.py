@@ -23,7 +23,8 @@ from infra import storage
 from infra.configs.train import TrainConfig
 from infra.executors import Executor
 from infra.jobs import ImageRef
-from tasks.common import code_fingerprint, logger, run_job, transient_only
+from tasks.common import code_fingerprint, logger, transient_only
+from tasks.gpu_time import run_timed
 from tasks.refs import CheckpointRef, DatasetRef
 from tasks.train_engines import PretrainEngine, TrainEngine, TrainInputs, as_engine
 
@@ -49,11 +50,12 @@ def train_with(engine: TrainEngine, inputs: TrainInputs, executor: Executor | An
     for path, text in engine.files().items():
         storage.makedirs(storage.parent(path))
         storage.write_text(path, text)
-    run_job(engine.job(inputs), executor)
+    # timed: the job's seconds and how it spent them, for the run's gpu-time artifact (tasks/gpu_time.py)
+    run_timed(engine.job(inputs), executor, beside=engine.run_dir)
     from tasks.tracking import publish_wandb_run
 
     publish_wandb_run(engine.run_dir)  # a W&B link (or the offline run's path) in the Prefect UI
-    return engine.result(inputs, lambda spec: run_job(spec, executor))
+    return engine.result(inputs, lambda spec: run_timed(spec, executor, beside=engine.run_dir))
 
 
 def _run_name() -> str:

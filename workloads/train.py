@@ -67,7 +67,7 @@ from pathlib import Path
 # megatron-core / megatron-fsdp warn at import that Apex / Transformer Engine are absent; neither is used.
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
-from infra import failpoints, storage  # noqa: E402 - after the warnings filter
+from infra import failpoints, phases, storage  # noqa: E402 - after the warnings filter
 from infra.configs.moe import backend_config as moe_backend_config  # noqa: E402 - see above
 from infra.configs.moe import resolve_moe_impl  # noqa: E402 - see above
 from infra.configs.train import (  # noqa: E402 - see above
@@ -469,14 +469,32 @@ def build_recipe(
                 # AutoModel waits for it before opt.step (maybe_wait_for_staging). Wait here first, timed, so the
                 # training loop's share of the save is on record (checkpoint_wait_s); AutoModel's wait is then a no-op.
                 started = time.perf_counter()
-                self.checkpointer.maybe_wait_for_staging()
+                with phases.within(phases.SAVE):
+                    self.checkpointer.maybe_wait_for_staging()
                 if self.metrics is not None:
                     self.metrics.log({"step": self.saved_step, "checkpoint_wait_s": time.perf_counter() - started})
                 self.saved_step = None
             self.profile_steps(done, start=True)
+            # This process's first step compiles (torch.compile is lazy) and warms up: counted as the build.
+            phases.switch(phases.STEPS if getattr(self, "stepped", False) else phases.BUILD)
             result = super()._run_train_optim_step(batches, max_grad_norm)
+            phases.switch(phases.DATA)  # until the next step: the next batch and the loop's bookkeeping
+            self.stepped = True
             self.profile_steps(done, start=False)
             return result
+
+        def _get_dp_rank(self, include_cp: bool = False):
+            if not include_cp and phases.timer().current == phases.BUILD:
+                phases.switch(phases.DATA)  # AutoModel 0.7's setup asks this first when it builds the data loaders
+            return super()._get_dp_rank(include_cp=include_cp)
+
+        @phases.timed(phases.BUILD)  # resume: weights, optimizer and data position back from the checkpoint
+        def load_checkpoint(self, *args, **kwargs):
+            return super().load_checkpoint(*args, **kwargs)
+
+        @phases.timed(phases.VALIDATION)
+        def _run_validation_epoch(self, *args, **kwargs):
+            return super()._run_validation_epoch(*args, **kwargs)
 
         def profile_steps(self, done: int, start: bool) -> None:
             """``NEMOFLOW_PROFILE_STEPS=DIR[:FIRST[:COUNT]]`` (default steps 8-10): torch.profiler over those steps.
@@ -579,6 +597,7 @@ def build_recipe(
                 self.metrics.log({"step": log_data.step + 1, "val_loss": self.last_val_loss})
             super().log_val_metrics(val_name, log_data, metric_logger)
 
+        @phases.timed(phases.SAVE)
         def _finalize_and_close_checkpointer(self):
             started = time.perf_counter()
             super()._finalize_and_close_checkpointer()  # waits for the last async save and publishes it
@@ -587,6 +606,7 @@ def build_recipe(
                 self.metrics.log({"step": done, "checkpoint_finalize_s": time.perf_counter() - started})
 
         # -------------------------------------------------- checkpoints
+        @phases.timed(phases.SAVE)
         def save_checkpoint(self, epoch, step, train_loss, val_loss=None, best_metric_key="default"):
             done = step + 1
             path = Path(self.checkpointer.config.checkpoint_dir) / f"epoch_{epoch}_step_{step}"
@@ -931,6 +951,7 @@ def train(config: TrainConfig) -> int:
         from infra.configs.memory_plan import check_memory
 
         check_memory(config, world_size=world_size)  # against gpu_memory_gib when the config states it
+    phases.switch(phases.DATA)  # the run directory, the inputs staged in and checked
     mirror = run_mirror(config)
     run_dir = prepare_run_dir(config, mirror)
     recorded, config = config, localize(config)  # meta.json records the URIs given; AutoModel reads local files
@@ -950,6 +971,7 @@ def train(config: TrainConfig) -> int:
             mirror.push_file("train_config.json")
             upload_unsent(run_dir, mirror)
 
+    phases.switch(phases.START)  # NeMo AutoModel's imports
     from workloads import automodel_shim
 
     if not cuda:
@@ -980,7 +1002,9 @@ def train(config: TrainConfig) -> int:
     autocast_bf16 = cuda and config.precision == "bf16-mixed" and (world_size == 1 or strategy == "ddp")
     flops = model_flops_per_token(config, vocab_size)
     recipe = build_recipe(config, run_dir, cfg, autocast_bf16, recorded, mirror, flops)
+    phases.switch(phases.BUILD)
     recipe.setup()
+    phases.switch(phases.BUILD)  # setup ends with the data loaders: what follows builds (compile, init_from)
     if async_save:
         recipe.writer_start = automodel_shim.start_checkpoint_process(recipe.checkpointer._model_ctx.process_group)
         if world_size > 1:
@@ -1017,7 +1041,9 @@ def train(config: TrainConfig) -> int:
             print(f"initialised weights from {config.init_from} (reset_optimizer={config.reset_optimizer})")
         sys.stdout.flush()
     try:
+        phases.switch(phases.DATA)  # the first batch
         recipe.run_train_validation_loop()
+        phases.switch(phases.SAVE)  # the last saves published and uploaded, then the export
         recipe.finisher.finish_published()
         recipe.finisher.join()
     except (torch.OutOfMemoryError, MemoryError):
@@ -1034,6 +1060,11 @@ def train(config: TrainConfig) -> int:
             # thread then died at exit with a traceback after the run's last line (the export's error).
             writer_start.join(timeout=300)
         if recipe.metrics is not None:
+            log_phases(
+                recipe,
+                config.num_nodes * (config.gpus_per_node if cuda else config.cpus_per_task),
+                "GPU" if cuda else "CPU",
+            )
             recipe.metrics.close()
             if mirror is not None:
                 mirror.push_file("metrics.jsonl")
@@ -1053,6 +1084,16 @@ def train(config: TrainConfig) -> int:
             flush=True,
         )
     return 0
+
+
+def log_phases(recipe, accelerators: int, unit: str) -> None:
+    """Rank 0 at the end of training: this process's phase seconds and goodput (infra/phases.py) as one record
+    in metrics.jsonl and in the W&B run's summary; the stage's gpu-time artifact adds the launch and export."""
+    record = phases.summary(accelerators, unit)
+    recipe.metrics.log({"step": recipe.step_scheduler.step, **record})
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.run.summary.update({"gpu_time": record})
 
 
 def grouped_init_from(config: TrainConfig, recorded: TrainConfig) -> str:
@@ -1146,6 +1187,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     finally:
+        phases.write()  # the job's phase seconds for the stage's gpu-time artifact ($NEMOFLOW_PHASES_FILE)
         import torch.distributed as dist
 
         if dist.is_initialized():

@@ -39,6 +39,7 @@ from pathlib import Path
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
+from infra import phases  # noqa: E402 - after the warnings filter
 from workloads import checkpoint as ckpt  # noqa: E402 - after the warnings filter (megatron import)
 from workloads import staging  # noqa: E402 - see above
 
@@ -66,6 +67,7 @@ def _held_out(checkpoint_dir: Path, data_prefix, tokenizer_model, seq_length, sp
     )
 
 
+@phases.timed(phases.DATA)  # the held-out dataset; evaluate() is validation
 def _loss_on(model, data_prefix, tokenizer_model, seq_length, split, seed, valid_data_prefix, num_batches, batch_size):
     import torch
 
@@ -98,6 +100,7 @@ def lm_loss(model, tokens, labels, loss_mask):
     return (per_token * loss_mask.flatten()).sum() / loss_mask.sum().clamp(min=1)
 
 
+@phases.timed(phases.VALIDATION)
 def evaluate(model, dataset, batches: int, batch_size: int, device, autocast) -> float:
     """Mean loss over the first ``batches`` batches of ``dataset``: the same samples every time."""
     import torch
@@ -124,6 +127,7 @@ class _NoAutocast:
         return False
 
 
+@phases.timed(phases.BUILD)
 def load_model(checkpoint_dir: str | os.PathLike):
     """The checkpoint's model (transformers from_pretrained), on CUDA when there is one."""
     import torch
@@ -135,6 +139,7 @@ def load_model(checkpoint_dir: str | os.PathLike):
     return model.to("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@phases.timed(phases.BUILD)
 def untrained_model(checkpoint_dir: str | os.PathLike, seed: int):
     """The same architecture freshly initialised the way the trainer does it (seeded)."""
     import torch
@@ -188,6 +193,9 @@ def validate(
 ) -> dict:
     """Run every check; returns the report (``passed`` is True only when all checks passed)."""
     import torch
+    import transformers  # noqa: F401 - imported here to count as start-up, not as the model load
+
+    phases.switch(phases.VALIDATION)  # the checks; model loads, data and evaluation are timed as their phases
 
     given = str(checkpoint_dir) if staging.is_remote(str(checkpoint_dir)) else str(Path(checkpoint_dir))
     # a gs:// checkpoint: every file its manifest lists that is there (a missing one fails files_complete)
@@ -329,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
+        phases.write()  # the job's phase seconds for the stage's gpu-time artifact ($NEMOFLOW_PHASES_FILE)
         import torch.distributed as dist
 
         if dist.is_initialized():

@@ -29,6 +29,10 @@ seq_length / context_parallel tokens per GPU; tp, pp, cp, ep, dp the parallel si
   ``activation_checkpointing`` only each layer's input is kept, 2h x T x L, plus one layer recomputed.
   Logits: T x V x 6 / tp (bf16 logits and their fp32 copy for the loss). Expert parallel's all-gather
   dispatch (AutoModel's ``torch`` dispatcher) holds ep x T x h x 6 bytes (gathered tokens, fp32 outputs).
+* **A grouped MoE held whole** (one process, DDP): the experts are most of the parameters, and their gradients
+  and the activations are never at full size at once (zero_grad frees the gradients, the backward pass frees
+  activations as it creates gradients), so its peak is the larger of the end of the forward pass and the end of
+  the backward pass (``_moe_replica_peak``; measured on H200: tests/train/test_moe_memory.py).
 * **Reserve**: 2 GiB for the CUDA context, NCCL buffers and allocator fragmentation.
 
 Checked against measurements on H200 (README, "Training on H200"): Llama 1.1B, seq 2048, micro batch 4, one GPU
@@ -211,6 +215,11 @@ def plan_memory(
     else:
         activations = per_layer * L
     activations += tokens * V * 6 / tp
+    phase_note = acts_note = None
+    if E and strategy != "fsdp2":
+        weights, gradients, working, activations, phase_note, acts_note = _moe_replica_peak(
+            config, counts, total, expert_params, tokens, w, c, per_layer
+        )
 
     layout: dict[str, int | str] = {
         "nodes": config.num_nodes,
@@ -235,6 +244,8 @@ def plan_memory(
         )
         + f" + logits {tokens * V * 6 / tp / GIB:.2f} GiB",
     ]
+    if phase_note:
+        notes[1:2] = [acts_note, phase_note]
     if E:
         notes.append(
             f"experts: {expert_params / 1e9:.2f}B of the parameters; EP {ep}: {E // ep} of {E} experts a rank"
@@ -252,6 +263,67 @@ def plan_memory(
         gpu_memory_gib=gpu_memory_gib,
         notes=tuple(notes),
     )
+
+
+def _moe_replica_peak(config, counts, total, expert_params, tokens, w, c, per_layer):
+    """Weights, gradients, working, activations (bytes) and a note, at the peak of a grouped MoE that one process
+    (or each DDP rank) holds whole: the larger of the end of the forward pass and the end of the backward pass.
+
+    The experts are most of the parameters, so their gradients and the activations are never at full size at
+    once: the optimizer's ``zero_grad`` frees the gradients before the forward pass (set_to_none), and the
+    backward pass frees each layer's activations as it creates that layer's gradients. Per token and layer the
+    activations are the module docstring's, plus, under bf16-mixed, the two RMSNorm inputs in fp32 (the residual
+    stream of fp32 weights under autocast: 4h more); the logits hold 10 bytes a token and vocabulary entry while
+    the loss runs (AutoModel's MaskedCrossEntropy: the bf16 logits, their fp32 copy and log-softmax's fp32 output).
+
+    * end of the forward pass: weights, optimizer, every layer's activations, the loss's logits, and under
+      bf16-mixed the bf16 weight copies (autocast's cached casts and the experts' own casts, kept for the backward
+      pass: 2 bytes a parameter);
+    * end of the backward pass: weights, optimizer, all gradients, the first layer's activations (freed last)
+      and, under bf16-mixed, that layer's expert gradients in bf16 before they become the fp32 ``.grad``
+      (2 x one layer's expert parameters).
+
+    Checked (tests/train/test_moe_memory.py) against the two-layer Mixtral-8x7B slice on one H200 (issue 35:
+    49.9 GiB peak allocated at micro batch 2, 50.3 at 4: the end of the backward pass binds, hence the small
+    growth with the micro batch) and moe-0.9b (README: 20.5 / 28.9 / 45.5 GiB at micro batch 4 / 8 / 16: the
+    end of the forward pass binds). Dense models and FSDP2 keep the all-at-once sum, which their measurements
+    (Llama 1.1B) were checked against. DDP's gradient buckets (4 bytes a parameter) are there in both phases.
+    """
+    h, V, L = config.hidden_size, config.vocab_size or 32000, config.num_layers
+    tp_pp = config.tensor_model_parallel_size * config.pipeline_model_parallel_size
+    local, layer_experts = total / tp_pp, counts["mlp"] / tp_pp
+    mixed = config.precision == "bf16-mixed"
+    world = config.world_size
+    buckets = 4 * local if world > 1 and resolve_strategy(config, world, V) == "ddp" else 0.0
+    layer_acts = per_layer + (tokens * 4 * h if mixed else 0.0)
+    stored = 2 * h * tokens * L + layer_acts if config.activation_checkpointing else layer_acts * L
+    logits = tokens * V * 10 / config.tensor_model_parallel_size
+    copies = 2 * local if mixed else 0.0
+    forward_end = copies + stored + logits
+    acts_note = (
+        f"activations: {layer_acts / tokens / 1024:.0f} KiB a token and layer x {tokens:.0f} tokens x {L} layers"
+        + (
+            " (activation checkpointing: layer inputs only, one layer recomputed)"
+            if config.activation_checkpointing
+            else ""
+        )
+        + f" + logits in the loss {logits / GIB:.2f} GiB"
+    )
+    grad_transient = c * layer_experts if mixed else 0.0
+    backward_end = w * local + grad_transient + layer_acts
+    if backward_end >= forward_end:
+        note = (
+            "peak: the end of the backward pass (all gradients, the first layer's activations"
+            + (", its expert gradients in bf16" if mixed else "")
+            + f"); the end of the forward pass needs {(backward_end - forward_end) / GIB:.1f} GiB less"
+        )
+        return w * local, w * local, grad_transient + buckets, layer_acts, note, acts_note
+    note = (
+        "peak: the end of the forward pass (no gradients: zero_grad frees them; all activations, the loss's "
+        f"logits{', bf16 weight copies' if mixed else ''}); the end of the backward pass needs "
+        f"{(forward_end - backward_end) / GIB:.1f} GiB less"
+    )
+    return w * local, 0.0, copies + buckets, stored + logits, note, acts_note
 
 
 def check_memory(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -17,6 +18,14 @@ POOLS = {
 
 # Where `demo --backend slurm` keeps the endpoint key it generates (the server binds every interface there).
 ENDPOINT_KEY_FILE = "serve-api-key"
+
+# The endpoint's port per backend. `--backend slurm` runs on the one-machine Slurm (`local-slurm up`), whose
+# node is this machine: a port of its own lets it serve beside a local demo left running (the README's order).
+ENDPOINT_PORTS = {"local": 8000, "slurm": 8001}
+ENDPOINT_NAME = "nemoflow-demo"  # prefect.yaml's serve.model_name, the service's name on every backend
+# Where each demo's endpoint lives, so `--down` finds it whatever the environment it runs in
+# (the local service table is under the work dir: NEMOFLOW_WORK_DIR may differ between the two commands).
+RECORD_FILE = "demo-endpoints.json"
 
 AUTH_HELP = (
     "run the Prefect API with HTTP Basic authentication: the server gets PREFECT_SERVER_API_AUTH_STRING, "
@@ -64,6 +73,13 @@ and reused; clients send it as `Authorization: Bearer KEY`.""",
         action="store_true",
         help="cancel the demo's runs in progress (and their jobs), stop its worker, server and inference endpoint",
     )
+    parser.add_argument(
+        "--serve-port",
+        type=int,
+        default=None,
+        help="port of the demo's inference endpoint (default: 8000 for --backend local, 8001 for --backend slurm, "
+        "so both demos can run at once); a port already held stops the demo before anything starts, naming the holder",
+    )
     parser.add_argument("--auth", action="store_true", help=AUTH_HELP)
     parser.add_argument(
         "--gpus",
@@ -99,10 +115,11 @@ def demo_steps(choice: int | None) -> int | None:
     return steps
 
 
-def shorter_config(deployment: str, steps: int) -> dict:
-    """The deployment's own ``config`` parameter (prefect.yaml) with training cut to ``steps``: validated and
-    saved at the last step, as the 40-step demo is. Run parameters replace a deployment's whole ``config``, so
-    the deployment's settings (the executor, the Slurm CPU counts) are carried over here."""
+def run_config(deployment: str, steps: int | None = None, serve_port: int | None = None) -> dict:
+    """The deployment's own ``config`` parameter (prefect.yaml) with the demo's overrides: training cut to
+    ``steps`` (validated and saved at the last step, as the 40-step demo is), the endpoint on ``serve_port``.
+    Run parameters replace a deployment's whole ``config``, so the deployment's settings (the executor, the
+    Slurm CPU counts) are carried over here."""
     import copy
 
     import yaml
@@ -114,9 +131,195 @@ def shorter_config(deployment: str, steps: int) -> dict:
     for entry in yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())["deployments"]:
         if entry["name"] == name and entry["entrypoint"].endswith(":" + flow.replace("-", "_")):
             config = copy.deepcopy((entry.get("parameters") or {}).get("config") or {})
-    train = config.setdefault("train", {})
-    train.update(max_steps=steps, ckpt_every_n_steps=steps, val_check_interval=min(20, steps))
+    if steps is not None:
+        train = config.setdefault("train", {})
+        train.update(max_steps=steps, ckpt_every_n_steps=steps, val_check_interval=min(20, steps))
+    if serve_port is not None:
+        config.setdefault("serve", {})["port"] = serve_port
     return config
+
+
+def demo_parameters(deployment: str, steps: int | None, gpus: int, serve_port: int | None = None) -> dict | None:
+    """The ``--params`` of the demo's ``prefect deployment run``: none for the demo as deployed; else
+    :func:`run_config` with, for ``gpus``, the GPU demo's training and serving (flows/end_to_end.py).
+    tests/foundation/test_submitted_parameters.py checks every set against the deployment's schema as the
+    Prefect server does."""
+    if steps is None and not gpus and serve_port is None:
+        return None
+    config = run_config(deployment, steps, serve_port)
+    if gpus:
+        from flows.end_to_end import demo_gpu_config
+
+        gpu = demo_gpu_config(gpus)
+        config["train"] = {**config.get("train", {}), **gpu["train"]}
+        config["serve"] = {**config.get("serve", {}), **gpu["serve"]}
+    return {"config": config}
+
+
+def deployed_serve_port(deployment: str) -> int:
+    """The endpoint port the deployment's own config gives (ServeConfig's default when it gives none)."""
+    from tasks.serve import DEFAULT_PORT
+
+    return int(run_config(deployment).get("serve", {}).get("port", DEFAULT_PORT))
+
+
+def check_endpoint_port(port: int, backend: str) -> None:
+    """Refuse, in one line naming the holder and the fix, a port this demo's endpoint cannot bind.
+
+    Checked before anything starts. A port held by this demo's own endpoint (same backend, same name)
+    passes: the deploy stage reuses or replaces it. Raises ValueError."""
+    import socket
+
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--serve-port {port}: a TCP port is between 1 and 65535")
+    with socket.socket() as sock:
+        # The Slurm demo's server binds every interface, the local one loopback; probe like uvicorn does.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0" if backend == "slurm" else "127.0.0.1", port))
+            return
+        except OSError:
+            pass
+    from infra import processes
+
+    owner = processes.port_owner(port)
+    holder = _demo_endpoint_holding(port, owner)
+    if holder is not None and holder[0] == backend:
+        return
+    if holder is not None:
+        who = f"the {holder[0]} demo's inference server {holder[1]}"
+        fix = "stop it with `nemoflow demo --down`"
+    elif owner is not None:
+        who = f"pid {owner} ({_command_line(owner)})"
+        fix = "stop that process"
+    else:
+        who = "a process this user cannot see"
+        fix = "free the port"
+    other = _free_port_near(port)
+    raise ValueError(
+        f"port {port}, where this demo's endpoint would listen, is held by {who}: {fix}, "
+        f"or serve elsewhere: `nemoflow demo --backend {backend} --serve-port {other}`"
+    )
+
+
+def _demo_endpoint_holding(port: int, owner: int | None) -> tuple[str, str] | None:
+    """(backend, description) of a demo endpoint that serves on ``port``, if one does."""
+    from infra import processes, services
+    from infra.settings import get_settings
+
+    # The recorded demos' service tables and this shell's (a demo recorded before endpoints were).
+    work_dirs = [r.get("work_dir") for r in read_records() if r.get("backend") == "local"]
+    for work_dir in dict.fromkeys([*work_dirs, get_settings().work_dir]) if owner is not None else ():
+        with _work_dir(work_dir), contextlib.suppress(Exception):
+            for handle in services.list_services():
+                if handle.name.startswith(ENDPOINT_NAME) and handle.port == port:
+                    if owner in processes.group_members(handle.pid) or _descends_from(owner, handle.pid):
+                        return "local", f"{handle.name} (pid {handle.pid}, {handle.url})"
+    import shutil
+
+    if shutil.which("squeue"):
+        with contextlib.suppress(Exception):
+            from infra.executors import get_backend
+
+            info = get_backend("slurm").service(ENDPOINT_NAME)
+            if info is not None and info.url.endswith(f":{port}"):
+                return "slurm", f"{ENDPOINT_NAME} (Slurm job, {info.url})"
+    return None
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """Whether ``pid`` is ``ancestor`` or one of its descendants (/proc's parent links)."""
+    for _ in range(64):
+        if pid == ancestor:
+            return True
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            return False
+        pid = int(fields[1])
+        if pid <= 1:
+            return False
+    return False
+
+
+def _command_line(pid: int) -> str:
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    except OSError:
+        return "command unknown"
+    line = " ".join(a.decode(errors="replace") for a in argv if a)
+    return line[:80] + ("..." if len(line) > 80 else "")
+
+
+def _free_port_near(port: int) -> int:
+    import socket
+
+    for candidate in range(port + 1, port + 100):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", candidate))
+                return candidate
+            except OSError:
+                continue
+    return port + 1
+
+
+# ---------------------------------------------------------------- where the demo's endpoints are
+
+
+def _record_path():
+    from devtools import prefect_local as pl
+
+    return pl.state_dir() / RECORD_FILE
+
+
+def read_records() -> list[dict]:
+    """The demo endpoints recorded under ``$NEMOFLOW_HOME/prefect`` (newest last)."""
+    import json
+
+    path = _record_path()
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
+
+
+def record_endpoint(backend: str, port: int) -> None:
+    """Record where this demo's endpoint will live (backend, work dir of its service table, port), before the
+    run starts: ``--down`` then finds it even from a shell with another NEMOFLOW_WORK_DIR, or none."""
+    import json
+
+    from infra.settings import get_settings
+
+    entry = {"backend": backend, "work_dir": get_settings().work_dir, "port": port}
+    records = [r for r in read_records() if r != entry] + [entry]
+    path = _record_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(records, indent=1) + "\n")
+    tmp.replace(path)  # never half-written
+
+
+@contextlib.contextmanager
+def _work_dir(work_dir: str | None):
+    """Settings (and so the local service table) of ``work_dir`` inside the block."""
+    from infra.settings import reload_settings
+
+    if work_dir is None:
+        yield
+        return
+    old = os.environ.get("NEMOFLOW_WORK_DIR")
+    os.environ["NEMOFLOW_WORK_DIR"] = work_dir
+    reload_settings()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("NEMOFLOW_WORK_DIR", None)
+        else:
+            os.environ["NEMOFLOW_WORK_DIR"] = old
+        reload_settings()
 
 
 def demo_gpus(choice: str, backend: str) -> int:
@@ -165,26 +368,56 @@ def training_speed(checkpoint: str) -> str | None:
     return line
 
 
-def _stop_endpoint() -> None:
-    try:
-        from infra import services
+def _stop_endpoint() -> list[str]:
+    """Stop the demo endpoints recorded by ``nemoflow demo`` (and those of this shell's work dir); one line per
+    endpoint it could not stop. Names of the problems (empty when all is stopped)."""
+    from infra import processes, services
+    from infra.settings import get_settings
 
-        for handle in services.list_services():
-            if handle.name.startswith("nemoflow-demo"):
-                services.stop_service(handle.name)
-                print(f"stopped the inference server {handle.name}")
-    except Exception as exc:  # noqa: BLE001 - the endpoint may already be gone
-        print(f"note: could not stop the inference server: {exc}", file=sys.stderr)
+    records = read_records()
+    work_dirs = [r.get("work_dir") for r in records if r.get("backend") == "local"]
+    work_dirs = list(dict.fromkeys([*work_dirs, get_settings().work_dir]))
+    problems: list[str] = []
+    ports: set[int] = set()
+    for work_dir in work_dirs:
+        with _work_dir(work_dir):
+            try:
+                handles = [h for h in services.list_services() if h.name.startswith(ENDPOINT_NAME)]
+            except Exception as exc:  # noqa: BLE001 - a table we cannot read: say which
+                problems.append(f"could not read the service table of work dir {work_dir}: {exc}")
+                continue
+            for handle in handles:
+                ports.add(handle.port)
+                try:
+                    services.stop_service(handle.name)
+                    print(f"stopped the inference server {handle.name} ({handle.url}, work dir {work_dir})")
+                except Exception as exc:  # noqa: BLE001 - name it and go on with the rest
+                    problems.append(f"could not stop the inference server {handle.name} ({handle.url}): {exc}")
     import shutil
 
-    if shutil.which("scancel"):  # `demo --backend slurm` serves from a Slurm job
+    # The Slurm demo's endpoint is a Slurm job: cancel it when this home's demo started one (or, for a demo
+    # recorded before endpoints were, when nothing is recorded at all).
+    slurm = any(r.get("backend") == "slurm" for r in records) or not records
+    if slurm and shutil.which("scancel"):
         try:
             from infra.executors import get_backend
 
-            if get_backend("slurm").stop_service("nemoflow-demo"):
-                print("cancelled the inference server's Slurm job nemoflow-demo")
+            if get_backend("slurm").stop_service(ENDPOINT_NAME):
+                print(f"cancelled the inference server's Slurm job {ENDPOINT_NAME}")
         except Exception as exc:  # noqa: BLE001 - no cluster running: nothing to stop
-            print(f"note: could not reach Slurm to stop nemoflow-demo: {exc}", file=sys.stderr)
+            print(f"note: could not reach Slurm to stop {ENDPOINT_NAME}: {exc}", file=sys.stderr)
+    # Whatever still serves on a local demo endpoint's port is named, not left unsaid.
+    ports |= {int(r["port"]) for r in records if r.get("backend") == "local" and str(r.get("port", "")).isdigit()}
+    for port in sorted(ports):
+        owner = processes.port_owner(port)
+        if owner is not None:
+            problems.append(f"port {port} is still served by pid {owner} ({_command_line(owner)})")
+    for problem in problems:
+        print(f"not stopped: {problem}", file=sys.stderr)
+    if not problems:
+        with contextlib.suppress(OSError):
+            _record_path().unlink()
+    return problems
 
 
 def endpoint_key(echo=print) -> tuple[dict[str, str], str, str]:
@@ -233,10 +466,10 @@ def run(args) -> int:
             pl.cancel_active_runs()
         except Exception as exc:  # noqa: BLE001 - the server may be unreachable: stop what we can
             print(f"note: could not cancel the runs in progress: {exc}", file=sys.stderr)
-        _stop_endpoint()
+        problems = _stop_endpoint()
         if not pl.stop_all():
             print("nothing to stop")
-        return 0
+        return 1 if problems else 0
 
     started = time.monotonic()
     pool, worker_type, deployment = POOLS[args.backend]
@@ -257,20 +490,27 @@ def run(args) -> int:
         from nemoflow.cli import UserError
 
         raise UserError("--steps is for the CPU demo (the GPU demo trains on a token budget): add --gpus 0")
+    serve_port = args.serve_port or ENDPOINT_PORTS[args.backend]
+    try:
+        check_endpoint_port(serve_port, args.backend)
+    except ValueError as exc:
+        from nemoflow.cli import UserError
+
+        raise UserError(str(exc)) from None
+    override_port = serve_port if serve_port != deployed_serve_port(deployment) else None
     if steps is not None:
-        import json
-
         print(f"a shorter demo: {steps} training steps instead of {DEMO_STEPS}")
-        params = ["--params", json.dumps({"config": shorter_config(deployment, steps)})]
     if n_gpus:
-        import json
-
-        from flows.end_to_end import demo_gpu_config
         from infra import gpus
 
         names = gpus.probe().names
         print(f"GPU demo: {n_gpus} x {names[0]} (a 0.25B Llama; --gpus 0 for the CPU demo)")
-        params = ["--params", json.dumps({"config": demo_gpu_config(n_gpus)})]
+    run_parameters = demo_parameters(deployment, steps, n_gpus, override_port)
+    if run_parameters is not None:
+        import json
+
+        params = ["--params", json.dumps(run_parameters)]
+    record_endpoint(args.backend, serve_port)
     if args.backend == "slurm":
         subprocess.run([sys.executable, "-m", "nemoflow.cli", "local-slurm", "up"], check=True)
     try:

@@ -211,7 +211,19 @@ def build_train_job(config: TrainConfig, image: ImageRef | None = None) -> JobSp
         # several processes: torchrun on every node (the backend gives the rendezvous)
         nproc_per_node=config.procs_per_node if config.world_size > 1 else None,
         log_dir=os.path.join(run_dir, "logs") if local else None,
+        env=compile_cache_env(config),
     )
+
+
+def compile_cache_env(config: TrainConfig) -> dict[str, str] | None:
+    """torch.compile's caches (inductor's FX graphs, AOT autograd, its Triton kernels) on the work dir, which every
+    node of the cluster shares, instead of each node's /tmp: the nightly refresh of the same model shape on
+    another node loads the kernels the last run compiled instead of compiling again. Yours wins where
+    ``TORCHINDUCTOR_CACHE_DIR`` is set; none on a gs:// work dir (the cache needs a file system)."""
+    work_dir = storage.normalize(get_settings().work_dir)
+    if not config.enable_compile or not storage.is_local(work_dir) or os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return None
+    return {"TORCHINDUCTOR_CACHE_DIR": os.path.join(work_dir, "cache", "torch-compile")}
 
 
 def read_metrics(run_dir: str) -> list[dict]:

@@ -17,8 +17,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def readme_command_yaml() -> dict:
-    """The first YAML example of README's "Your own training command (`engine: command`)", as printed."""
-    text = (REPO / "README.md").read_text()
+    """The first YAML example of docs/stages.md's "Your own training command (`engine: command`)", as printed."""
+    text = (REPO / "docs" / "stages.md").read_text()
     section = text[text.index("## Your own training command (`engine: command`)") :]
     lines = section.splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip() == "engine: command")

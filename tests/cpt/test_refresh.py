@@ -102,6 +102,14 @@ def test_day_by_day_refreshes_overlap_and_noop(cpt_env, kjv_chapters):
     # the data stage downloads a run's pending shards as one job array: one task run naming their count
     assert _download_runs(str(state.state_details.flow_run_id)) == {"download and extract 2 shard(s)": "Completed"}
     assert completion_ok(env["url"], env["model_name"])  # same URL, new server
+    # where the refresh's CPU-seconds went (tasks/gpu_time.py): training and validation held them
+    spent = summary["gpu_time"]
+    assert spent["unit"] == "CPU" and spent["held"] > 0 and 0 < spent["goodput"] < 1, spent
+    table = json.loads(_artifact(str(state.state_details.flow_run_id), "gpu-time"))
+    assert {row["stage"] for row in table} >= {"pretrain", "validate-checkpoint"}, table
+    assert f"goodput {spent['goodput'] * 100:.1f} %" in _artifact(
+        str(state.state_details.flow_run_id), "gpu-time-summary"
+    )
 
     # day 2: one more shard, and two refreshes started at once (two processes, as two overlapping
     # scheduled runs would be): one takes the concurrency limit and processes only the new shard

@@ -21,6 +21,7 @@ from infra.jobs import JobState
 from infra.sources import expand_sources
 from tasks.data import build_fetch_job, write_fetch_plan, write_json_streaming
 from tasks.data import check_shards as check_names
+from tests.support import fault_ledger
 from tests.support.fault_server import Fault, FaultServer
 from workloads.fetch_array import FetchPlan, run_task
 from workloads.shard_manifest import (
@@ -148,11 +149,14 @@ def test_http_shards_are_trusted_unless_revalidated(tmp_path):
         assert open(record["extracted"]).read() == '{"text": "changed"}\n'
 
 
+@pytest.mark.faults
 def test_a_failing_shard_is_recorded_and_the_others_finish(tmp_path):
     template = _layout(tmp_path / "site", chunks=1, shards=4)
     with FaultServer(
         tmp_path / "site", always={"/train/chunk1/example_train_2.jsonl.zst": Fault(status=404)}
     ) as server:
+        row = fault_ledger.open_row("http 404 for one shard of a download task")
+        row.injected_from(server.injected_count)
         dataset, _, _, plan = _plan(tmp_path, server.url(template), 1, 4, tasks=1)
         lines: list[str] = []
         journal = run_task(plan, 0, log=lines.append)
@@ -289,10 +293,13 @@ def test_a_429_pauses_every_task_through_the_shared_directory(tmp_path):
     assert json.loads((tmp_path / "journal" / "cooldown-hf.co.json").read_text())["until"] == pytest.approx(1030.0)
 
 
+@pytest.mark.faults
 def test_a_429_in_the_download_reaches_the_shared_cooldown(tmp_path, monkeypatch):
     """The wording infra.fetch logs for a 429 is what HostThrottle listens for: checked end to end."""
     template = _layout(tmp_path / "site", chunks=1, shards=2)
     with FaultServer(tmp_path / "site") as server:
+        row = fault_ledger.open_row("http 429 in a download task (shared cool-down)")
+        row.injected_from(server.injected_count)
         server.add_faults("/train/chunk1/example_train_0.jsonl.zst", Fault(status=429, retry_after="1"))
         dataset, _, _, plan = _plan(tmp_path, server.url(template), 1, 2, tasks=1, threads=1)
         seen: list[tuple[str, float]] = []

@@ -143,10 +143,13 @@ def test_rerun_is_cached_and_added_shards_are_processed_alone(prefect_server, wo
     assert sorted(records) == [f"chunk1/example_train_{i}.jsonl.zst" for i in range(4)]
 
 
+@pytest.mark.faults
 def test_https_source_with_faults_to_gcs_output(prefect_server, work_dir, tmp_path, gcs_bucket):
     root = tmp_path / "site"
     write_slimpajama_layout(root, chunks=1, shards_per_chunk=2)
     with FaultServer(root) as server:
+        row = fault_ledger.open_row("http 429/503/truncation: prepare flow to gs://")
+        row.injected_from(server.injected_count)
         server.add_faults(
             "/train/chunk1/example_train_0.jsonl.zst", Fault(status=429, retry_after="0"), Fault(status=503)
         )
@@ -323,11 +326,13 @@ def _artifacts(flow_run_id, key: str) -> list:
         )
 
 
+@pytest.mark.faults
 def test_failed_shards_are_shown_and_the_others_are_kept(prefect_server, work_dir, tmp_path):
     root = tmp_path / "site"
     write_slimpajama_layout(root, chunks=1, shards_per_chunk=4)
     missing = "/train/chunk1/example_train_2.jsonl.zst"
     with FaultServer(root, always={missing: Fault(status=404)}) as server:
+        row = fault_ledger.open_row("http 404 for one shard: prepare flow")
         config = PrepareConfig(
             name="holes",
             sources=server.url("/train/chunk{chunk}/example_train_{shard}.jsonl.zst"),
@@ -347,6 +352,7 @@ def test_failed_shards_are_shown_and_the_others_are_kept(prefect_server, work_di
         assert server.count(missing) == 1  # a 404 is final, and the step is not retried for a shard's failure
 
         # The file appears: the next run downloads it alone.
+        row.injected += server.injected_count(missing)  # the 404s served, before the log is cleared
         server.always.clear()
         server.clear_log()
         dataset, run_id = _run(config)
@@ -378,6 +384,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_a_killed_run_resumes_without_redoing_finished_shards(prefect_server, work_dir, tmp_path):
     import signal
     import subprocess
@@ -389,6 +396,7 @@ def test_a_killed_run_resumes_without_redoing_finished_shards(prefect_server, wo
     template = "/train/chunk{chunk}/example_train_{shard}.jsonl.zst"
     slow = {f"/train/chunk1/example_train_{s}.jsonl.zst": Fault(delay=0.4) for s in range(40)}
     with FaultServer(root, always=slow) as server:
+        row = fault_ledger.open_row("prepare flow and its array tasks SIGKILLed mid-download")
         args = ["--sources", server.url(template), "--chunks", "1", "--shards", "0-39", "--shards-per-file", "10"]
         env = dict(os.environ, PREFECT_API_URL=prefect_server, NEMOFLOW_WORK_DIR=str(work_dir))
         flow = subprocess.Popen(
@@ -405,7 +413,7 @@ def test_a_killed_run_resumes_without_redoing_finished_shards(prefect_server, wo
         for pid in [*_descendants(flow.pid), flow.pid]:  # a crash: the flow process and its array tasks at once
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        flow.wait()
+        row.injected += flow.wait() == -signal.SIGKILL  # the flow process died of the kill
         time.sleep(0.5)
         done_before = {p.name.removesuffix(".shard.json") + ".zst" for p in extracted.glob("*.shard.json")}
         assert 8 <= len(done_before) < 40

@@ -8,7 +8,10 @@ the smoke test sending the key.
 
 Isolation from the other users of this machine: a private HOME (so ~/.nemoflow, ~/.prefect and the
 profile are the test's own) and PREFECT_API_URL naming a free local port (the demo starts its Prefect
-server there); `nemoflow demo --down` afterwards. The endpoint uses the demo's port 8000, as printed.
+server there); `nemoflow demo --down` afterwards (it stops only what this HOME's demo started). The
+endpoint uses the Slurm demo's printed port, 8001, while port 8000 is held as the README's order leaves
+it (`scripts/demo.sh`, then the tests, with the local demo still serving): by the user's local demo if it
+runs, else by this test.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ import urllib.request
 import pytest
 
 from tests.conftest import REPO, VENV_BIN, free_port
+from tests.support.require import need
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.prefect]
 
 COMMAND = "nemoflow demo --backend slurm"  # the README's line
-DEMO_PORT = 8000
+DEMO_PORT = 8001  # nemoflow.commands.demo.ENDPOINT_PORTS["slurm"]
+LOCAL_DEMO_PORT = 8000  # the local demo's, left running before the tests
 
 
 def _status(url: str, key: str | None = None) -> int:
@@ -57,10 +62,16 @@ def _port_free(port: int) -> bool:
 @pytest.fixture
 def newcomer_env(tmp_path):
     """A shell as a newcomer's: the venv on PATH, a fresh HOME, no NEMOFLOW_*/PREFECT_* settings, no key."""
-    if os.geteuid() != 0 or shutil.which("sbatch") is None:
-        pytest.skip("needs the local Slurm cluster (root, scripts/services-up.sh)")
+    need(
+        os.geteuid() == 0 and shutil.which("sbatch"),
+        "the local Slurm cluster (root, sbatch)",
+        "run the tests as root with Debian's slurm packages (scripts/services-up.sh starts the local cluster)",
+    )
     if not _port_free(DEMO_PORT):
-        pytest.fail(f"port {DEMO_PORT}, the demo endpoint's, is taken on this machine: cannot run the demo as printed")
+        pytest.fail(f"port {DEMO_PORT}, the Slurm demo endpoint's, is taken on this machine: cannot run it as printed")
+    mine = subprocess.run(["squeue", "-h", "-n", "nemoflow-demo", "-o", "%i"], capture_output=True, text=True)
+    if mine.stdout.split():  # the demo would replace it: never disturb a Slurm demo the user left running
+        pytest.fail(f"a Slurm demo endpoint (job {mine.stdout.split()[0]}) runs here: `nemoflow demo --down` first")
     home = tmp_path / "home"
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NEMOFLOW_", "PREFECT_"))}
@@ -78,8 +89,19 @@ def newcomer_env(tmp_path):
     print(down.stdout[-2000:], down.stderr[-2000:])
 
 
-def test_demo_on_slurm_generates_a_key_and_completes(newcomer_env):
+@pytest.fixture
+def local_demo_port_held():
+    """Port 8000 held during the run, as a local demo left running holds it (the user's, or this socket)."""
+    with socket.socket() as sock:
+        if _port_free(LOCAL_DEMO_PORT):
+            sock.bind(("127.0.0.1", LOCAL_DEMO_PORT))
+            sock.listen()
+        yield
+
+
+def test_demo_on_slurm_generates_a_key_and_completes(newcomer_env, local_demo_port_held):
     env = newcomer_env
+    assert not _port_free(LOCAL_DEMO_PORT)
     started = time.monotonic()
     proc = subprocess.run(["bash", "-c", COMMAND], cwd=REPO, env=env, capture_output=True, text=True, timeout=2400)
     took = time.monotonic() - started

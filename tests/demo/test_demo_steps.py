@@ -9,7 +9,7 @@ from nemoflow.commands import demo
 
 
 def test_the_shorter_demo_keeps_the_slurm_deployments_settings_and_validates():
-    config = demo.shorter_config("end-to-end/slurm", 20)
+    config = demo.demo_parameters("end-to-end/slurm", steps=20, gpus=0)["config"]
     parsed = EndToEndConfig.model_validate(config)  # what the flow does with the run's parameter
     assert parsed.executor.kind == "slurm" and parsed.train.cpus_per_task == 1  # prefect.yaml's, carried over
     assert (parsed.train.max_steps, parsed.train.ckpt_every_n_steps, parsed.train.val_check_interval) == (20, 20, 20)

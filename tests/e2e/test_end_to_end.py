@@ -145,8 +145,78 @@ def test_end_to_end_deployment_then_all_cached_and_ui_shows_artifacts(local_pool
     assert any("(in prepare-dataset" in name for name in times), times  # the subflow's stages too
     cached = _artifact_table(second_id, "end-to-end-stage-times")
     assert cached and {row["state"] for row in cached} == {"Cached"}, cached
+    _gpu_time_adds_up(run_id, times, work_dir)
+    # The cached re-run ran no job: it held nothing, and says so.
+    nothing = json.loads((work_dir / "flow-runs" / second_id / "gpu-time.json").read_text())
+    assert nothing["stages"] == [] and nothing["held"] == 0 and nothing["goodput"] is None, nothing
+    assert "nothing was held" in _artifact_markdown(second_id, "gpu-time-summary")
 
     _ui_shows_artifacts(prefect_server, run_id)
+
+
+def _gpu_time_adds_up(run_id: str, stage_times: dict[str, dict], work_dir: Path) -> None:
+    """The run's gpu-time artifact (CPU-seconds here: no GPUs): each stage's phases, measured apart (the job's
+    own phases, its launch and exit measured by the stage), add up to the seconds the stage held; the
+    training job's agree with Prefect's own stage time and with the trainer's record in metrics.jsonl; the
+    goodput is the training steps' share of what the run held."""
+    from infra import phases
+
+    rows = _artifact_table(run_id, "gpu-time")
+    assert rows and all("CPU-s" in row for row in rows), rows
+    jobs, parts = [], []  # each record's rows end with its "all" row
+    for row in rows:
+        assert row["seconds"] >= -0.05, row  # no phase ran backwards (clocks compared across processes)
+        if row["phase"] == "all":
+            jobs.append((row, {p["phase"]: p["seconds"] for p in parts}))
+            parts = []
+        else:
+            parts.append(row)
+    stages = {total["stage"]: seen for total, seen in jobs}
+    assert {"pretrain", "validate-checkpoint", "deploy-inference", "smoke-test"} <= set(stages), rows
+    for total, seen in jobs:
+        slack = max(0.5, 0.02 * total["seconds"])
+        assert abs(sum(seen.values()) - total["seconds"]) <= slack, (total, seen)
+        assert phases.UNITEMISED not in seen, (total, seen)  # every stage here reports its phases
+    pretrain = stages["pretrain"]
+    for phase in (phases.START, phases.BUILD, phases.DATA, phases.STEPS, phases.VALIDATION, phases.SAVE):
+        assert pretrain.get(phase, 0) > 0, (phase, pretrain)
+    assert stages["validate-checkpoint"][phases.VALIDATION] > 0 and stages["validate-checkpoint"][phases.BUILD] > 0
+    assert stages["deploy-inference"][phases.START] > 0 and stages["deploy-inference"][phases.BUILD] > 0
+    assert stages["smoke-test"][phases.GENERATION] > 0
+    # The training job lies inside Prefect's pretrain task run (which also writes its files and artifacts).
+    held = next(total for total, _ in jobs if total["stage"] == "pretrain")
+    prefect_s = next(row["seconds"] for name, row in stage_times.items() if name.startswith("pretrain"))
+    assert prefect_s - 15 <= held["seconds"] <= prefect_s + 0.5, (held, prefect_s)
+    # Goodput from the table's own rows: training-step CPU-seconds over all CPU-seconds held.
+    accounting = json.loads((work_dir / "flow-runs" / run_id / "gpu-time.json").read_text())
+    steps = sum(row["CPU-s"] for row in rows if row["phase"] == phases.STEPS)
+    whole = sum(total["CPU-s"] for total, _ in jobs)
+    assert 0 < accounting["goodput"] < 1 and abs(accounting["goodput"] - steps / whole) < 0.002, (accounting, steps)
+    assert f"goodput {accounting['goodput'] * 100:.1f} %" in _artifact_markdown(run_id, "gpu-time-summary")
+    # The trainer logged the same phase seconds in metrics.jsonl (W&B's summary gets that record).
+    record = next(
+        json.loads(line)
+        for path in work_dir.rglob("metrics.jsonl")
+        for line in path.read_text().splitlines()
+        if '"phase_s"' in line
+    )
+    assert abs(record["phase_s"][phases.STEPS] - pretrain[phases.STEPS]) < 0.01, (record, pretrain)
+    print("gpu-time:", json.dumps(accounting["goodput"]), json.dumps(rows))
+    print(_artifact_markdown(run_id, "gpu-time-summary"))
+
+
+def _artifact_markdown(flow_run_id: str, key: str) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+            )
+        )
+    assert found, f"no {key} artifact on flow run {flow_run_id}"
+    return found[0].data
 
 
 def _artifact_table(flow_run_id: str, key: str) -> list[dict]:
@@ -164,9 +234,23 @@ def _artifact_table(flow_run_id: str, key: str) -> list[dict]:
     return json.loads(data) if isinstance(data, str) else data
 
 
+ARTIFACT_KEYS = (
+    "end-to-end-summary",
+    "staged-image",
+    "loss-curve-",
+    "checkpoint-validation-",
+    "endpoint-",
+    "smoke-test-",
+    "end-to-end-stage-times",
+    "gpu-time",
+    "gpu-time-summary",
+)
+
+
 def _ui_shows_artifacts(api: str, flow_run_id: str) -> None:
     """Open the run page like a person and find the artifacts on its Artifacts tab."""
     need(Path("/usr/bin/chromium").exists(), "Debian's chromium", "apt-get install chromium (scripts/setup.sh --test)")
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     ui = api.removesuffix("/api")
@@ -183,22 +267,21 @@ def _ui_shows_artifacts(api: str, flow_run_id: str) -> None:
                 "--disable-sync",
             ],
         )
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        # Tall: the page renders artifact cards only once they scroll into view, and the task runs' come after
+        # the flow run's (four of them since the gpu-time pair).
+        page = browser.new_page(viewport={"width": 1400, "height": 4000})
         page.goto(f"{ui}/runs/flow-run/{flow_run_id}")
         page.get_by_text("Artifacts", exact=True).first.click()
-        page.get_by_text("end-to-end-summary").first.wait_for(timeout=30000)
+        # The flow run's artifacts render first, the task runs' after them: wait for each one looked for.
+        for key in ARTIFACT_KEYS:
+            try:
+                page.get_by_text(key).first.wait_for(timeout=30000)
+            except PlaywrightTimeout:
+                break  # the assertion below names the one missing and shows the page
         text = page.inner_text("body")
         page.screenshot(path=str(Path(os.environ.get("NEMOFLOW_SCREENSHOT_DIR", "/tmp")) / "nemoflow-run.png"))
         browser.close()
-    for key in (
-        "end-to-end-summary",
-        "staged-image",
-        "loss-curve-",
-        "checkpoint-validation-",
-        "endpoint-",
-        "smoke-test-",
-        "end-to-end-stage-times",
-    ):
+    for key in ARTIFACT_KEYS:
         assert key in text, f"artifact {key!r} not on the run page:\n{text[-3000:]}"
 
 

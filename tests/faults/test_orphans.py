@@ -91,12 +91,14 @@ def test_job_and_its_children_die_with_the_flow_run_process(tmp_path, sig):
 
 def test_guard_reports_the_command_exit_like_the_command(tmp_path):
     """Behind the guard, an exit code and a death by signal look exactly as without it."""
+    row = fault_ledger.open_row("command SIGKILLed behind the guard")
     code = subprocess.run(processes.guarded([sys.executable, "-c", "raise SystemExit(7)"]), cwd=REPO).returncode
     assert code == 7
     killed = subprocess.run(
         processes.guarded([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]),
         cwd=REPO,
     )
+    row.injected += killed.returncode == -signal.SIGKILL
     assert killed.returncode == -signal.SIGKILL
 
 
@@ -112,6 +114,7 @@ def test_a_cancel_still_lets_the_job_handle_sigterm(tmp_path):
         f"pathlib.Path({str(ready)!r}).touch()\n"
         "time.sleep(600)\n"
     )
+    row = fault_ledger.open_row("stage job cancelled (SIGTERM to its process group)")
     spec = JobSpec(name="term", command=[sys.executable, "-c", job], resources={"time": "00:00:10"})
     backend = LocalBackend(kill_grace_s=5)
     import threading
@@ -127,5 +130,6 @@ def test_a_cancel_still_lets_the_job_handle_sigterm(tmp_path):
 
     (job_id,) = list(local._RUNNING)
     backend.cancel(job_id)
+    row.injected += 1  # the job was running (its id listed) when it was cancelled
     thread.join(30)
     assert results and results[0].state is JobState.FAILED and results[0].exit_code == 76, results

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from nemoflow.commands import fetch as fetch_command
+from tests.support import fault_ledger
 from tests.support.fault_server import Fault
 
 
@@ -27,7 +30,10 @@ def test_list_shows_names_and_urls(server, capsys):
     assert server.count() == 0  # --list never downloads
 
 
+@pytest.mark.faults
 def test_download_and_extract_then_nothing_to_do(server, corpus, tmp_path, capsys):
+    row = fault_ledger.open_row("http 503: nemoflow fetch CLI")
+    row.injected_from(server.injected_count)
     template = server.url("/train/chunk{chunk}/example_train_{shard}.jsonl.zst")
     server.add_faults("/train/chunk2/example_train_0.jsonl.zst", Fault(status=503, retry_after="0"))
     argv = [template, "--chunks", "1-2", "--shards", "0", "--dest", str(tmp_path / "raw"), "--extract"]

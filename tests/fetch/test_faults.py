@@ -111,10 +111,12 @@ def test_gcs_credentials_refused_fail_at_once_in_one_line(gcs_endpoint, gcs_buck
 
 @pytest.mark.gcs
 def test_missing_gcs_object_or_bucket_fails_at_once(gcs_bucket, tmp_path):
+    row = fault_ledger.open_row("gcs object or bucket missing: shard download")
     for uri in (f"{gcs_bucket}/raw/missing.zst", "gs://nemoflow-no-such-bucket/raw/x.zst"):
         started = time.monotonic()
         with pytest.raises(NotFound, match=f"^not found: {uri}$"):
             download(uri, str(tmp_path / "x.zst"), backoff=5)
+        row.injected += 1
         assert time.monotonic() - started < 2
     assert not any(tmp_path.iterdir())
 
@@ -138,6 +140,8 @@ def test_unresolvable_gcs_host_is_retried_briefly_then_one_line(tmp_path):
 
 def test_cli_with_unresolvable_gcs_prints_one_error_line(tmp_path):
     """What a user sees: a few progress lines and one FAILED line naming the object, no traceback."""
+    row = fault_ledger.open_row("gcs host does not resolve: nemoflow fetch CLI")
+    row.injected += does_not_resolve("nemoflow-gcs.invalid")
     env = {"NEMOFLOW_GCS_ENDPOINT": "http://nemoflow-gcs.invalid:9023", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     started = time.monotonic()
     run = subprocess.run(
@@ -203,7 +207,9 @@ def test_http_faults_counted(server, corpus, tmp_path):
 def test_unresolvable_gcs_glob_fails_in_one_line():
     from infra.sources import SourceError, expand_sources
 
+    row = fault_ledger.open_row("gcs host does not resolve: source glob")
     with unresolvable_gcs() as host:
+        row.injected += does_not_resolve(host)
         started = time.monotonic()
         with pytest.raises(SourceError) as err:
             expand_sources("gs://bucket/raw/*.jsonl.zst")

@@ -11,6 +11,7 @@ import pytest
 
 from infra import storage
 from infra.fetch import FetchError, NotFound, download, is_hf_host, probe
+from tests.support import fault_ledger
 from tests.support.fault_server import Fault, FaultServer
 
 from .conftest import SHARD
@@ -35,7 +36,10 @@ def source_bytes(corpus, path=SHARD) -> bytes:
         pytest.param([Fault(truncate_at=150_000), Fault(reset_at=80_000), Fault(status=502)], id="mixed"),
     ],
 )
+@pytest.mark.faults
 def test_each_fault_recovers_byte_identical(server, corpus, tmp_path, faults):
+    row = fault_ledger.open_row("http fault injected into a shard download (recovered)")
+    row.injected_from(server.injected_count)
     server.add_faults(SHARD, *faults)
     lines: list[str] = []
     dest = tmp_path / "dl" / "chunk1" / "example_train_0.jsonl.zst"
@@ -50,8 +54,11 @@ def test_each_fault_recovers_byte_identical(server, corpus, tmp_path, faults):
     assert all(line.startswith("chunk1/example_train_0.jsonl.zst: ") for line in lines)
 
 
+@pytest.mark.faults
 def test_wrong_checksum_header_restarts_then_verifies(corpus, tmp_path):
     with FaultServer(corpus, checksums=("x-goog-hash", "content-md5", "x-linked-etag")) as srv:
+        row = fault_ledger.open_row("http bad checksum header: shard download")
+        row.injected_from(srv.injected_count)
         srv.add_faults(SHARD, Fault(bad_checksum=True))
         lines: list[str] = []
         result = download(srv.url(SHARD), str(tmp_path / "x.zst"), **FAST, log=lines.append)
@@ -61,8 +68,11 @@ def test_wrong_checksum_header_restarts_then_verifies(corpus, tmp_path):
     assert (tmp_path / "x.zst").read_bytes() == source_bytes(corpus)
 
 
+@pytest.mark.faults
 def test_checksum_that_never_matches_fails_and_leaves_nothing(corpus, tmp_path):
     with FaultServer(corpus, checksums=("x-linked-etag",), always={SHARD: Fault(bad_checksum=True)}) as srv:
+        row = fault_ledger.open_row("http checksum never matching: shard download")
+        row.injected_from(srv.injected_count)
         with pytest.raises(FetchError, match="sha256 mismatch"):
             download(srv.url(SHARD), str(tmp_path / "dl" / "x.zst"), **FAST)
         assert srv.count(SHARD) == 3  # content errors stop after a couple of full restarts, not 8
@@ -76,7 +86,10 @@ def test_expected_sha256_is_enforced(server, tmp_path):
     assert not (tmp_path / "x.zst").exists()
 
 
+@pytest.mark.faults
 def test_resume_sends_range_and_ends_identical(server, corpus, tmp_path):
+    row = fault_ledger.open_row("http truncated body: resumed with Range")
+    row.injected_from(server.injected_count)
     server.add_faults(SHARD, Fault(truncate_at=300_000))
     dest = tmp_path / "x.zst"
     download(server.url(SHARD), str(dest), **FAST)
@@ -89,8 +102,11 @@ def test_resume_sends_range_and_ends_identical(server, corpus, tmp_path):
     assert dest.read_bytes() == source_bytes(corpus)
 
 
+@pytest.mark.faults
 def test_resume_across_calls_after_giving_up(server, corpus, tmp_path):
     """A crashed or abandoned download leaves <dest>.part; the next call continues from it."""
+    row = fault_ledger.open_row("http reset then 503: resumed by a second call")
+    row.injected_from(server.injected_count)
     server.add_faults(SHARD, Fault(reset_at=200_000), Fault(status=503))
     dest = tmp_path / "x.zst"
     with pytest.raises(FetchError, match="after 2 attempts: HTTP 503"):
@@ -106,8 +122,11 @@ def test_resume_across_calls_after_giving_up(server, corpus, tmp_path):
     assert dest.read_bytes() == source_bytes(corpus)
 
 
+@pytest.mark.faults
 def test_server_without_ranges_restarts_cleanly(corpus, tmp_path):
     with FaultServer(corpus, ranges=False) as srv:
+        row = fault_ledger.open_row("http truncated body, server without ranges")
+        row.injected_from(srv.injected_count)
         srv.add_faults(SHARD, Fault(truncate_at=250_000))
         download(srv.url(SHARD), str(tmp_path / "x.zst"), **FAST)
         second = srv.requests_for(SHARD)[1]
@@ -115,8 +134,11 @@ def test_server_without_ranges_restarts_cleanly(corpus, tmp_path):
     assert (tmp_path / "x.zst").read_bytes() == source_bytes(corpus)
 
 
+@pytest.mark.faults
 def test_file_changed_between_attempts_is_fetched_whole(server, corpus, tmp_path):
     """If-Range carries the old ETag; the server answers 200 with the new file, never a mix."""
+    row = fault_ledger.open_row("http truncated body, file changed before the retry")
+    row.injected_from(server.injected_count)
     other = (corpus / "train/chunk2/example_train_1.jsonl.zst").read_bytes()
     target = corpus / SHARD.lstrip("/")
     server.add_faults(SHARD, Fault(truncate_at=250_000), Fault(before=lambda: target.write_bytes(other)))
@@ -128,7 +150,10 @@ def test_file_changed_between_attempts_is_fetched_whole(server, corpus, tmp_path
     assert result.sha256 == hashlib.sha256(other).hexdigest()
 
 
+@pytest.mark.faults
 def test_retry_after_is_honoured_and_capped(server, tmp_path):
+    row = fault_ledger.open_row("http 429/503 with Retry-After")
+    row.injected_from(server.injected_count)
     server.add_faults(SHARD, Fault(status=429, retry_after="1"))
     t0 = time.monotonic()
     download(server.url(SHARD), str(tmp_path / "a.zst"), backoff=0.001, timeout=5)
@@ -154,22 +179,30 @@ def test_404_fails_at_once_naming_the_url(server, tmp_path):
     assert server.count("/train/chunk9/example_train_0.jsonl.zst") == 1
 
 
+@pytest.mark.faults
 def test_other_4xx_fail_at_once(server, tmp_path):
+    row = fault_ledger.open_row("http 403: fails at once")
+    row.injected_from(server.injected_count)
     server.add_faults(SHARD, Fault(status=403))
     with pytest.raises(FetchError, match="HTTP 403"):
         download(server.url(SHARD), str(tmp_path / "x.zst"), retries=8, backoff=5)
     assert server.count(SHARD) == 1
 
 
+@pytest.mark.faults
 def test_persistent_5xx_gives_up_after_retries(corpus, tmp_path):
     with FaultServer(corpus, always={SHARD: Fault(status=500)}) as srv:
+        row = fault_ledger.open_row("http persistent 500: gives up after retries")
+        row.injected_from(srv.injected_count)
         with pytest.raises(FetchError, match=r"example_train_0.jsonl.zst: giving up on .* after 4 attempts: HTTP 500"):
             download(srv.url(SHARD), str(tmp_path / "example_train_0.jsonl.zst"), retries=3, **FAST)
         assert srv.count(SHARD) == 4
     assert not (tmp_path / "example_train_0.jsonl.zst").exists()
 
 
+@pytest.mark.faults
 def test_verified_file_is_not_fetched_again(server, corpus, tmp_path):
+    row = fault_ledger.open_row("downloaded file corrupted on disk (one flipped byte): repaired")
     dest = tmp_path / "x.zst"
     first = download(server.url(SHARD), str(dest), **FAST)
     meta = storage.read_json(str(dest) + ".meta.json")
@@ -181,6 +214,7 @@ def test_verified_file_is_not_fetched_again(server, corpus, tmp_path):
     data = bytearray(dest.read_bytes())
     data[1000] ^= 0xFF
     dest.write_bytes(bytes(data))
+    row.injected += dest.read_bytes() != source_bytes(corpus)
     repaired = download(server.url(SHARD), str(dest), **FAST)
     assert not repaired.skipped and server.count(SHARD) == 2
     assert dest.read_bytes() == source_bytes(corpus)
@@ -246,7 +280,10 @@ def test_token_goes_only_to_hugging_face(server, corpus, tmp_path, map_hosts, hf
     assert logs and not any(hf_token in line for line in logs)
 
 
+@pytest.mark.faults
 def test_secrets_never_in_errors_or_logs(server, tmp_path, map_hosts, hf_token):
+    row = fault_ledger.open_row("http 503/reset with secrets in the URL and headers")
+    row.injected_from(server.injected_count)
     map_hosts("huggingface.co")
     missing = "/train/chunk9/example_train_0.jsonl.zst"
     signed = server.url(missing, host="huggingface.co") + "?X-Amz-Signature=sigSECRET42&token=qsSECRET43"
@@ -309,7 +346,10 @@ def test_gcs_source_to_local(gcs_bucket, corpus, tmp_path):
         download(f"{gcs_bucket}/raw/missing.zst", str(tmp_path / "y.zst"), **FAST)
 
 
+@pytest.mark.faults
 def test_http_to_gcs_destination(server, corpus, gcs_bucket):
+    row = fault_ledger.open_row("http truncated body: download to a gs:// destination")
+    row.injected_from(server.injected_count)
     dest = f"{gcs_bucket}/raw/chunk1/example_train_0.jsonl.zst"
     server.add_faults(SHARD, Fault(truncate_at=200_000))
     first = download(server.url(SHARD), dest, **FAST)
@@ -402,7 +442,10 @@ def test_concurrent_downloads_of_one_file_fetch_it_once(server, corpus, tmp_path
     assert (tmp_path / "x.zst").read_bytes() == source_bytes(corpus)
 
 
+@pytest.mark.faults
 def test_refused_hugging_face_request_hints_at_the_token(server, tmp_path, map_hosts, monkeypatch):
+    row = fault_ledger.open_row("http 401 from Hugging Face")
+    row.injected_from(server.injected_count)
     from infra.settings import reload_settings
 
     for var in ("HF_TOKEN", "NEMOFLOW_HF_TOKEN"):

@@ -17,6 +17,7 @@ import requests
 
 from infra.retry import RetryPolicy, Transient, describe, http_status, is_brief, is_transient, parse_retry_after
 from tests.conftest import free_port
+from tests.support import fault_ledger
 from tests.support.fault_server import Fault
 
 from .conftest import SHARD
@@ -39,7 +40,10 @@ def run(policy: RetryPolicy, outcomes: list, **kwargs) -> tuple[list[float], int
 # --------------------------------------------------------------------------- classification
 
 
+@pytest.mark.faults
 def test_real_client_failures_are_classified(server):
+    row = fault_ledger.open_row("http timeout/503 classified by the retry policy")
+    row.injected_from(server.injected_count)
     with pytest.raises(requests.ConnectionError) as refused:
         requests.get(f"http://127.0.0.1:{free_port()}/x", timeout=2)
     server.add_faults(SHARD, Fault(delay=2.0))
@@ -217,7 +221,10 @@ def test_log_lines_and_on_retry():
     assert seen == [("Transient", 1)]
 
 
+@pytest.mark.faults
 def test_against_a_real_server(server, corpus):
+    row = fault_ledger.open_row("http 503/429 retried by the retry policy")
+    row.injected_from(server.injected_count)
     server.add_faults(SHARD, Fault(status=503, retry_after="0"), Fault(status=429, retry_after="0"))
     policy = RetryPolicy(attempts=4, initial=0.01)
 
@@ -233,7 +240,10 @@ def test_against_a_real_server(server, corpus):
     assert server.count("/missing") == 1
 
 
+@pytest.mark.faults
 def test_async_policy(server):
+    row = fault_ledger.open_row("http 502 retried by the async retry policy")
+    row.injected_from(server.injected_count)
     import httpx
 
     server.add_faults(SHARD, Fault(status=502))

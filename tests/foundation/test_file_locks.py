@@ -1,14 +1,17 @@
 """The project's file locks (filelock) exclude another process, not only another thread.
 
-A child process takes the lock and holds it until told to let go; meanwhile this process must wait.
+A child process takes the lock and holds it until told to let go; meanwhile this process is refused it (a
+real ``flock`` answering EWOULDBLOCK, watched, not timed), and gets it after.
 """
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -33,16 +36,37 @@ def _hold(setup: str, lock: str) -> subprocess.Popen:
 
 
 def _waits_for(child: subprocess.Popen, take) -> None:
-    """``take()`` blocks while ``child`` holds the lock and returns once it lets go."""
-    got = threading.Event()
-    thread = threading.Thread(target=lambda: (take(), got.set()), daemon=True)
-    thread.start()
-    assert not got.wait(0.5), "the lock was taken while another process held it"
-    child.stdin.write("\n")
-    child.stdin.flush()
-    assert child.wait(10) == 0
-    assert got.wait(10), "the lock was not taken after the other process let go"
-    thread.join(10)
+    """``take()`` is refused the lock while ``child`` holds it, and gets it once the child lets go.
+
+    No timing: the locks are filelock's, which try ``flock(LOCK_EX | LOCK_NB)`` and retry; the real call is
+    watched here. The proof of exclusion is a refused attempt (EWOULDBLOCK) while the child holds the lock;
+    without a lock, ``take()`` finishes with no refusal and the test fails at once, whatever the load.
+    """
+    real_flock = fcntl.flock
+    refused = threading.Event()
+    done = threading.Event()
+
+    def watched_flock(fd, operation):
+        try:
+            return real_flock(fd, operation)
+        except BlockingIOError:
+            refused.set()
+            raise
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fcntl, "flock", watched_flock)
+        thread = threading.Thread(target=lambda: (take(), done.set()), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 120  # a bound for a hung lock, not part of the proof
+        while not (refused.is_set() or done.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not done.is_set(), "the lock was taken while another process held it"
+        assert refused.is_set(), "take() neither got the lock nor was refused it in 120 s"
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(30) == 0
+        assert done.wait(30), "the lock was not taken after the other process let go"
+        thread.join(10)
 
 
 def test_staging_lock_waits_for_another_process(tmp_path):

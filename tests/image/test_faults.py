@@ -186,7 +186,9 @@ def test_random_body_behind_a_valid_superblock_is_refused(random_body, sqsh_imag
 @pytest.mark.gcs
 def test_random_body_is_refused_inside_gcs_too(random_body, sqsh_image, gcs_bucket):
     """Bucket to bucket no byte passes through here: only the tables region is fetched for unsquashfs."""
+    row = fault_ledger.open_row("corrupted image (random body) in a bucket")
     storage.put_file(str(random_body), f"{gcs_bucket}/containers/bad.sqsh")
+    row.injected += storage.read_bytes(f"{gcs_bucket}/containers/bad.sqsh") != sqsh_image.read_bytes()
     with pytest.raises(ImageVerificationError, match="damaged"):
         copy_image(f"{gcs_bucket}/containers/bad.sqsh", f"{gcs_bucket}/staged")
     assert storage.listdir(f"{gcs_bucket}/staged") == []
@@ -195,8 +197,10 @@ def test_random_body_is_refused_inside_gcs_too(random_body, sqsh_image, gcs_buck
     assert storage.read_bytes(staged.uri) == sqsh_image.read_bytes()
 
 
-def test_imported_image_with_a_damaged_body_is_refused(random_body, tmp_path):
+def test_imported_image_with_a_damaged_body_is_refused(random_body, sqsh_image, tmp_path):
     """convert_image's check on what enroot wrote is the same one (the plan's output is checked)."""
+    row = fault_ledger.open_row("corrupted image (random body) after an import")
+    row.injected += random_body.read_bytes() != sqsh_image.read_bytes()  # random bytes behind a valid superblock
     block = images.read_superblock(str(random_body))
     with pytest.raises(ImageVerificationError, match="damaged"):
         images.check_filesystem(str(random_body), block, "import output")

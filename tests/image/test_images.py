@@ -24,6 +24,7 @@ from infra.images import (
     copy_image,
     parse_docker_ref,
 )
+from tests.support import fault_ledger
 from tests.support.fault_server import Fault
 from tests.support.require import need
 
@@ -164,8 +165,11 @@ def test_changed_source_is_staged_again(served, tmp_path, sqsh_image, kjv_chapte
     assert sha256(dest / "nemo-test.sqsh") == sha256(root / "nemo-test.sqsh")
 
 
+@pytest.mark.faults
 def test_dropped_connections_are_resumed(served, tmp_path, sqsh_image, monkeypatch):
     server, _ = served
+    row = fault_ledger.open_row("http stall/reset: image copy resumed")
+    row.injected_from(server.injected_count)
     monkeypatch.setattr(images, "RESUME_BACKOFF_S", 0.0)
     # stall_at: the first 100000 bytes arrive and are read before the connection closes early,
     # so the resume point is exact (bytes that arrive together with the error are dropped by aiohttp).
@@ -182,8 +186,11 @@ def test_dropped_connections_are_resumed(served, tmp_path, sqsh_image, monkeypat
     assert sum("resuming at byte" in line for line in lines) == 2
 
 
+@pytest.mark.faults
 def test_connection_that_keeps_dropping_leaves_nothing(served, tmp_path, monkeypatch):
     server, _ = served
+    row = fault_ledger.open_row("http truncation every attempt: image copy")
+    row.injected_from(server.injected_count)
     monkeypatch.setattr(images, "RESUME_BACKOFF_S", 0.0)
     server.add_faults("/nemo-test.sqsh", *[Fault(truncate_at=50_000) for _ in range(images.RESUME_ATTEMPTS + 1)])
     dest = tmp_path / "images"
@@ -194,8 +201,11 @@ def test_connection_that_keeps_dropping_leaves_nothing(served, tmp_path, monkeyp
     assert leftovers(dest) == []
 
 
+@pytest.mark.faults
 def test_resume_refuses_a_file_replaced_meanwhile(served, tmp_path, monkeypatch):
     server, _ = served
+    row = fault_ledger.open_row("http stall, then the file replaced: image copy")
+    row.injected_from(server.injected_count)
     monkeypatch.setattr(images, "RESUME_BACKOFF_S", 0.0)
     # The second GET sees another ETag: If-Range fails, the server sends the whole (new) file with 200.
     server.add_faults("/nemo-test.sqsh", Fault(stall_at=100_000, stall=0.5), Fault(etag="replaced"))
@@ -205,14 +215,17 @@ def test_resume_refuses_a_file_replaced_meanwhile(served, tmp_path, monkeypatch)
     assert leftovers(dest) == []
 
 
+@pytest.mark.faults
 def test_corrupted_byte_is_a_checksum_mismatch(served, tmp_path, sqsh_image):
     server, root = served
+    row = fault_ledger.open_row("image corrupted (one flipped byte) after its HEAD")
     data = bytearray(sqsh_image.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, one byte flipped after the HEAD announced the md5
     server.add_faults("/nemo-test.sqsh", Fault(before=lambda: (root / "nemo-test.sqsh").write_bytes(bytes(data))))
     dest = tmp_path / "images"
     with pytest.raises(ImageCorrupted, match="checksum mismatch") as info:
         copy_image(server.url("nemo-test.sqsh"), str(dest))
+    row.injected += (root / "nemo-test.sqsh").read_bytes() != sqsh_image.read_bytes()  # served flipped
     assert "md5:" + md5(sqsh_image) in str(info.value)
     assert leftovers(dest) == []
 
@@ -288,8 +301,10 @@ def test_disk_too_small_is_refused_before_copying(served, tmp_path, sqsh_image):
     assert server.count("/nemo-test.sqsh", "GET") == 0
 
 
+@pytest.mark.faults
 def test_disk_full_mid_copy_leaves_nothing(tmp_path, sqsh_image):
     """No size known up front (chunked HTTP would do this): ENOSPC while writing is reported clearly."""
+    row = fault_ledger.open_row("disk full (tmpfs) mid-way through a chunked image copy")
     import http.server
     import threading
 
@@ -322,6 +337,7 @@ def test_disk_full_mid_copy_leaves_nothing(tmp_path, sqsh_image):
         with tmpfs(tmp_path / "small", "size=1m") as mount:
             with pytest.raises(ImageDestinationError, match=f"{mount} ran out of space"):
                 copy_image(f"http://127.0.0.1:{httpd.server_address[1]}/chunked.sqsh", str(mount))
+            row.injected += 1  # the copy ran out of space on the 1 MiB tmpfs (the error above says so)
             assert leftovers(mount) == []
     finally:
         httpd.shutdown()
@@ -477,8 +493,11 @@ def test_bucket_to_bucket_copy_is_server_side_and_verified(gcs_bucket, sqsh_imag
     assert names == ["nemo-test.sqsh", "nemo-test.sqsh.meta.json"]
 
 
+@pytest.mark.faults
 def test_signed_url_credentials_stay_out_of_logs_and_records(served, tmp_path, sqsh_image, monkeypatch):
     server, _ = served
+    row = fault_ledger.open_row("http stall on a signed URL: image copy")
+    row.injected_from(server.injected_count)
     monkeypatch.setattr(images, "RESUME_BACKOFF_S", 0.0)
     signature = "X-Goog-Signature=5e1f0c0ffee0ddba11"
     url = server.url("nemo-test.sqsh") + "?X-Goog-Credential=svc%40proj&" + signature

@@ -11,6 +11,7 @@ import pytest
 
 from infra.jobs import ImageRef, workload_job
 from tasks.image import stage
+from tests.support import fault_ledger
 
 
 @pytest.mark.prefect
@@ -158,6 +159,7 @@ def test_cli_runs_the_task_in_a_flow(prefect_server, served, tmp_path, capsys):
 
 
 @pytest.mark.prefect
+@pytest.mark.faults
 def test_task_retries_transient_failures_only(prefect_server, served, tmp_path, monkeypatch):
     from prefect import flow
     from prefect.client.orchestration import get_client
@@ -167,6 +169,8 @@ def test_task_retries_transient_failures_only(prefect_server, served, tmp_path, 
     from tests.support.fault_server import Fault
 
     server, _ = served
+    row = fault_ledger.open_row("http connection dropped more often than a copy resumes: stage_image task retried")
+    row.injected_from(server.injected_count)
     monkeypatch.setattr(images, "RESUME_BACKOFF_S", 0.0)
     quick = stage_image.with_options(retry_delay_seconds=0)
     # First attempt: the connection drops more often than one copy resumes; the retry succeeds.

@@ -39,11 +39,50 @@ def make_wheel(index: Path, name: str, version: str, requires=(), pad: int = 0) 
     return path
 
 
-def bundled(name: str) -> Path:
+def bundled(name: str, scratch: Path) -> Path:
+    """ensurepip's wheel of ``name``, or (Python 3.12+ bundles no setuptools) a wheel of the installed one."""
     found = sorted(BUNDLED.glob(f"{name}-*.whl"))
-    if not found:
-        pytest.skip(f"this Python has no bundled {name} wheel (ensurepip)")
-    return found[-1]
+    if found:
+        return found[-1]
+    return wheel_of_installed(name, scratch)
+
+
+def wheel_of_installed(name: str, out: Path) -> Path:
+    """The installed distribution ``name`` packed back into a py3-none-any wheel (its files as installed, a
+    fresh RECORD with their hashes): the real package, for an index that must offer it."""
+    import base64
+    import hashlib
+    import importlib.metadata
+
+    from tests.support.require import need
+
+    try:
+        dist = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    need(dist, f"{name} installed in this venv", "pip install -c constraints.txt -e .[test]")
+    version = dist.version
+    info = f"{name.replace('-', '_')}-{version}.dist-info"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    record = []
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for file in dist.files or []:
+            parts = Path(file).parts
+            if parts[0] == ".." or "__pycache__" in parts or parts[0].endswith(".dist-info"):
+                continue  # scripts outside site-packages, bytecode, and the old metadata (rewritten below)
+            data = Path(dist.locate_file(file)).read_bytes()
+            z.writestr(str(file), data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{file},sha256={digest},{len(data)}")
+        for meta in ("METADATA", "entry_points.txt", "top_level.txt"):
+            text = dist.read_text(meta)
+            if text is not None:
+                z.writestr(f"{info}/{meta}", text)
+                record.append(f"{info}/{meta},,")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "\n".join([*record, f"{info}/WHEEL,,", f"{info}/RECORD,,", ""]))
+    return path
 
 
 @pytest.fixture
@@ -51,7 +90,7 @@ def toy(tmp_path, monkeypatch):
     """A toy project, its pins, a local index with its wheels, and pip pointed at nothing else."""
     index = tmp_path / "index"
     index.mkdir()
-    pip_whl, st_whl = bundled("pip"), bundled("setuptools")
+    pip_whl, st_whl = bundled("pip", tmp_path / "repacked"), bundled("setuptools", tmp_path / "repacked")
     shutil.copy(pip_whl, index)
     shutil.copy(st_whl, index)
     pip_v, st_v = pip_whl.name.split("-")[1], st_whl.name.split("-")[1]
@@ -317,6 +356,30 @@ def test_a_wheelhouse_for_another_python_is_refused_with_the_fix(toy, tmp_path):
     assert proc.stderr.strip() == (
         f"error: --reuse-torch {sys.executable} is Python {v}; the wheelhouse is for 3.9: rebuild it with --python-version {v}"
     )
+
+
+def test_without_a_bundled_setuptools_the_installed_one_is_packed_and_installs(tmp_path, monkeypatch):
+    """Python 3.12's ensurepip has no setuptools wheel (the H200 node's Python): the toy index gets the
+    installed setuptools packed as a wheel, and pip installs it into a fresh venv where it imports."""
+    monkeypatch.setattr(sys.modules[__name__], "BUNDLED", tmp_path / "no-bundled-wheels")
+    wheel = bundled("setuptools", tmp_path / "repacked")
+    import importlib.metadata
+
+    assert wheel.name == f"setuptools-{importlib.metadata.version('setuptools')}-py3-none-any.whl"
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    target = venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    env = dict(os.environ, PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull)
+    installed = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), str(wheel)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert installed.returncode == 0, installed.stderr
+    probe = "import setuptools, setuptools.build_meta; print(setuptools.__version__)"
+    ran = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True)
+    assert ran.stdout.strip() == importlib.metadata.version("setuptools"), ran.stderr
 
 
 def test_the_carried_setuptools_can_build_nemoflow():

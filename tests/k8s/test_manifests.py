@@ -54,7 +54,7 @@ GPU_MULTINODE = {
         "mem": "480G",
         "time": "04:00:00",
     },
-    "serve": {"resources": {"gpus_per_node": 2, "cpus_per_task": 4}},
+    "serve": {"engine": {"resources": {"gpus_per_node": 2, "cpus_per_task": 4}}},
 }
 CONFIGS = {
     "default": {},
@@ -62,7 +62,7 @@ CONFIGS = {
     "pytorchjob-knative": {
         "executor": {"kind": "k8s", "training_kind": "pytorchjob", "inference_kind": "knative", "shm": False},
         "train": {"num_nodes": 2, "gpus_per_node": 8, "global_batch_size": 128},
-        "serve": {"resources": {"gpus_per_node": 8}},
+        "serve": {"engine": {"resources": {"gpus_per_node": 8}}},
     },
 }
 

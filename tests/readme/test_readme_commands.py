@@ -1,6 +1,6 @@
-"""The README's shell blocks, as a user copies them (issue 26: documented commands that did not work).
+"""The shell blocks of README.md and docs/*.md, as a user copies them (documented commands that did not work).
 
-Every fenced shell block of README.md is preceded by a marker comment that says what the suite does
+Every fenced shell block of those pages is preceded by a marker comment that says what the suite does
 with it:
 
     <!-- readme: run -->                                   run as printed, in README order
@@ -8,9 +8,13 @@ with it:
     <!-- readme: skip: needs a GPU|a cluster|the network: WHY -->
     <!-- readme: skip: long: WHY; tests/PATH runs it -->     (names the test that runs it)
 
-An unmarked shell block, a shell command in an indented (unfenced) block, or an unknown "given" fails
-:func:`test_every_shell_block_is_marked`. The run blocks execute with ``bash -e -o pipefail`` in one
-sandbox, in order, as a newcomer who ran the demo would: a fresh HOME (so ``~/.nemoflow`` is the
+A ```text block marked ``<!-- readme: output -->`` right after a run block is what that block prints:
+each of its lines must appear in one line of the block's output (stdout and stderr), ``...`` standing for
+any text (a hash, a pid, a time). The documented output is checked, not only the exit code.
+
+An unmarked shell block, a shell command in an indented (unfenced) block, an output block that follows no
+run block, or an unknown "given" fails :func:`test_every_shell_block_is_marked`. The run blocks execute with ``bash -e -o pipefail`` in one
+sandbox, in order (README.md, then docs/ by name), as a newcomer who ran the demo would: a fresh HOME (so ``~/.nemoflow`` is the
 default work dir), no NEMOFLOW_* settings, the venv on PATH, the session's Prefect server as the API
 the demo recorded in the profile, and a scratch directory as the working directory. "given" inputs are
 made first: ``data.jsonl.zst`` (KJV chapters), ``tokenizer.model`` (Mixtral's, from mistral-common) and
@@ -32,8 +36,9 @@ import pytest
 from tests.conftest import REPO, VENV_BIN
 
 README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 SHELL = {"bash", "sh", "shell", "console"}
-MARKER = re.compile(r"^<!-- readme: (run(?:; given: (?P<given>[^>]+?))?|skip: (?P<reason>.+?)) -->$")
+MARKER = re.compile(r"^<!-- readme: (run(?:; given: (?P<given>[^>]+?))?|skip: (?P<reason>.+?)|output) -->$")
 SKIP_KINDS = ("needs a GPU", "needs a cluster", "needs the network", "long")
 GIVEN = {"data.jsonl.zst", "tokenizer.model", "the demo's checkpoint"}
 # Commands that start a shell line of an indented block, i.e. a command left unfenced and unmarked.
@@ -48,16 +53,29 @@ class Block:
     marker: str | None
     given: tuple[str, ...] = ()
     skip: str | None = None
+    page: str = "README.md"
+    prints: list[str] = dataclasses.field(default_factory=list)  # the documented output's lines
 
     @property
     def runs(self) -> bool:
         return self.marker is not None and self.skip is None
 
     def __str__(self) -> str:
-        return f"README.md:{self.line}: {self.text.strip().splitlines()[0] if self.text.strip() else '(empty)'}"
+        return f"{self.page}:{self.line}: {self.text.strip().splitlines()[0] if self.text.strip() else '(empty)'}"
 
 
-def blocks(text: str) -> tuple[list[Block], list[str]]:
+def missing_output(expected: list[str], output: str) -> list[str]:
+    """The expected lines that no line of ``output`` matches (``...`` = any text, the rest in order)."""
+    lines = output.splitlines()
+
+    def matches(pattern: str, line: str) -> bool:
+        regex = ".*?".join(re.escape(part) for part in pattern.split("..."))
+        return re.search(regex, line) is not None
+
+    return [e for e in expected if not any(matches(e.strip(), line) for line in lines)]
+
+
+def blocks(text: str, page: str = "README.md") -> tuple[list[Block], list[str]]:
     """The fenced blocks (with their markers) and the problems found on the way."""
     lines = text.splitlines()
     found: list[Block] = []
@@ -69,20 +87,27 @@ def blocks(text: str) -> tuple[list[Block], list[str]]:
         if not fence:
             indented = re.match(r"^( {4,})(\S.*)$", line)
             if indented and (i == 0 or not lines[i - 1].strip()) and indented.group(2).startswith(COMMAND_WORDS):
-                problems.append(
-                    f"README.md:{i + 1}: a shell command in an indented block: fence it (```bash) and mark it"
-                )
+                problems.append(f"{page}:{i + 1}: a shell command in an indented block: fence it (```bash) and mark it")
             i += 1
             continue
         start = i
         language = fence.group(2)
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
         if end is None:
-            problems.append(f"README.md:{start + 1}: unclosed code fence")
+            problems.append(f"{page}:{start + 1}: unclosed code fence")
             break
         previous = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         match = MARKER.match(previous.strip())
-        block = Block(start + 1, language, "\n".join(lines[start + 1 : end]) + "\n", match.group(1) if match else None)
+        marker = match.group(1) if match else None
+        block = Block(start + 1, language, "\n".join(lines[start + 1 : end]) + "\n", marker, page=page)
+        if marker == "output":
+            shown = found[-1] if found else None
+            if shown is None or shown.language not in SHELL or not shown.runs:
+                problems.append(f"{block}: an output block must follow the run block whose output it shows")
+            else:
+                shown.prints = [line for line in block.text.splitlines() if line.strip()]
+            i = end + 1
+            continue
         if match and match.group("given"):
             block.given = _given(match.group("given"))
         if match and match.group("reason"):
@@ -98,12 +123,23 @@ def _given(text: str) -> tuple[str, ...]:
     return (text,) if text in GIVEN else tuple(text.split())
 
 
+def all_blocks() -> tuple[list[Block], list[str]]:
+    """Every page's blocks, README.md first, then docs/ by name."""
+    found: list[Block] = []
+    problems: list[str] = []
+    for path in PAGES:
+        page_blocks, page_problems = blocks(path.read_text(), str(path.relative_to(REPO)))
+        found += page_blocks
+        problems += page_problems
+    return found, problems
+
+
 def shell_blocks() -> list[Block]:
-    return [b for b in blocks(README.read_text())[0] if b.language in SHELL]
+    return [b for b in all_blocks()[0] if b.language in SHELL]
 
 
 def test_every_shell_block_is_marked():
-    found, problems = blocks(README.read_text())
+    found, problems = all_blocks()
     for block in found:
         if not block.language:
             problems.append(f"README.md:{block.line}: a fence without a language (```bash, ```text, ```yaml)")
@@ -111,6 +147,8 @@ def test_every_shell_block_is_marked():
             problems.append(f"{block}: no '<!-- readme: run -->' or '<!-- readme: skip: ... -->' before it")
         elif block.language not in SHELL and block.marker is not None:
             problems.append(f"{block}: a marker on a {block.language} block (only shell blocks run)")
+        elif block.language in SHELL and block.marker == "output":
+            problems.append(f"{block}: an output marker on a shell block (output is a ```text block)")
         for name in block.given:
             if name not in GIVEN:
                 problems.append(f"{block}: unknown given {name!r} (known: {sorted(GIVEN)})")
@@ -123,8 +161,9 @@ def test_every_shell_block_is_marked():
                     problems.append(f"{block}: a long block names the test that runs it (tests/....py): {block.skip!r}")
     assert not problems, "\n".join(problems)
     shells = [b for b in found if b.language in SHELL]
-    assert sum(b.runs for b in shells) >= 4, "the README's quick commands must run"
-    print("\nREADME shell blocks not run by the suite:")
+    assert sum(b.runs for b in shells) >= 4, "the documented quick commands must run"
+    assert sum(bool(b.prints) for b in shells) >= 2, "documented output is checked"
+    print("\nDocumented shell blocks not run by the suite:")
     for block in shells:
         if not block.runs:
             print(f"  {block}  [{block.skip}]")
@@ -133,9 +172,29 @@ def test_every_shell_block_is_marked():
 def test_the_collector_flags_unmarked_and_indented_commands():
     """The collector itself: an unmarked shell block and an unfenced command are problems."""
     text = "intro\n\n```bash\nnemoflow settings\n```\n\nmore\n\n    nemoflow jobs\n\n<!-- readme: run -->\n```bash\nls\n```\n"
-    found, problems = blocks(text)
+    found, problems = blocks(text, "docs/x.md")
     assert [b.marker for b in found] == [None, "run"]
-    assert problems == ["README.md:9: a shell command in an indented block: fence it (```bash) and mark it"]
+    assert problems == ["docs/x.md:9: a shell command in an indented block: fence it (```bash) and mark it"]
+
+
+def test_an_output_block_belongs_to_the_run_block_before_it():
+    text = (
+        "<!-- readme: run -->\n```bash\nnemoflow render\n```\n<!-- readme: output -->\n```text\n"
+        "manifests/job-train-...yaml\n6 files in manifests/\n```\n\n"
+        "<!-- readme: skip: needs a GPU: x -->\n```bash\nnvidia-smi\n```\n<!-- readme: output -->\n```text\nGPU 0\n```\n"
+    )
+    found, problems = blocks(text, "docs/x.md")
+    assert found[0].prints == ["manifests/job-train-...yaml", "6 files in manifests/"]
+    assert problems == ["docs/x.md:16: GPU 0: an output block must follow the run block whose output it shows"]
+
+
+def test_documented_output_is_matched_line_by_line_with_wildcards():
+    printed = "manifests/job-train-465301a65b.yaml\n6 files in manifests/; review\n"
+    assert missing_output(["manifests/job-train-...yaml", "6 files in ..."], printed) == []
+    assert missing_output(["manifests/job-validate-...yaml", "7 files"], printed) == [
+        "manifests/job-validate-...yaml",
+        "7 files",
+    ]
 
 
 # ---------------------------------------------------------------- running the run blocks
@@ -205,6 +264,11 @@ def test_run_blocks_work_as_printed(newcomer, mixtral_tokenizer_model, kjv_chapt
             f"{block} failed (exit {proc.returncode}) as printed:\n{block.text}\n"
             f"--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
         )
-    print("\nREADME run blocks:")
+        missing = missing_output(block.prints, proc.stdout + "\n" + proc.stderr)
+        assert not missing, (
+            f"{block} did not print what the page shows: {missing}\n"
+            f"--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
+        )
+    print("\nDocumented run blocks:")
     for took, what in timings:
         print(f"  {took:5.1f} s  {what}")

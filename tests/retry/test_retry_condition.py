@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
+from tests.support import fault_ledger
+from tests.support.require import need
 
 pytestmark = [pytest.mark.prefect]
 
@@ -114,8 +116,11 @@ def test_slurm_server_without_its_api_key_fails_at_once(prefect_server, work_dir
     makes one attempt (before: three, ~45 s) and its state message's first line is the server's cause."""
     import shutil
 
-    if os.geteuid() != 0 or shutil.which("sbatch") is None:
-        pytest.skip("needs the local Slurm cluster (root, scripts/services-up.sh)")
+    need(
+        os.geteuid() == 0 and shutil.which("sbatch"),
+        "the local Slurm cluster (root, sbatch)",
+        "run the tests as root with Debian's slurm packages (scripts/services-up.sh starts the local cluster)",
+    )
     from infra.settings import reload_settings
     from tasks.refs import CheckpointRef
     from tasks.serve import deploy_inference
@@ -149,7 +154,9 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
 """
 
 
+@pytest.mark.faults
 def test_server_killed_while_starting_is_retried(prefect_server, work_dir, tmp_path):
+    row = fault_ledger.open_row("server SIGKILLed while starting: deploy task retried")
     from prefect import task
 
     from infra.backends.local import LocalBackend
@@ -168,6 +175,7 @@ def test_server_killed_while_starting_is_retried(prefect_server, work_dir, tmp_p
         return LocalBackend().start_service(spec, ready_timeout_s=60).url
 
     state, run_count = _run(deploy)
+    row.injected += (tmp_path / "m").exists()  # the server's first start ended in its own SIGKILL
     try:
         assert state["type"] == "COMPLETED", state
         assert _attempts(counter) == 2 and run_count == 2
@@ -197,8 +205,10 @@ def test_invalid_value_is_not_retried(prefect_server, tmp_path):
     assert "max_steps" in state["message"]
 
 
+@pytest.mark.faults
 def test_connection_reset_is_retried(prefect_server, tmp_path):
     """The transient counterpart: a peer that resets the first connection, then answers."""
+    row = fault_ledger.open_row("connection reset (RST) by the peer: task retried")
     import socket
     import threading
 
@@ -215,6 +225,7 @@ def test_connection_reset_is_retried(prefect_server, tmp_path):
             conn, _ = listener.accept()
             if n == 0:  # RST instead of an answer
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                row.injected += 1
             else:
                 conn.recv(1024)
                 conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok")

@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import free_port, wait_http
 from tests.serve.conftest import MODEL_NAME
+from tests.support import fault_ledger
 from workloads.serve_engines.base import visible_gpus
 from workloads.serve_engines.hf_tokenizer import tokenizer_dir
 from workloads.serve_engines.triton import triton_argv, triton_cwd
@@ -341,12 +342,15 @@ def test_vllm_engine_behind_the_proxy(tmp_path, tiny_checkpoint, vllm_bin):
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_proxy_exits_when_the_engine_dies(tmp_path, tiny_checkpoint, vllm_bin):
+    row = fault_ledger.open_row("vLLM engine SIGKILLed under the serve proxy")
     proc, url, log, record = start_proxy(
         tmp_path, tiny_checkpoint, "vllm", "--vllm-executable", str(vllm_bin), "--tensor-parallel-size", "1"
     )
     try:
         os.kill(record["pid"], signal.SIGKILL)
+        row.injected += 1  # the engine was alive (os.kill raises otherwise)
         code = proc.wait(timeout=30)
     finally:
         stop(proc)

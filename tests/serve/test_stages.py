@@ -26,6 +26,7 @@ from tasks.smoke import (
 )
 from tests.conftest import free_port
 from tests.serve.test_services import standin
+from tests.support import fault_ledger
 from workloads.serve_http import PortRelay
 
 MODEL = "tiny-llama-stage"
@@ -238,8 +239,10 @@ deploy_flow(int(sys.argv[1]))
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_flow_run_terminated_before_ready_leaves_no_server(prefect_server, work_dir, cleanup, tmp_path):
     """Cancelling a flow run SIGTERMs its process; Prefect turns that into an exception in the task."""
+    row = fault_ledger.open_row("flow-run process SIGTERMed (cancel) before its server was ready")
     import os
     import signal
     import subprocess
@@ -260,6 +263,7 @@ def test_flow_run_terminated_before_ready_leaves_no_server(prefect_server, work_
         entry = services.get_service("cancelled-deploy")
         time.sleep(0.2)
     assert entry is not None and entry.state == "starting", runner.communicate()[0] if runner.poll() else ""
+    row.injected += runner.poll() is None  # alive when the SIGTERM is sent
     runner.send_signal(signal.SIGTERM)  # what a worker does to cancel the run: only the flow's process
     output = runner.communicate(timeout=60)[0]
     assert not services.pid_alive(entry.pid, entry.proc_start), output

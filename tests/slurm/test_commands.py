@@ -15,9 +15,16 @@ from pathlib import Path
 import pytest
 
 from infra.slurm.commands import SlurmCLI, SlurmCommandError, SlurmUnavailable
+from tests.support.require import need
 
 REAL_SQUEUE = shutil.which("squeue")
-pytestmark = pytest.mark.skipif(REAL_SQUEUE is None, reason="Slurm's client tools are not installed")
+
+
+@pytest.fixture(autouse=True)
+def _real_squeue():
+    """Slurm's client tools, which the test command installs: a skip here outside CI, a failure under CI=true."""
+    need(REAL_SQUEUE, "Slurm's client tools (squeue)", "apt-get install slurm-client (scripts/setup.sh --test)")
+
 
 WRAPPER = """#!/bin/sh
 echo call >> {calls}

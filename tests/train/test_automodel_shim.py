@@ -96,78 +96,93 @@ def test_staging_never_copies_a_class_where_the_table_lacks_type():
     assert torch.equal(staged["weight"], state["weight"]) and staged["weight"] is not state["weight"]
 
 
-def test_a_save_does_not_wait_for_the_previous_write():
+# The trainer's save path for real: a gloo group, AutoModel's patch, the shim's start_checkpoint_process (what
+# workloads/train.py calls), torch's background writer process, and two async_save calls (a save's model and
+# optimizer halves). The disk is slow on purpose: tests.support.gated_writer holds the first write inside
+# the writer process until the gate file exists, so "the write is still running" is a fact, not a sleep.
+SAVE_TWICE = """
+import json, sys, threading, time
+from pathlib import Path
+
+
+def main():
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from nemo_automodel.components.checkpoint._torch_backports import apply_async_checkpoint_patch
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from tests.support.gated_writer import GatedWriter
+    from workloads import automodel_shim
+
+    out, port = Path(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    apply_async_checkpoint_patch()
+    automodel_shim.start_checkpoint_process(None).join()
+    gate, started = out / "gate", out / "started"
+
+    def save(name, state):
+        writer = GatedWriter(str(out / name), gate=str(gate), started=str(started))
+        return dcp.async_save(state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+
+    model = {"w": torch.arange(1000, dtype=torch.float32)}
+    optim = {"m": torch.arange(500, dtype=torch.float32) * 2}
+    first = save("model", model)
+    while not started.exists():  # the writer process is inside the first write, holding AutoModel's lock
+        time.sleep(0.02)
+    second = {}
+
+    def save_optimizer():
+        second["future"] = save("optim", optim)
+        second["gate_was_open"] = gate.exists()
+
+    thread = threading.Thread(target=save_optimizer, daemon=True)
+    thread.start()
+    thread.join(float(sys.argv[3]))  # only broken code waits this long: the call returns at once otherwise
+    returned = "future" in second and not second["gate_was_open"]
+    gate.touch()  # the slow disk finishes the first write
+    thread.join(600)
+    first.result()
+    second["future"].result()
+    loaded = {"w": torch.zeros(1000)}, {"m": torch.zeros(500)}
+    dcp.load(loaded[0], checkpoint_id=str(out / "model"))
+    dcp.load(loaded[1], checkpoint_id=str(out / "optim"))
+    same = torch.equal(loaded[0]["w"], model["w"]) and torch.equal(loaded[1]["m"], optim["m"])
+    print(json.dumps({"returned_while_first_write_blocked": returned, "both_saves_load_back": same}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # the writer process is spawned: it imports this file again
+    main()
+"""
+
+
+@pytest.mark.slow
+def test_a_save_does_not_wait_for_the_previous_write(tmp_path):
     """AutoModel's lock is held for a whole background write; its ``execute_save`` took the same lock on the
     training thread, so the optimizer's half of a save waited for the model's write (17-21 s per 1.1B save on
-    the H200, in a profile of the saves). Once the writer process exists, a save starts while a write holds
-    the lock; before it exists, the save still waits for the lock and creates the process once."""
-    import threading
-    import time
+    the H200, in a profile of the saves). With the shim's writer process started, the second ``async_save``
+    returns while the first write is held on the slow disk, and both checkpoints load back whole."""
+    import json
+    import os
+    import subprocess
+    import sys
 
-    import torch.distributed.checkpoint._async_process_executor as executor
-    from nemo_automodel.components.checkpoint._torch_backports import apply_async_checkpoint_patch
+    from tests.conftest import REPO, free_port
 
-    apply_async_checkpoint_patch()
-    executor_class = executor._ProcessBasedAsyncCheckpointExecutor
-    saved = (
-        executor_class.execute_save,
-        executor_class._nemo_orig_execute_save,
-        executor._CHECKPOINT_PROCESS,
-        executor._AsyncCheckpointProcess,
-        executor._ProcessGroupInitInfo,
-        getattr(executor_class, "_nemoflow_unlocked", False),
+    script = tmp_path / "save_twice.py"
+    script.write_text(SAVE_TWICE)
+    (tmp_path / "out").mkdir()
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "out"), str(free_port()), "60"],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))),
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
-    started = []
-    created = []
-    try:
-        executor_class._nemo_orig_execute_save = lambda self, *args, **kwargs: started.append(time.monotonic())
-        executor._AsyncCheckpointProcess = lambda pg_init_info: created.append(pg_init_info) or "process"
-        executor._ProcessGroupInitInfo = lambda group: ("init", group)
-        executor_class._nemoflow_unlocked = False
-        executor._CHECKPOINT_PROCESS = "process"
-
-        def write_holding_the_lock(seconds: float) -> threading.Thread:
-            held = threading.Event()
-
-            def hold():
-                with executor._NEMO_CREATE_LOCK:
-                    held.set()
-                    time.sleep(seconds)
-
-            thread = threading.Thread(target=hold)
-            thread.start()
-            held.wait()
-            return thread
-
-        # AutoModel's execute_save, as it is: the save waits for the write
-        writer = write_holding_the_lock(1.0)
-        begin = time.monotonic()
-        executor_class.execute_save(object(), process_group=None)
-        assert started[-1] - begin >= 0.9
-        writer.join()
-
-        automodel_shim.unlock_started_saves()
-        writer = write_holding_the_lock(1.0)
-        begin = time.monotonic()
-        executor_class.execute_save(object(), process_group=None)
-        assert started[-1] - begin < 0.5, "the save waited for the previous write"
-        writer.join()
-        assert created == []
-
-        executor._CHECKPOINT_PROCESS = None  # no writer process yet: wait for the lock, create it once
-        writer = write_holding_the_lock(0.5)
-        begin = time.monotonic()
-        executor_class.execute_save(object(), process_group="group")
-        executor_class.execute_save(object(), process_group="group")
-        writer.join()
-        assert started[-2] - begin >= 0.4
-        assert created == [("init", "group")] and executor._CHECKPOINT_PROCESS == "process"
-    finally:
-        (
-            executor_class.execute_save,
-            executor_class._nemo_orig_execute_save,
-            executor._CHECKPOINT_PROCESS,
-            executor._AsyncCheckpointProcess,
-            executor._ProcessGroupInitInfo,
-            executor_class._nemoflow_unlocked,
-        ) = saved
+    results = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert run.returncode == 0 and results, run.stdout[-2000:] + run.stderr[-4000:]
+    result = json.loads(results[-1])
+    assert result["both_saves_load_back"], result
+    assert result["returned_while_first_write_blocked"], "the optimizer's save waited for the model's write"

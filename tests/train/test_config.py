@@ -300,3 +300,24 @@ def test_loss_chart_svg_scales_points_into_the_frame():
     dot = svg.find(f"{ns}circle")
     assert float(dot.get("cy")) == pytest.approx(100 - 22)  # the lowest value sits on the x axis
     assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
+
+
+def test_a_compiled_run_keeps_its_compile_cache_on_the_work_dir(monkeypatch, tmp_path):
+    """The nightly refresh on another node reuses the kernels: the cache is on the shared work dir, not /tmp."""
+    from infra.settings import get_settings
+    from tasks.train_engines.automodel import AutoModel, build_train_job
+
+    monkeypatch.setenv("NEMOFLOW_WORK_DIR", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    get_settings.cache_clear()
+    try:
+        run_dir = str(tmp_path / "runs" / "r")
+        compiled = build_train_job(AutoModel(enable_compile=True, max_steps=2, run_dir=run_dir))
+        assert compiled.env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "torch-compile")
+        assert "TORCHINDUCTOR_CACHE_DIR" not in (build_train_job(AutoModel(max_steps=2, run_dir=run_dir)).env or {})
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/scratch/mine")  # the user's own wins
+        assert "TORCHINDUCTOR_CACHE_DIR" not in (
+            build_train_job(AutoModel(enable_compile=True, max_steps=2, run_dir=run_dir)).env or {}
+        )
+    finally:
+        get_settings.cache_clear()

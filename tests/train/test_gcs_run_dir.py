@@ -14,6 +14,7 @@ import pytest
 
 from infra import failpoints
 from infra.configs.train import EXIT_PREEMPTED
+from tests.support import fault_ledger
 from tests.train.helpers import REPO, deterministic_part, tiny_config, trainer_env
 from workloads import checkpoint as ckpt
 
@@ -48,7 +49,9 @@ def _trainer(config_uri: str, home, **env) -> subprocess.Popen:
 
 @pytest.mark.slow
 @pytest.mark.gcs
+@pytest.mark.faults
 def test_gs_run_dir_preempted_on_one_node_resumes_on_another(gcs_bucket, tmp_path, train_dataset, reference_run):
+    row = fault_ledger.open_row("training job pre-empted (SIGTERM) with a gs:// run dir, resumed on another node")
     from infra import storage
 
     remote = _upload_dataset(gcs_bucket, train_dataset)
@@ -66,6 +69,7 @@ def test_gs_run_dir_preempted_on_one_node_resumes_on_another(gcs_bucket, tmp_pat
             seen.append(line)
             if line.startswith("step=6 "):
                 node_a.send_signal(signal.SIGTERM)
+                row.injected += 1
             assert time.monotonic() < deadline, "".join(seen)
         node_a.wait(timeout=120)
     finally:

@@ -14,12 +14,12 @@ import sys
 import time
 
 import pytest
+import torch
 
 from infra import failpoints
+from tests.support import fault_ledger
 from tests.train.helpers import REPO, read_metrics, run_trainer, tiny_config, trainer_env, write_config
 from workloads import checkpoint as ckpt
-
-torch = pytest.importorskip("torch")
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,7 +52,9 @@ def _config(train_dataset, run_dir):
     )
 
 
+@pytest.mark.faults
 def test_killed_on_the_gpu_resumes_to_the_uninterrupted_losses(tmp_path, train_dataset):
+    row = fault_ledger.open_row("GPU training job SIGKILLed after a checkpoint")
     whole = tmp_path / "whole"
     done = run_trainer(write_config(_config(train_dataset, whole), tmp_path / "whole.json"), timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -79,7 +81,7 @@ def test_killed_on_the_gpu_resumes_to_the_uninterrupted_losses(tmp_path, train_d
                 break
             assert time.monotonic() < deadline, "".join(seen[-50:])
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
+        row.injected += proc.wait(timeout=60) == -signal.SIGKILL
     finally:
         proc.kill()
     assert proc.returncode == -signal.SIGKILL, "".join(seen[-50:])

@@ -195,7 +195,9 @@ def test_crash_during_save_leaves_no_complete_checkpoint(tmp_path, train_dataset
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_out_of_memory_exits_75_and_backend_reports_it(tmp_path, train_dataset):
+    row = fault_ledger.open_row("out of memory at step 1 (failpoint)")
     from infra.jobs import ExitCode
 
     BACKEND_OOM = ExitCode.OUT_OF_MEMORY
@@ -211,6 +213,7 @@ def test_out_of_memory_exits_75_and_backend_reports_it(tmp_path, train_dataset):
     spec.env.update(failpoints.env(train__oom_at_step=1))
     lines: list[str] = []
     result = LocalBackend().run(spec, on_log=lines.append)
+    row.injected += any("out of memory at step 1" in line for line in lines)  # the failpoint fired
     assert result.exit_code == 75 and result.state is JobState.OUT_OF_MEMORY
     assert any(
         "out of memory at step 1 with micro_batch_size=2, seq_length=64: lower micro_batch_size" in line

@@ -86,6 +86,10 @@ def test_pretrain_writes_an_offline_wandb_run_with_config_and_metrics(
     assert len(train_losses) == 3 and len(val_losses) == 2
     assert sorted(h["loss"] for h in logged["history"] if "loss" in h) == pytest.approx(train_losses)
     assert sorted(h["val_loss"] for h in logged["history"] if "val_loss" in h) == pytest.approx(val_losses)
+    # where the job's seconds went (infra/phases.py): the same record in metrics.jsonl and the W&B summary
+    phase_record = next(m for m in metrics if "phase_s" in m)
+    assert phase_record["phase_s"]["training steps"] > 0 and 0 < phase_record["goodput"] < 1
+    assert logged["summary"]["gpu_time"] == {k: v for k, v in phase_record.items() if k != "step"}
 
     # the Prefect artifact names the offline run and how to upload it
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey

@@ -50,12 +50,13 @@ def records(path: str | Path) -> list[bytes]:
 
 
 def read_run(path: str | Path) -> dict:
-    """The run's config (key -> value) and history rows (one dict per logged step) from its transaction log."""
+    """The run's config (key -> value), history rows (one dict per logged step) and summary updates (key ->
+    value, the last one kept) from its transaction log."""
     import json
 
     from wandb.proto import wandb_internal_pb2
 
-    config, history = {}, []
+    config, history, summary = {}, [], {}
     for data in records(path):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(data)
@@ -66,8 +67,11 @@ def read_run(path: str | Path) -> dict:
         elif kind == "run" and record.run.config.update:
             for item in record.run.config.update:
                 config[item.key] = json.loads(item.value_json)
+        elif kind == "summary":
+            for item in record.summary.update:
+                summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
         elif kind == "history":
             history.append(
                 {(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in record.history.item}
             )
-    return {"config": config, "history": history}
+    return {"config": config, "history": history, "summary": summary}

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from infra import failpoints
+from infra import failpoints, phases
 from workloads.serve_engines.base import ServeEngine
 from workloads.serve_http import (
     DEFAULT_MAX_BODY_BYTES,
@@ -218,6 +218,7 @@ class Engine:
 
         if self.threads:
             torch.set_num_threads(self.threads)
+        phases.switch(phases.BUILD)  # the model load; the imports before it count as the process's start
         started = time.monotonic()
         device = resolve_device(self.device_choice)
         sp = load_tokenizer(self.checkpoint)
@@ -376,6 +377,7 @@ class ServerState:
     def load(self) -> None:
         try:
             self.engine.load()
+            phases.stop()  # the server's start ends here (/health reports its phases to the deploy stage)
             self.ready.set()
         except Exception as exc:
             log.error("loading %s failed:\n%s", self.engine.checkpoint, traceback.format_exc())
@@ -514,6 +516,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     def health():
         body = {"status": "ok" if state.ready.is_set() else "loading", "model": state.model_name, **gate.stats()}
+        if state.ready.is_set():
+            body["phases"] = phases.report()  # how the start's seconds went (tasks/gpu_time.py)
         return JSONResponse(body, status_code=200 if state.ready.is_set() else 503)
 
     @app.get("/v1/models")

@@ -1,0 +1,359 @@
+"""The GPU acceptance report: what `devtools/gpu_node.sh acceptance` measured on a GPU node, checked against targets.
+
+    python -m devtools.acceptance collect PARTS OUT     # gpu_node.sh calls it after each part
+    python -m devtools.acceptance docs REPORT.json      # regenerate docs/benchmarks.md's GPU section from a report
+    python -m devtools.acceptance render REPORT.json    # print that section
+
+Each part of the acceptance run (`demo`, `train`, `moe`, `serve`) leaves its results under PARTS/<part>/ on
+the node (files under /tmp survive between the calls of one lease, and one call may run 10 minutes, so the
+parts are separate calls); `collect` reads whatever parts exist and writes OUT/acceptance.json and
+OUT/acceptance.md: the commit, the machine, every number, and each check with its target and whether it
+passed. Two kinds of checks:
+
+- ``must``: the GPU path works (the demo completes, a second run is all Cached, validation passes, the
+  smoke test answers, the `gpu` tests pass, each benchmark ran). The acceptance passes when the parts demo,
+  train and moe ran and every must check of the parts that ran passed.
+- ``target``: the speed and cost goals the docs state (docs/benchmarks.md); reported met or missed.
+
+The committed report of a named commit (benchmarks/results/h200-<commit>.json) is what docs/benchmarks.md's GPU
+section is generated from; tests/foundation/test_acceptance.py fails when the two disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- gpu-report:begin -->", "<!-- gpu-report:end -->"
+PARTS = ("demo", "train", "moe", "serve")
+REQUIRED = ("demo", "train", "moe")  # issue 31's acceptance; `serve` (vLLM's benchmark) is reported when it ran
+
+# (name, kind, description, target, comparison) — the value each check reads is computed in `checks()`.
+TARGETS = {
+    "demo_cold_s": ("target", "GPU demo, first run, whole `nemoflow demo`", 120.0, "<="),
+    "demo_pretrain_s": ("target", "GPU demo, pretrain stage", 40.0, "<="),
+    "demo_mfu": ("target", "GPU demo training MFU (median of logged steps)", 0.35, ">="),
+    "smoke_s": ("target", "GPU demo, the seed's smoke request", 2.0, "<="),
+    "ckpt10_ratio": ("target", "1.1B, a save every 10 steps: share of the no-save rate", 0.90, ">="),
+    "ckpt10_blocked_s": ("target", "1.1B, a save every 10 steps: median time a save blocks", 0.5, "<="),
+    "moe_mb4_mfu": ("target", "moe-0.9b grouped, micro batch 4: MFU (active)", 0.30, ">="),
+    "mixtral_2l_mb2_mfu": ("target", "Mixtral-8x7B 2-layer slice, micro batch 2: MFU (active)", 0.45, ">="),
+    "mixtral_2l_mb4_mfu": ("target", "Mixtral-8x7B 2-layer slice, micro batch 4: MFU (active)", 0.45, ">="),
+}
+
+
+def _load(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _status(parts: Path, part: str) -> dict | None:
+    """``PARTS/<part>/status.json``: {exit, wall_s} written by gpu_node.sh when the part ended."""
+    return _load(parts / part / "status.json")
+
+
+def machine() -> dict:
+    """The node: GPUs and driver (nvidia-smi), Python and torch (this interpreter's)."""
+    info: dict = {"python": sys.version.split()[0]}
+    try:
+        rows = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.splitlines()
+        info["gpus"] = [r.split(",")[0].strip() for r in rows if r.strip()]
+        info["driver"] = rows[0].split(",")[1].strip() if rows else None
+    except (OSError, subprocess.SubprocessError):
+        info["gpus"], info["driver"] = [], None
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda"] = torch.version.cuda
+    except ImportError:
+        info["torch"] = None
+    return info
+
+
+def demo_part(parts: Path) -> dict | None:
+    """The two `nemoflow demo` runs: gpu_report's gpu-demo.json, the whole-run times, the gpu-time artifact."""
+    base = parts / "demo"
+    report = _load(base / "gpu-demo.json")
+    if report is None:
+        return None
+    times = [int(m) for m in re.findall(r"demo run \d+: (\d+) s", _read(base / "demo-times.txt"))]
+    return {**report, "whole_s": times, "tests": tests_part(base)}
+
+
+def tests_part(base: Path) -> dict | None:
+    """pytest's closing line of the `gpu` tests (tests-gpu.log)."""
+    text = _read(base / "tests-gpu.log")
+    if not text:
+        return None
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)", text.splitlines()[-1])}
+    return {
+        "passed": counts.get("passed", 0),
+        "failed": counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0),
+        "skipped": counts.get("skipped", 0),
+        "last_line": text.splitlines()[-1],
+    }
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def bench_part(parts: Path, part: str) -> dict:
+    """Every bench_train_gpu JSON a part left (its name says the model and micro batch)."""
+    return {p.stem: _load(p) for p in sorted((parts / part).glob("*.json")) if p.name != "status.json"}
+
+
+def checks(report: dict) -> list[dict]:
+    """Each check: name, kind, what, target, value, passed (None where its part did not run)."""
+    demo = report.get("demo") or {}
+    runs = demo.get("runs") or []
+    training = demo.get("training") or {}
+    first = {s["stage"]: s for s in runs[0]["stages"]} if runs else {}
+    second = runs[1]["stages"] if len(runs) > 1 else []
+    out: list[dict] = []
+
+    def must(name: str, what: str, value, passed: bool | None) -> None:
+        out.append({"name": name, "kind": "must", "what": what, "target": None, "value": value, "passed": passed})
+
+    ran = "demo" in report["parts_ran"]
+    must("demo_completed", "the GPU demo completed, twice", len(runs), len(runs) >= 2 if ran else None)
+    must(
+        "demo_cached",
+        "the second run: every stage Cached",
+        sorted({s["state"] for s in second}) or None,
+        (bool(second) and all(s["state"] == "Cached" for s in second)) if ran else None,
+    )
+    val = (runs[0]["val_loss"], runs[0]["untrained_loss"]) if runs else None
+    must("validation", "validation loss below the untrained model's", val, (val[0] < val[1]) if val else None)
+    answer = runs[0]["answer"] if runs else None
+    must("smoke_answer", "the smoke test answered", (answer or "")[:80], bool(answer) if ran else None)
+    tests = demo.get("tests")
+    must(
+        "gpu_tests",
+        "the tests marked gpu",
+        tests["last_line"] if tests else None,
+        (tests["failed"] == 0 and tests["passed"] > 0) if tests else (False if ran else None),
+    )
+    for part in ("train", "moe", "serve"):
+        results = report.get(part) or {}
+        if part in report["parts_ran"]:
+            errors = [k for k, v in results.items() if not v or _has_error(v)]
+            must(f"{part}_ran", f"the {part} benchmarks ran", sorted(results), bool(results) and not errors)
+    values = {
+        "demo_cold_s": (demo.get("whole_s") or [None])[0],
+        "demo_pretrain_s": first.get("pretrain", {}).get("seconds"),
+        "demo_mfu": training.get("mfu"),
+        "smoke_s": runs[0]["latency_s"] if runs else None,
+        **train_values(report.get("train") or {}),
+        **moe_values(report.get("moe") or {}),
+    }
+    for name, (kind, what, target, op) in TARGETS.items():
+        value = values.get(name)
+        passed = None if value is None else (value <= target if op == "<=" else value >= target)
+        shown = _fmt(target, _unit(name))
+        out.append(
+            {"name": name, "kind": kind, "what": what, "target": f"{op} {shown}", "value": value, "passed": passed}
+        )
+    return out
+
+
+def _has_error(result: dict) -> bool:
+    if "error" in result:
+        return True
+    return any(isinstance(v, dict) and "error" in v for v in (result.get("nemoflow") or {}).values())
+
+
+def train_values(train: dict) -> dict:
+    ckpt = train.get("ckpt10") or {}
+    nemo = ckpt.get("nemoflow") or {}
+    return {"ckpt10_ratio": ckpt.get("effective_ratio"), "ckpt10_blocked_s": nemo.get("blocked_median_s")}
+
+
+def moe_values(moe: dict) -> dict:
+    def mfu(key: str) -> float | None:
+        result = (moe.get(key) or {}).get("nemoflow") or {}
+        grouped = result.get("grouped") if "grouped" in result else result
+        return (grouped or {}).get("mfu")
+
+    return {
+        "moe_mb4_mfu": mfu("moe-0.9b-mb4"),
+        "mixtral_2l_mb2_mfu": mfu("mixtral-8x7b-2l-mb2"),
+        "mixtral_2l_mb4_mfu": mfu("mixtral-8x7b-2l-mb4"),
+    }
+
+
+def collect(parts: Path, commit: str) -> dict:
+    ran = [p for p in PARTS if _status(parts, p) is not None]
+    report = {
+        "commit": commit,
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "parts_ran": ran,
+        "part_status": {p: _status(parts, p) for p in ran},
+        "demo": demo_part(parts),
+        "train": bench_part(parts, "train"),
+        "moe": bench_part(parts, "moe"),
+        "serve": bench_part(parts, "serve"),
+    }
+    report["checks"] = checks(report)
+    musts = [c for c in report["checks"] if c["kind"] == "must"]
+    report["passed"] = (
+        set(REQUIRED) <= set(ran)
+        and all(c["passed"] for c in musts if c["passed"] is not None)
+        and all(c["passed"] is not None for c in musts)
+    )
+    return report
+
+
+def _fmt(value, unit: str = "") -> str:
+    if value is None:
+        return "not run"
+    if unit == "%":
+        return f"{value:.1%}"
+    if isinstance(value, float):
+        return f"{value:,.2f}{unit}" if abs(value) < 10 else f"{value:,.0f}{unit}"
+    return f"{value}{unit}"
+
+
+def _unit(name: str) -> str:
+    return "%" if name.endswith(("_mfu", "_ratio", "_goodput")) else " s" if name.endswith("_s") else ""
+
+
+def render(report: dict) -> str:
+    """The markdown of a report: docs/benchmarks.md's GPU section and OUT/acceptance.md."""
+    m = report["machine"]
+    gpus = f"{len(m.get('gpus') or [])} x {m['gpus'][0]}" if m.get("gpus") else "no GPU"
+    lines = [
+        f"Acceptance run at commit `{report['commit']}` on {gpus} (driver {m.get('driver')}, Python {m.get('python')}, "
+        f"torch {m.get('torch')}), {report['date']}: **{'passed' if report['passed'] else 'NOT passed'}** "
+        f"(parts run: {', '.join(report['parts_ran']) or 'none'}). Command: `devtools/gpu_node.sh acceptance OUT PART` "
+        "for each part (after the node install, docs/install.md); the report is "
+        f"`benchmarks/results/h200-{report['commit'][:7]}.json`.",
+        "",
+        "| check | kind | target | measured | result |",
+        "|---|---|---|---|---|",
+    ]
+    for c in report["checks"]:
+        result = {
+            True: "pass" if c["kind"] == "must" else "met",
+            False: "FAIL" if c["kind"] == "must" else "missed",
+            None: "not run",
+        }[c["passed"]]
+        lines.append(
+            f"| {c['what']} | {c['kind']} | {c['target'] or ''} | {_fmt(c['value'], _unit(c['name']))} | {result} |"
+        )
+    demo = report.get("demo") or {}
+    runs = demo.get("runs") or []
+    if runs:
+        lines += ["", "| stage (end-to-end/local, GPU demo) | first run | second run |", "|---|---:|---:|"]
+        second = {s["stage"]: s for s in runs[1]["stages"]} if len(runs) > 1 else {}
+        for s in runs[0]["stages"]:
+            again = second.get(s["stage"])
+            lines.append(
+                f"| {s['stage']} | {s['seconds']} s ({s['state']}) | "
+                + (f"{again['seconds']} s ({again['state']}) |" if again else "|")
+            )
+        whole = demo.get("whole_s") or []
+        lines.append("| `nemoflow demo`, whole | " + " | ".join(f"{w} s" for w in whole) + " |")
+        t = demo.get("training") or {}
+        if t.get("tokens_per_s"):
+            lines += [
+                "",
+                f"Training in the pipeline: {t['steps']} steps, {t['tokens_per_s']:,.0f} tokens/s (median), MFU "
+                f"{_fmt(t.get('mfu'), '%')}, peak {t.get('peak_mem_gib') or 0:.1f} GiB; loss {t['first_loss']:.2f} -> "
+                f"{t['last_loss']:.2f}; validation loss {runs[0]['val_loss']:.3f} (untrained "
+                f"{runs[0]['untrained_loss']:.3f}). Smoke answer in {runs[0]['latency_s']:.2f} s: "
+                f"{runs[0]['answer'][:120]!r}",
+            ]
+    held = (runs[0].get("gpu_time") or {}) if runs else {}
+    if held.get("rows"):
+        column = held["column"]
+        lines += [
+            "",
+            f"Where the first run's {held['unit']}-seconds went (its `gpu-time` artifact): held "
+            f"{held['held']:,.1f} {column}, training steps {held['training_steps']:,.1f}: goodput "
+            f"{_fmt(held.get('goodput'), '%')}.",
+            "",
+            f"| stage | phase | seconds | {column} |",
+            "|---|---|---:|---:|",
+        ]
+        lines += [f"| {r['stage']} | {r['phase']} | {r['seconds']:.1f} | {r[column]:.1f} |" for r in held["rows"]]
+    bench = [(part, name, r) for part in ("train", "moe") for name, r in (report.get(part) or {}).items() if r]
+    if bench:
+        lines += [
+            "",
+            "| benchmark | model | micro batch | tokens/s | MFU | peak GiB | saves blocked (median) |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for _part, name, r in bench:
+            for variant, n in _variants(r):
+                lines.append(
+                    f"| {name}{variant} | {r.get('model')} | {r.get('micro_batch_size')} | "
+                    f"{_fmt(n.get('tokens_per_s'))} | {_fmt(n.get('mfu'), '%')} | {_fmt(n.get('peak_mem_gib'))} | "
+                    f"{_fmt(n.get('blocked_median_s'), ' s')} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def _variants(result: dict):
+    nemo = result.get("nemoflow") or {}
+    if "tokens_per_s" in nemo or "error" in nemo:
+        yield "", nemo
+        if result.get("nemoflow_no_saves"):
+            yield " (no saves)", result["nemoflow_no_saves"]
+    else:
+        for impl, n in nemo.items():
+            yield f" ({impl})", n or {}
+
+
+def update_docs(report: dict, doc: Path = DOC) -> None:
+    text = doc.read_text()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    doc.write_text(text[:start] + "\n" + render(report) + text[end:])
+
+
+def docs_section(doc: Path = DOC) -> str:
+    text = doc.read_text()
+    return text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip("\n") + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 3 and argv[0] == "collect":
+        parts, out = Path(argv[1]), Path(argv[2])
+        commit = argv[3] if len(argv) > 3 else "unknown"
+        report = collect(parts, commit)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "acceptance.json").write_text(json.dumps(report, indent=1))
+        (out / "acceptance.md").write_text(render(report))
+        print(render(report))
+        return 0
+    if len(argv) == 2 and argv[0] in ("docs", "render"):
+        report = json.loads(Path(argv[1]).read_text())
+        if argv[0] == "docs":
+            update_docs(report)
+        else:
+            print(render(report), end="")
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,119 @@
+"""The GPU acceptance report (devtools/acceptance.py) and the docs generated from it.
+
+The GPU numbers users read (docs/benchmarks.md, between the gpu-report marks) are the rendering of the newest
+committed report, benchmarks/results/h200-<commit>.json, which `devtools/gpu_node.sh acceptance` wrote on the
+H200: a hand edit of the numbers, or a new report without regenerating the docs, fails here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from devtools import acceptance
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def newest_report() -> Path:
+    reports = sorted(
+        (REPO / "benchmarks" / "results").glob("h200-*.json"), key=lambda p: json.loads(p.read_text())["date"]
+    )
+    assert reports, "no committed GPU acceptance report under benchmarks/results/"
+    return reports[-1]
+
+
+def test_the_docs_gpu_numbers_are_the_newest_committed_report():
+    report = json.loads(newest_report().read_text())
+    assert acceptance.docs_section() == acceptance.render(report)
+
+
+def test_the_committed_report_names_its_commit_and_machine():
+    path = newest_report()
+    report = json.loads(path.read_text())
+    assert path.name == f"h200-{report['commit'][:7]}.json"
+    assert report["machine"]["gpus"] and "H200" in report["machine"]["gpus"][0]
+    assert set(acceptance.REQUIRED) <= set(report["parts_ran"])
+
+
+def _parts(tmp_path: Path, demo_states=("Cached",), tests_line="3 passed in 140.2s", with_train=True) -> Path:
+    """A node's parts directory as gpu_node.sh leaves it (the shapes devtools/gpu_report.py and
+    benchmarks/bench_train_gpu.py write)."""
+    parts = tmp_path / "parts"
+    demo = parts / "demo"
+    demo.mkdir(parents=True)
+    stages = [{"stage": "pretrain", "seconds": 35.0, "state": "Completed"}]
+    runs = [
+        {"stages": stages, "val_loss": 4.5, "untrained_loss": 10.5, "answer": ", and God", "latency_s": 1.5},
+        {
+            "stages": [{"stage": "pretrain", "seconds": 0.3, "state": s} for s in demo_states],
+            "val_loss": 4.5,
+            "untrained_loss": 10.5,
+            "answer": ", and God",
+            "latency_s": 1.5,
+        },
+    ]
+    training = {
+        "steps": 152,
+        "tokens_per_s": 230e3,
+        "mfu": 0.36,
+        "peak_mem_gib": 17.6,
+        "first_loss": 10.4,
+        "last_loss": 3.8,
+    }
+    (demo / "gpu-demo.json").write_text(json.dumps({"runs": runs, "training": training}))
+    (demo / "demo-times.txt").write_text("demo run 1: 110 s\ndemo run 2: 26 s\n")
+    (demo / "tests-gpu.log").write_text(f"...\n{tests_line}\n")
+    (demo / "status.json").write_text('{"exit": 0, "wall_s": 300}')
+    if with_train:
+        train = parts / "train"
+        train.mkdir()
+        result = {
+            "model": "1.1b",
+            "micro_batch_size": 4,
+            "effective_ratio": 0.8,
+            "nemoflow": {"tokens_per_s": 66e3, "mfu": 0.48, "blocked_median_s": 0.4},
+        }
+        (train / "ckpt10.json").write_text(json.dumps(result))
+        (train / "status.json").write_text('{"exit": 0, "wall_s": 200}')
+    moe = parts / "moe"
+    moe.mkdir()
+    for name, mfu in (("moe-0.9b-mb4", 0.31), ("mixtral-8x7b-2l-mb2", 0.4), ("mixtral-8x7b-2l-mb4", 0.46)):
+        grouped = {"tokens_per_s": 80e3, "mfu": mfu, "peak_mem_gib": 20.0}
+        (moe / f"{name}.json").write_text(json.dumps({"model": name, "nemoflow": {"grouped": grouped}}))
+    (moe / "status.json").write_text('{"exit": 0, "wall_s": 250}')
+    return parts
+
+
+def _check(report: dict, name: str) -> dict:
+    return next(c for c in report["checks"] if c["name"] == name)
+
+
+def test_a_complete_run_passes_and_each_target_is_judged(tmp_path):
+    report = acceptance.collect(_parts(tmp_path), "abc1234")
+    assert report["passed"], [c for c in report["checks"] if c["passed"] is False]
+    assert _check(report, "demo_cold_s")["passed"] is True  # 110 <= 120
+    assert _check(report, "ckpt10_ratio")["passed"] is False  # 0.8 < 0.9: a missed target, not a failed run
+    assert _check(report, "mixtral_2l_mb2_mfu")["passed"] is False and _check(report, "moe_mb4_mfu")["passed"]
+    text = acceptance.render(report)
+    assert "| GPU demo, first run, whole `nemoflow demo` | target | <= 120 s | 110 s | met |" in text
+    assert "| 1.1B, a save every 10 steps: share of the no-save rate | target | >= 90.0% | 80.0% | missed |" in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "failing"),
+    [
+        ({"demo_states": ("Completed",)}, "demo_cached"),  # a second run that recomputed a stage
+        ({"tests_line": "1 failed, 2 passed in 150.0s"}, "gpu_tests"),
+        ({"with_train": False}, None),  # a required part that never ran
+    ],
+)
+def test_a_broken_or_partial_run_does_not_pass(tmp_path, kwargs, failing):
+    report = acceptance.collect(_parts(tmp_path, **kwargs), "abc1234")
+    assert not report["passed"]
+    if failing:
+        assert _check(report, failing)["passed"] is False
+    else:
+        assert "train" not in report["parts_ran"] and _check(report, "ckpt10_ratio")["passed"] is None
