@@ -11,6 +11,11 @@
 #   devtools/gpu_node.sh bench-moe OUT           # the Mixtral-shaped MoE, today's path against grouped GEMM
 #   devtools/gpu_node.sh profile-saves OUT       # 1.1B, two saves: cProfile of what each save blocks on
 #   devtools/gpu_node.sh profile-steps OUT ARGS  # torch.profiler over steps 8-10 of a bench_train_gpu.py run (ARGS)
+#   devtools/gpu_node.sh vllm-install DIR        # one chunk of `wheelhouse.sh build --engine vllm==...` per call;
+#                                                # the last one checks it (imports vllm and its CUDA kernels)
+#   devtools/gpu_node.sh vllm-check OUT          # the engine venv's import check again, its freeze, vllm --version
+#   devtools/gpu_node.sh vllm-bench OUT [ARGS]   # benchmarks/bench_serve_vllm.py: vLLM behind the proxy and direct
+#   devtools/gpu_node.sh vllm-bench-builtin OUT  # the same client against the built-in engine, same checkpoint
 #   devtools/gpu_node.sh acceptance OUT PART [COMMIT]  # THE acceptance run, one PART a call (each fits a 10-minute
 #       call): demo (`nemoflow demo` twice + the tests marked gpu), train (1.1B with a save every 10 steps against
 #       none), moe (moe-0.9b and the Mixtral-8x7B 2-layer slice, grouped), serve (the serving benchmark, when its
@@ -103,6 +108,32 @@ case "$cmd" in
     NEMOFLOW_PROFILE_STEPS=$out/prof:8:3 "$VENV/bin/python" benchmarks/bench_train_gpu.py --gpus 1 --steps 12 --warmup 5 \
       --ckpt-every 100 --skip-reference --out "$ROOT/bench-steps" "$@" > "$out/bench-steps.log" 2>&1 || true
     head -45 "$out"/prof/*.txt
+    ;;
+  vllm-install)
+    [ $# -ge 1 ] || { echo "vllm-install needs chunk directories" >&2; exit 2; }
+    ldd --version 2>&1 | head -1
+    args=()
+    for dir in "$@"; do args+=(--offline "$dir"); done
+    scripts/setup.sh "${args[@]}" --engine-venv "$ROOT/vllm-venv" --reuse-torch "$NODE_PYTHON"
+    ;;
+  vllm-check)
+    out=${1:?vllm-check OUT}; mkdir -p "$out"
+    "$NODE_PYTHON" -c 'import sys; sys.path.insert(0, "devtools"); import engine_env as e, json
+m = json.load(open(sys.argv[1]))
+sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-venv/.nemoflow-engine/nemoflow-engine.json" \
+      "$ROOT/vllm-venv" 2>&1 | tee "$out/vllm-check.txt"
+    env -u PYTHONPATH "$ROOT/vllm-venv/bin/vllm" --version 2>&1 | tail -1 | tee -a "$out/vllm-check.txt"
+    env -u PYTHONPATH "$ROOT/vllm-venv/bin/python" -m pip --version >/dev/null 2>&1 || true
+    env -u PYTHONPATH "$ROOT/vllm-venv/bin/python" -c 'import importlib.metadata as m; print("\n".join(sorted("%s==%s" % (d.metadata["Name"], d.version) for d in m.distributions())))' > "$out/vllm-venv-freeze.txt"
+    ;;
+  vllm-bench|vllm-bench-builtin)
+    out=${1:?$cmd OUT}; shift; mkdir -p "$out"
+    export NEMOFLOW_VLLM_PYTHON=$ROOT/vllm-venv/bin/python
+    # the GPU demo's checkpoint when a demo ran on this machine, else its architecture with random weights
+    ckpt=$(find "$NEMOFLOW_WORK_DIR" -type d -name consolidated -path '*model*' 2>/dev/null | sort | tail -1 || true)
+    which=(--skip-builtin); [ "$cmd" = vllm-bench-builtin ] && which=(--skip-vllm)
+    "$VENV/bin/python" benchmarks/bench_serve_vllm.py --out "$out" --model-dir "$ROOT/bench-model" \
+      ${ckpt:+--checkpoint "$ckpt"} "${which[@]}" "$@" 2>&1 | tee "$out/bench.log"
     ;;
   acceptance)
     out=${1:?acceptance OUT PART [COMMIT]}; part=${2:?acceptance OUT demo|train|moe|serve [COMMIT]}

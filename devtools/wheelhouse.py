@@ -69,6 +69,10 @@ except ImportError:  # pragma: no cover - depends on the interpreter
         Requirement = default_environment = parse_wheel_filename = None
 
 REPO = Path(__file__).resolve().parents[1]
+try:  # as devtools.wheelhouse (tests) or as a script (scripts/wheelhouse.sh runs this file)
+    from devtools import engine_env
+except ImportError:  # pragma: no cover - depends on how it is started
+    import engine_env
 MANIFEST = "nemoflow-wheelhouse.json"
 FORMAT = 1
 # Always carried (never the node's): pip bootstraps the venv's own pip, setuptools builds nemoflow
@@ -909,6 +913,17 @@ def main(argv: list[str] | None = None) -> int:
         "else take the node's (default %(default)s; 0: always the node's)",
     )
     b.add_argument("--split-mb", type=float, help="cut into chunk-N directories of at most this many MiB")
+    b.add_argument(
+        "--engine",
+        help="instead of nemoflow's wheels: a serving engine's own environment, e.g. vllm==0.26.0 "
+        "(devtools/engine_env.py; needs --have; files bigger than --split-mb travel in parts)",
+    )
+    b.add_argument("--pip-version", help=f"with --engine: the pip carried in chunk 1 (default {BUILD_TOOLS['pip']})")
+    b.add_argument(
+        "--strip",
+        action="append",
+        help="with --engine: PACKAGE:MEMBER-GLOB removed from that package's wheel before it travels (repeat)",
+    )
     b.add_argument("--constraints", default=str(REPO / "constraints.txt"))
     b.add_argument("--pyproject", default=str(REPO / "pyproject.toml"))
     i = sub.add_parser("install", help="install a wheelhouse into a venv with no network (scripts/setup.sh --offline)")
@@ -917,6 +932,11 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--reuse-torch", help="a Python whose torch (and other packages) the venv uses")
     i.add_argument("--python", help="the Python to make the venv from when not reusing one's torch")
     i.add_argument("--repo", default=str(REPO), help="the nemoflow checkout to install (editable)")
+    e = sub.add_parser("install-engine", help="install an engine wheelhouse (build --engine) into its own venv")
+    e.add_argument("wheels", nargs="*", help="chunk directories of one engine build")
+    e.add_argument("--venv", required=True, help="the engine's venv (created; e.g. beside nemoflow's)")
+    e.add_argument("--reuse-torch", required=True, help="the node's Python: its torch and packages are reused")
+    e.add_argument("--no-check", action="store_true", help="skip the import check (it needs the node's GPU stack)")
     f = sub.add_parser("freeze", help="name==version of what a Python has (for --have)")
     f.add_argument("--python", default=sys.executable)
     s = sub.add_parser("show", help="summarise a built wheelhouse")
@@ -928,12 +948,19 @@ def main(argv: list[str] | None = None) -> int:
             if out.exists() and any(out.iterdir()):
                 raise WheelhouseError(f"--out {out} is not empty: remove it or choose another directory")
             t0 = time.monotonic()
+            if args.engine:
+                builder = Builder(args)
+                engine_env.build(args, builder.target_args(), builder.env, builder.have)
+                return 0
             manifest = Builder(args).build(out)
             print(summary(manifest))
             print(f"==> wheelhouse in {out} ({time.monotonic() - t0:.0f} s)")
             return 0
         if args.cmd == "install":
             return install(args)
+        if args.cmd == "install-engine":
+            dirs = [Path(d) for d in args.wheels]
+            return engine_env.install(dirs, Path(args.venv), args.reuse_torch, check=not args.no_check)
         if args.cmd == "freeze":
             sys.stdout.write(freeze(args.python))
             return 0
@@ -941,7 +968,7 @@ def main(argv: list[str] | None = None) -> int:
         m = d / MANIFEST if (d / MANIFEST).is_file() else next(d.glob(f"chunk-*/{MANIFEST}"))
         print(summary(json.loads(m.read_text())))
         return 0
-    except WheelhouseError as e:
+    except (WheelhouseError, engine_env.EngineEnvError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

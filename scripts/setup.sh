@@ -15,6 +15,12 @@
 #       torch (and its other packages, after the venv's own). --venv: where (default .venv; also
 #       NEMOFLOW_VENV). `--offline` with no DIR re-installs nemoflow from this checkout and re-checks.
 #
+#   scripts/setup.sh --offline DIR [--offline DIR2 ...] --engine-venv PATH --reuse-torch PYTHON [--no-check]
+#       A serving engine's own environment (`scripts/wheelhouse.sh build --engine vllm==...`) at PATH, beside
+#       nemoflow's venv: the node's torch reused through a .pth, the engine's own pins in front. The last
+#       chunk checks it by importing the engine and its CUDA kernels (vllm._C...; --no-check skips that).
+#       Point the serving engine at it: NEMOFLOW_VLLM_PYTHON=PATH/bin/python (or engine: {python: ...}).
+#
 #   scripts/setup.sh --dry-run [--torch ...]   print the torch build it would install, and how; change nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +31,8 @@ offline=0
 wheels=()
 venv=${NEMOFLOW_VENV:-.venv}
 reuse=""
+engine_venv=""
+no_check=""
 dry=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -36,6 +44,8 @@ while [ $# -gt 0 ]; do
       if [ $# -gt 1 ] && [ "${2#-}" = "$2" ]; then wheels+=("$2"); shift; fi ;;
     --venv) venv=${2:?--venv needs a path}; shift ;;
     --reuse-torch) reuse=${2:?--reuse-torch needs a Python executable}; shift ;;
+    --engine-venv) engine_venv=${2:?--engine-venv needs a path}; shift ;;
+    --no-check) no_check=--no-check ;;
     --dry-run) dry=1 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "error: scripts/setup.sh: unknown argument '$1' (scripts/setup.sh --help)" >&2; exit 2 ;;
@@ -44,6 +54,12 @@ while [ $# -gt 0 ]; do
 done
 PY=${PYTHON:-python3}
 
+if [ -n "$engine_venv" ]; then
+  [ "$offline" = 1 ] || { echo "error: --engine-venv goes with --offline DIR (an engine wheelhouse's chunks)" >&2; exit 2; }
+  [ -n "$reuse" ] || { echo "error: --engine-venv needs --reuse-torch PYTHON (the node's Python whose torch it uses)" >&2; exit 2; }
+  exec "$reuse" devtools/wheelhouse.py install-engine --venv "$engine_venv" --reuse-torch "$reuse" $no_check \
+    ${wheels[@]+"${wheels[@]}"}
+fi
 if [ "$offline" = 1 ]; then
   [ -z "$extras" ] || { echo "error: --test needs the network (its tools are not in a wheelhouse)" >&2; exit 2; }
   args=(install --venv "$venv" --repo "$PWD")

@@ -202,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engines.add_argument("--vllm-executable", default="vllm", help="the vllm command (default: vllm on PATH)")
     engines.add_argument(
+        "--python",
+        dest="vllm_python",
+        help="the Python of vLLM's own environment (scripts/setup.sh --engine-venv); default "
+        "$NEMOFLOW_VLLM_PYTHON, else --vllm-executable",
+    )
+    engines.add_argument(
         "--triton-script",
         default="/opt/NeMo/scripts/deploy/nlp/deploy_triton.py",
         help="NeMo's deploy_triton.py (default: its place in the NeMo container)",

@@ -34,6 +34,9 @@ def record(kind: str, argv: list[str]) -> None:
             "cwd": os.getcwd(),
             "pid": os.getpid(),
             "vllm_api_key_set": bool(os.environ.get("VLLM_API_KEY")),
+            # set by a stand-in engine environment (tests/serve/test_vllm_env.py): how it was started
+            "via": os.environ.get("STANDIN_VIA"),
+            "pythonpath": os.environ.get("STANDIN_PYTHONPATH"),
         }
         Path(path).write_text(json.dumps(info))
 

@@ -20,6 +20,7 @@ from tests.conftest import free_port, wait_http
 from tests.serve.conftest import MODEL_NAME
 from tests.support import fault_ledger
 from workloads.serve_engines.base import visible_gpus
+from workloads.serve_engines.hf_tokenizer import tokenizer_dir
 from workloads.serve_engines.triton import triton_argv, triton_cwd
 from workloads.serve_engines.vllm import vllm_argv, vllm_env
 
@@ -61,10 +62,15 @@ def test_vllm_command_line():
 
 
 def test_vllm_gets_the_key_in_its_environment_only():
+    off = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}  # the engine environment carries no flashinfer
     env = vllm_env("sk-secret", {"PATH": "/bin", "VLLM_API_KEY": "stale"})
-    assert env == {"PATH": "/bin", "VLLM_API_KEY": "sk-secret"}
+    assert env == {"PATH": "/bin", "VLLM_API_KEY": "sk-secret", **off}
     # no key: a VLLM_API_KEY inherited from the caller's environment must not switch auth on silently
-    assert vllm_env(None, {"PATH": "/bin", "VLLM_API_KEY": "stale"}) == {"PATH": "/bin"}
+    assert vllm_env(None, {"PATH": "/bin", "VLLM_API_KEY": "stale"}) == {"PATH": "/bin", **off}
+    # a user's own choice stays; vLLM's own environment does not see nemoflow's PYTHONPATH
+    assert vllm_env(None, {"VLLM_USE_FLASHINFER_SAMPLER": "1", "PYTHONPATH": "/repo"}, own_environment=True) == {
+        "VLLM_USE_FLASHINFER_SAMPLER": "1"
+    }
 
 
 def test_triton_command_line():
@@ -270,6 +276,7 @@ def test_vllm_engine_behind_the_proxy(tmp_path, tiny_checkpoint, vllm_bin):
                 model_name=MODEL_NAME,
                 port=engine_port,
                 tensor_parallel_size=2,
+                tokenizer=str(tokenizer_dir(tiny_checkpoint)),  # ids = sentencepiece's (test_hf_tokenizer.py)
                 extra=["--max-num-seqs=8"],
                 executable=str(vllm_bin),
             )[1:]

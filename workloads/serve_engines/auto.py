@@ -11,7 +11,7 @@ from typing import Literal
 
 from workloads.serve_engines.base import ServeEngine
 from workloads.serve_engines.builtin import Builtin
-from workloads.serve_engines.vllm import Vllm
+from workloads.serve_engines.vllm import Vllm, vllm_installed
 
 log = logging.getLogger("nemoflow.serve")
 
@@ -25,21 +25,19 @@ class Auto(Vllm, Builtin):
         return "auto" if self.resources.gpus_per_node else "builtin"  # with GPUs the node decides
 
     def on_node(self, args: argparse.Namespace) -> ServeEngine:
-        chosen = resolve_engine(self.engine, args.vllm_executable)
+        chosen = resolve_engine(self.engine, args.vllm_executable, getattr(args, "vllm_python", None))
         return {"vllm": Vllm, "builtin": Builtin}[chosen]()
 
 
-def resolve_engine(engine: str, vllm_executable: str = "vllm") -> str:
-    """``auto``: vLLM when this node has a GPU and vLLM is installed, else the built-in engine (which uses the
-    GPU when there is one). Decided here, where the server runs, not where the flow runs."""
+def resolve_engine(engine: str, vllm_executable: str = "vllm", vllm_python: str | None = None) -> str:
+    """``auto``: vLLM when this node has a GPU and vLLM is installed (its own environment: ``vllm_python`` or
+    ``$NEMOFLOW_VLLM_PYTHON``; else on PATH or in this Python), else the built-in engine (which uses the GPU
+    when there is one). Decided here, where the server runs, not where the flow runs."""
     if engine != "auto":
         return engine
-    import importlib.util
-    import shutil
-
     if not _gpu_visible():
         return "builtin"
-    if shutil.which(vllm_executable) or importlib.util.find_spec("vllm") is not None:
+    if vllm_installed(vllm_python, vllm_executable):
         return "vllm"
     log.info("no vLLM on this node: the built-in engine serves on the GPU")
     return "builtin"

@@ -14,6 +14,8 @@ from pydantic import Field
 
 from workloads.serve_engines.base import ENGINE_HOST, ServeEngine, visible_gpus
 
+PYTHON_ENV = "NEMOFLOW_VLLM_PYTHON"  # vLLM's own environment (its pins differ from nemoflow's venv)
+
 
 class Vllm(ServeEngine):
     """vLLM (``vllm serve``) on the node's GPUs; tensor parallel = the server job's GPUs."""
@@ -24,6 +26,11 @@ class Vllm(ServeEngine):
     )
     max_output_len: int | None = Field(None, ge=1, description="most tokens generated per request")
     engine_args: list[str] = Field(default_factory=list, description="verbatim extra arguments for vllm serve")
+    python: str | None = Field(
+        None,
+        description="the Python of vLLM's own environment (scripts/setup.sh --engine-venv PATH: PATH/bin/python); "
+        f"default ${PYTHON_ENV}, else vllm on PATH",
+    )
 
     tensor_parallel: ClassVar[bool] = True
 
@@ -41,8 +48,9 @@ def vllm_argv(
     tensor_parallel_size: int,
     host: str = ENGINE_HOST,
     max_model_len: int | None = None,
+    tokenizer: str | None = None,
     extra: Sequence[str] = (),
-    executable: str = "vllm",
+    executable: str | Sequence[str] = "vllm",
 ) -> list[str]:
     """``vllm serve`` for one checkpoint (vLLM's flag names; its parser checked them, see the README).
 
@@ -50,7 +58,7 @@ def vllm_argv(
     ['vllm', 'serve', '/ckpt', '--host', '127.0.0.1']
     """
     argv = [
-        executable,
+        *([executable] if isinstance(executable, str) else executable),
         "serve",
         checkpoint,
         "--host",
@@ -64,13 +72,63 @@ def vllm_argv(
     ]
     if max_model_len:
         argv += ["--max-model-len", str(max_model_len)]
+    if tokenizer:
+        argv += ["--tokenizer", tokenizer]
     return argv + list(extra)
 
 
-def vllm_env(api_key: str | None, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The engine's environment: ours, plus the key as ``VLLM_API_KEY`` (never on its command line)."""
+def vllm_command(python: str | None = None, executable: str = "vllm", environ=None) -> list[str]:
+    """How to start vLLM: from its own environment (``python``, else ``$NEMOFLOW_VLLM_PYTHON``: the ``vllm``
+    script beside that Python, else ``PYTHON -m vllm.entrypoints.cli.main``), else ``executable`` on PATH."""
+    environ = os.environ if environ is None else environ
+    python = python or environ.get(PYTHON_ENV) or None
+    if python is None:
+        return [executable]
+    path = Path(python)
+    if not path.is_file():
+        where = "engine.python" if environ.get(PYTHON_ENV) != python else f"${PYTHON_ENV}"
+        raise FileNotFoundError(f"{where}={python}: no such file (vLLM's environment: scripts/setup.sh --engine-venv)")
+    script = path.parent / "vllm"
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [str(path), "-m", "vllm.entrypoints.cli.main"]
+
+
+def vllm_installed(python: str | None = None, executable: str = "vllm", environ=None) -> bool:
+    """Whether vLLM can start here: its own environment has it, or ``executable`` is on PATH, or this Python has it."""
+    import importlib.util
+    import shutil
+    import subprocess
+
+    environ = os.environ if environ is None else environ
+    python = python or environ.get(PYTHON_ENV) or None
+    if python:
+        if not Path(python).is_file():
+            return False
+        probe = "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('vllm') else 1)"
+        env = {k: v for k, v in environ.items() if k != "PYTHONPATH"}
+        try:
+            return subprocess.run([python, "-c", probe], env=env, capture_output=True, timeout=60).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+    return shutil.which(executable) is not None or importlib.util.find_spec("vllm") is not None
+
+
+def vllm_env(
+    api_key: str | None, environ: dict[str, str] | None = None, own_environment: bool = False
+) -> dict[str, str]:
+    """The engine's environment: ours, plus the key as ``VLLM_API_KEY`` (never on its command line).
+
+    Ours minus PYTHONPATH when vLLM runs from its own environment (nemoflow's checkout must not shadow its
+    packages). ``VLLM_USE_FLASHINFER_SAMPLER=0`` unless set: vLLM's sampler imports flashinfer by default on a
+    GPU, and the engine environment leaves flashinfer out (its kernels are compiled with nvcc at first use;
+    devtools/engine_env.py); sampling then runs in PyTorch.
+    """
     env = dict(os.environ if environ is None else environ)
     env.pop("VLLM_API_KEY", None)
+    if own_environment:
+        env.pop("PYTHONPATH", None)
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if api_key:
         env["VLLM_API_KEY"] = api_key
     return env
@@ -80,20 +138,29 @@ def vllm_target(args: argparse.Namespace, checkpoint: Path, model_name: str, api
     from workloads.serve_engines.proxy import EngineTarget, free_port
 
     port = args.engine_port or free_port()
+    command = vllm_command(getattr(args, "vllm_python", None), args.vllm_executable)
     max_model_len = args.max_input_len + args.max_output_len if args.max_input_len and args.max_output_len else None
+    tokenizer = None
+    if not any(a == "--tokenizer" or a.startswith("--tokenizer=") for a in args.engine_arg):
+        from workloads.serve_engines.hf_tokenizer import tokenizer_dir
+
+        # the export carries tokenizer.model only: vLLM gets a tokenizer.json whose ids are sentencepiece's
+        made = tokenizer_dir(checkpoint)
+        tokenizer = str(made) if made else None
     argv = vllm_argv(
         str(checkpoint),
         model_name=model_name,
         port=port,
         tensor_parallel_size=args.tensor_parallel_size or max(1, visible_gpus()),
         max_model_len=max_model_len,
+        tokenizer=tokenizer,
         extra=args.engine_arg,
-        executable=args.vllm_executable,
+        executable=command,
     )
     return EngineTarget(
         "vllm",
         argv,
-        vllm_env(api_key),
+        vllm_env(api_key, own_environment=command != [args.vllm_executable]),
         f"http://{ENGINE_HOST}:{port}",
         "/health",
         model_name,

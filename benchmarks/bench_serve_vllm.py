@@ -1,0 +1,250 @@
+"""vLLM behind nemoflow's proxy, vLLM's own port, and the built-in engine, measured with vLLM's own benchmark.
+
+    NEMOFLOW_VLLM_PYTHON=/tmp/vllm-venv/bin/python .venv/bin/python benchmarks/bench_serve_vllm.py \\
+        --out benchmarks/out/serve-vllm [--checkpoint HF_DIR] [--concurrency 1 16 64] [--requests 200]
+
+``vllm bench serve`` (the client in the vllm package: it runs from the engine environment) with random prompts of
+128 tokens and 256 output tokens (``--ignore-eos``: every request generates all 256), at each concurrency:
+(a) nemoflow's deployed endpoint: ``python -m workloads.serve --engine vllm`` (the proxy, with an API key)
+    -> vLLM on a loopback port;
+(b) that same vLLM's own port, directly (the proxy's cost is (a) against (b), same engine, same run);
+(c) the built-in engine (``--engine builtin --device cuda``) on the same checkpoint: it generates one token
+    per forward pass (~20 tokens/s on an H200), so it runs ``--builtin-requests`` requests per level, not 200
+    (the JSON says how many), and only at the concurrencies in ``--builtin-concurrency``.
+Also: each server's start-to-ready time (process start -> /health 200) and the seed's request (NeMo REST
+shape, through the proxy) timed end to end. The model: ``--checkpoint`` (a Hugging Face export, e.g. the GPU
+demo's ``model/consolidated``), else the GPU demo's architecture (0.25B Llama, hidden 1024, 16 layers, GQA
+16/8, SwiGLU 2816, Mixtral's 32000-token tokenizer) with random weights, made once under --out. Results:
+OUT/bench_serve_vllm.json, rewritten after every level (a run cut short keeps what it measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MODEL_NAME = "bench"
+KEY_ENV = "NEMOFLOW_BENCH_API_KEY"
+SEED_REQUEST = {"prompt": "In the beginning", "model": MODEL_NAME, "max-tokens": 1024, "top_p": 0, "top_k": 0.9}
+
+
+def make_model(dest: Path) -> Path:
+    """The GPU demo's architecture with random weights (bf16), Mixtral's tokenizer.model beside it."""
+    import mistral_common
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (dest / "config.json").exists():
+        return dest
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+    )
+    tmp = dest.with_name(dest.name + ".tmp")
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp)
+    model = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
+    (tmp / "tokenizer.model").write_bytes(model.read_bytes())
+    os.replace(tmp, dest)
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(command: list[str], env: dict, log: Path, url: str, timeout: float) -> tuple[subprocess.Popen, float]:
+    """Start a server; seconds from process start to /health 200 (it exiting first is an error)."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            tail = log.read_text().strip().splitlines()[-15:]
+            raise RuntimeError(f"{command[:4]} exited {proc.returncode} before ready:\n" + "\n".join(tail))
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    stop(proc)
+    raise RuntimeError(f"not ready after {timeout:.0f} s: see {log}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def bench(vllm: list[str], url: str, tokenizer: str, concurrency: int, requests: int, out: Path, label: str, key: str):
+    """One ``vllm bench serve`` level; its result JSON's numbers."""
+    name = f"{label}-c{concurrency}.json"
+    cmd = [*vllm, "bench", "serve", "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions"]
+    cmd += ["--model", MODEL_NAME, "--tokenizer", tokenizer, "--dataset-name", "random"]
+    cmd += ["--random-input-len", "128", "--random-output-len", "256", "--ignore-eos", "--seed", "0"]
+    cmd += ["--num-prompts", str(requests), "--max-concurrency", str(concurrency), "--request-rate", "inf"]
+    cmd += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm"]
+    cmd += ["--ready-check-timeout-sec", "0", "--save-result", "--result-dir", str(out), "--result-filename", name]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OPENAI_API_KEY"] = key  # the bench client's bearer token (vLLM's benchmark reads this variable)
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    (out / f"{label}-c{concurrency}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1], "exit": proc.returncode}
+    r = json.loads((out / name).read_text())
+    keys = ["completed", "failed", "request_throughput", "output_throughput", "total_token_throughput"]
+    keys += [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("median", "p50", "p99", "mean")]
+    row = {k: r[k] for k in keys if k in r}
+    row.update(requests=requests, concurrency=concurrency, wall_s=round(time.monotonic() - t0, 1))
+    return row
+
+
+def run_vllm(args, report, save, serve, env, vllm, tokenizer, out, key) -> None:
+    """(a) + (b): one vLLM behind the proxy; its own port known (--engine-port)."""
+    port, engine_port = free_port(), free_port()
+    cmd = serve + ["--port", str(port), "--engine", "vllm", "--engine-port", str(engine_port)]
+    cmd += [f"--engine-arg={a}" for a in args.engine_arg]
+    proxy, ready_s = start(cmd, env, out / "vllm-proxy.log", f"http://127.0.0.1:{port}", 600)
+    report["vllm_start_to_ready_s"] = round(ready_s, 1)
+    print(f"vLLM behind the proxy ready in {ready_s:.1f} s", flush=True)
+    save()
+    try:
+        auth = {"Authorization": f"Bearer {key}"}
+        times = []
+        for _ in range(3):  # the seed's request (NeMo REST shape) through the proxy, end to end
+            t0 = time.monotonic()
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions/", json=SEED_REQUEST, headers=auth, timeout=120
+            )
+            times.append(round(time.monotonic() - t0, 3))
+            r.raise_for_status()
+        report["seed_request_s"] = times
+        report["seed_request_output_chars"] = len(r.json()["output"])
+        save()
+        for c in args.concurrency:
+            for label, url in (("proxy", f"http://127.0.0.1:{port}"), ("vllm", f"http://127.0.0.1:{engine_port}")):
+                row = bench(vllm, url, tokenizer, c, max(args.requests, c), out, label, key)
+                report["levels"].setdefault(label, {})[str(c)] = row
+                print(label, c, json.dumps(row), flush=True)
+                save()
+    finally:
+        stop(proxy)
+
+
+def main() -> int:
+    from workloads.serve_engines.hf_tokenizer import tokenizer_dir
+    from workloads.serve_engines.vllm import vllm_command
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "serve-vllm")
+    p.add_argument("--checkpoint", type=Path, help="a Hugging Face export (default: the GPU demo's shape, random)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[16, 64, 1],
+        help="levels, in order (the targets first: a run cut short keeps them)",
+    )
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--builtin-concurrency", type=int, nargs="*", default=[1, 16])
+    p.add_argument("--builtin-requests", type=int, default=4, help="per level (at least the concurrency)")
+    p.add_argument("--engine-arg", action="append", default=[], help="one more vllm serve argument (repeat)")
+    p.add_argument("--skip-builtin", action="store_true", help="only vLLM (a) and (b)")
+    p.add_argument("--skip-vllm", action="store_true", help="only the built-in engine (c)")
+    p.add_argument("--builtin-device", default="cuda", help="the built-in engine's --device (default cuda)")
+    p.add_argument("--model-dir", type=Path, help="where the random-weight model is made (default: under --out)")
+    args = p.parse_args()
+    out = args.out.absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = (args.checkpoint or make_model((args.model_dir or out / "model-0.25b-random").absolute())).absolute()
+    tokenizer = str(tokenizer_dir(ckpt) or ckpt)
+    vllm = vllm_command()
+    key = "sk-bench-" + secrets.token_hex(12)
+    report: dict = {
+        "checkpoint": str(ckpt),
+        "command": " ".join(sys.argv),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip(),
+        "host": platform.node(),
+        "vllm": vllm,
+        "workload": "vllm bench serve, random dataset, 128 tokens in, 256 out (--ignore-eos), seed 0",
+        "levels": {},
+    }
+
+    def save() -> None:
+        (out / "bench_serve_vllm.json").write_text(json.dumps(report, indent=2) + "\n")
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), **{KEY_ENV: key})
+    serve = [sys.executable, "-m", "workloads.serve", "--checkpoint", str(ckpt)]
+    serve += ["--model-name", MODEL_NAME, "--api-key-env", KEY_ENV]
+    if not args.skip_vllm:
+        run_vllm(args, report, save, serve, env, vllm, tokenizer, out, key)
+    if not args.skip_builtin:
+        port = free_port()
+        cmd = serve + ["--port", str(port), "--engine", "builtin", "--device", args.builtin_device]
+        server, ready_s = start(cmd, env, out / "builtin.log", f"http://127.0.0.1:{port}", 600)
+        report["builtin_start_to_ready_s"] = round(ready_s, 1)
+        try:
+            for c in args.builtin_concurrency:
+                n = max(args.builtin_requests, c)
+                row = bench(vllm, f"http://127.0.0.1:{port}", tokenizer, c, n, out, "builtin", key)
+                row["note"] = (
+                    f"{n} requests, not {args.requests}: the built-in engine makes one token per forward pass; "
+                    "it ignores ignore_eos (output tokens/s counts the tokens that came back)"
+                )
+                report["levels"].setdefault("builtin", {})[str(c)] = row
+                print("builtin", c, json.dumps(row), flush=True)
+                save()
+        finally:
+            stop(server)
+    levels = report["levels"]
+    for c in map(str, args.concurrency):
+        a, b = levels.get("proxy", {}).get(c, {}), levels.get("vllm", {}).get(c, {})
+        if a.get("output_throughput") and b.get("output_throughput"):
+            report.setdefault("proxy_cost", {})[c] = {
+                "output_tok_s_pct": round(100 * (1 - a["output_throughput"] / b["output_throughput"]), 2),
+                "ttft_p50_pct": round(100 * (a["median_ttft_ms"] / b["median_ttft_ms"] - 1), 2),
+            }
+    builtin16 = levels.get("builtin", {}).get("16", {}).get("output_throughput")
+    if builtin16 and levels.get("proxy", {}).get("16", {}).get("output_throughput"):
+        report["vllm_over_builtin_c16"] = round(levels["proxy"]["16"]["output_throughput"] / builtin16, 1)
+    save()
+    print(json.dumps({k: v for k, v in report.items() if k != "levels"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
