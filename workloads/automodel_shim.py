@@ -171,6 +171,11 @@ STAGING = (
         "self._model_ctx.future.upload_completion.result()",
         "f4204eef023314158d8fe6ae1f6b1ec0af2140e0ee79ff79e3fb7f8953345fc8",
     ),
+    Patched(  # parallel_writes wraps it: _do_save hands it every save's storage writer
+        "nemo_automodel.components.checkpoint.checkpointing:_maybe_msc_writer",
+        "return storage_writer",
+        "909fd457e418b47e21a0e7a2ac2ba5de70d683464ff242a9de85ed6b271ee9b6",
+    ),
     Patched(
         "nemo_automodel.components.checkpoint.checkpointing:Checkpointer.__init__",
         "self._model_ctx.stager = DefaultStager()",
@@ -311,3 +316,44 @@ def unlock_started_saves() -> None:
 
     executor_class.execute_save = execute_save
     executor_class._nemoflow_unlocked = True
+
+
+def parallel_writes(threads: int) -> None:
+    """Every checkpoint save writes ``threads`` files per rank at once (workloads/checkpoint_writers.py).
+
+    AutoModel's ``_do_save`` passes each save's storage writer through ``_maybe_msc_writer`` (None for the
+    optimizer state: DCP then builds a one-file-per-rank ``FileSystemWriter``; AutoModel's safetensors writer for
+    the weights); the wrapper returns the parallel writers instead. Synchronous saves use them too.
+    """
+    import nemo_automodel.components.checkpoint.checkpointing as checkpointing
+
+    from workloads import checkpoint_writers
+
+    real = getattr(checkpointing._maybe_msc_writer, "__wrapped__", checkpointing._maybe_msc_writer)
+
+    def maybe_msc_writer(path, storage_writer):
+        return checkpoint_writers.parallel(real(path, storage_writer), path, threads)
+
+    maybe_msc_writer.__wrapped__ = real
+    checkpointing._maybe_msc_writer = maybe_msc_writer
+
+
+def writer_alive() -> bool:
+    """Whether torch.distributed.checkpoint's background writer process of this rank is running (or not started)."""
+    import torch.distributed.checkpoint._async_process_executor as executor
+
+    process = executor._CHECKPOINT_PROCESS
+    return process is None or process._save_process.is_alive()
+
+
+def replace_writer(process_group) -> threading.Thread:
+    """Drop this rank's writer process (dead, or alive in a group with a dead peer) and start a new one in the
+    background, as at setup. Every rank calls it at the same point: the new processes form a new gloo group."""
+    import torch.distributed.checkpoint._async_process_executor as executor
+
+    with executor._NEMO_CREATE_LOCK:
+        old, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
+    if old is not None and old._save_process.is_alive():
+        old._save_process.kill()
+        old._save_process.join(timeout=30)
+    return start_checkpoint_process(process_group)

@@ -34,6 +34,11 @@ AutoModel's; this module adds what the pipeline needs around them:
   run then trains in a node-local copy, uploads every complete checkpoint (resume state
   included, MANIFEST.json last), metrics.jsonl and train_config.json, and a restarted job
   resumes from the newest uploaded checkpoint;
+* a background save that fails (a storage error, a full disk, the writer process killed) is reported (a
+  "warning: the checkpoint of step N was not saved" line, a ``checkpoint_failed`` record in metrics.jsonl) and
+  training continues: the failed save is removed (it was never published), the previous checkpoint stays the
+  newest, a dead writer process is replaced; ``ckpt_max_failed_saves`` failures in a row, or a failed last
+  save, stop the run (exit 1, one line that says why);
 * SIGTERM / SIGUSR1: a checkpoint at the next step boundary, then exit 76;
 * W&B through AutoModel when ``WANDB_API_KEY`` is set (``WANDB_PROJECT``, default nemoflow);
 * every rank's output prefixed with ``[rank N]`` when there is more than one.
@@ -51,6 +56,7 @@ Exit codes: 0 done, 2 bad configuration / missing data / unwritable run_dir,
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import errno
 import hashlib
 import json
@@ -100,6 +106,11 @@ class LaunchError(ValueError):
 
 class ExportError(RuntimeError):
     """The Hugging Face export after training failed; the saved checkpoints are intact."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """Saves failed ``ckpt_max_failed_saves`` times in a row, or the run's last save failed: the run stops (the
+    newest complete checkpoint is kept; its ``__cause__`` is the last write's error)."""
 
 
 def launch_world() -> tuple[int, int, int]:
@@ -432,6 +443,8 @@ def build_recipe(
     from nemo_automodel.components.config.loader import ConfigNode
     from nemo_automodel.recipes.llm.train_ft import TrainFinetuneRecipeForNextTokenPrediction
 
+    from workloads import automodel_shim
+
     tokens_per_step = config.global_batch_size * config.seq_length
     log_samples = failpoints.enabled("train.log_samples")
     peak = peak_flops() if torch.cuda.is_available() else None
@@ -440,6 +453,8 @@ def build_recipe(
         metrics: MetricsLog | None = None
         last_val_loss: float | None = None
         saved_step: int | None = None  # the save whose staging the next optimizer step may wait for
+        failed_in_row: int = 0  # background saves that failed since the last one published
+        failed_step: int | None = None  # the step of the last save that failed
         agree_group = None  # ranks agree on publishing a written save (publish_written_save)
 
         def _make_progress_bar(self, *args, **kwargs):
@@ -506,29 +521,84 @@ def build_recipe(
                 Path(name).write_text(f"steps {first}-{last}, sorted by {sort}\n{table}\n")
                 self.step_profiler = None
 
-        def publish_written_save(self) -> None:
-            """Publish the last asynchronous save as soon as its files are written.
+        def publish_written_save(self, wait: bool = False) -> None:
+            """Publish the last asynchronous save as soon as its files are written, or drop it if its write failed.
 
             AutoModel publishes an asynchronous save (removes its ``.incomplete`` marker, moves LATEST) only at the
             next save or at the end of training, so a job killed in between would resume from the save before.
             Every rank must publish at the same step (publication runs collectives), so the ranks agree first,
-            on a gloo group of their own, and only while a save is pending.
+            on a gloo group of their own, and only while a save is pending. ``wait``: until the writes end (before
+            the next save and at the end of training).
+
+            A write that failed on any rank (the storage, a full disk, the writer process killed) used to raise
+            here and end the run (issue 34: one background write's error ended a 1.1B run): it is
+            :meth:`drop_failed_save` instead, on every rank at the same step.
             """
             lifecycle = self.checkpointer.lifecycle
             if not self.checkpointer.config.is_async or lifecycle._pending_checkpoint_dir is None:
                 return
             contexts = (self.checkpointer._model_ctx, self.checkpointer._optim_ctx)
-            written = all(c.future is None or c.future.upload_completion.done() for c in contexts)
+            writes = [c.future.upload_completion for c in contexts if c.future is not None]
+            if wait:
+                concurrent.futures.wait(writes)
+            written = all(w.done() for w in writes)
+            errors = [w.exception() for w in writes if w.done() and w.exception() is not None]
+            # [not written, failed, writer process dead] on this rank; the ranks' maximum is what every rank does
+            flags = [int(not written), int(bool(errors)), int(not automodel_shim.writer_alive())]
             if self.agree_group is not None:
-                flag = torch.tensor([int(written)])
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.agree_group)
-                written = bool(flag.item())
-            if not written:
+                flag = torch.tensor(flags)
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.agree_group)
+                flags = flag.tolist()
+            if flags[0]:
                 return
-            self.checkpointer.async_wait()  # returns at once: the writes are done (raises their error, if any)
+            if flags[1]:
+                self.drop_failed_save(errors[0] if errors else None, replace_writer=bool(flags[2]))
+                return
+            self.checkpointer.async_wait()  # returns at once: the writes are done
             lifecycle.complete_pending()
+            self.failed_in_row = 0
             if self.dist_env.is_main:
                 self.finisher.finish_published()
+
+        def drop_failed_save(self, error: BaseException | None, replace_writer: bool) -> None:
+            """A background save failed: report it, remove it, keep training (or stop after too many in a row).
+
+            The save was never published (AutoModel's ``.incomplete`` marker), so nothing ever loads it; it is
+            moved aside (one rename: never a half-deleted directory without its marker) and deleted, which gives
+            a full disk its space back. The previous checkpoint stays the newest. A writer process that died is
+            replaced on every rank (the others' processes share a gloo group with it).
+            """
+            lifecycle = self.checkpointer.lifecycle
+            path = Path(lifecycle._pending_checkpoint_dir)
+            for context in (self.checkpointer._model_ctx, self.checkpointer._optim_ctx):
+                context.future, context.staging_active = None, False
+            lifecycle._pending_checkpoint_dir = lifecycle._pending_best_checkpoint = None
+            self.failed_in_row += 1
+            self.failed_step = step = ckpt.step_of(path)
+            reason = _one_line(error) if error is not None else "the write failed on another rank"
+            if replace_writer:
+                reason += " (the checkpoint writer process died; a new one is started)"
+                self.writer_start = automodel_shim.replace_writer(self.checkpointer._model_ctx.process_group)
+            if self.dist_env.is_main:
+                if path in self.finisher.pending:
+                    self.finisher.pending.remove(path)
+                ckpt.remove_unpublished(path)
+                saved = ckpt.saved_checkpoints(run_dir)
+                newest = f"step {saved[-1].step} ({saved[-1].step_dir})" if saved else "none"
+                _say(
+                    f"warning: the checkpoint of step {step} was not saved: {reason}; training continues, the newest "
+                    f"checkpoint is still {newest} ({self.failed_in_row} failed save(s) in a row, the run stops at "
+                    f"{config.ckpt_max_failed_saves})"
+                )
+                if self.metrics is not None:
+                    self.metrics.log(
+                        {"step": step, "checkpoint_failed": reason, "checkpoint_failed_in_row": self.failed_in_row}
+                    )
+            if self.failed_in_row >= config.ckpt_max_failed_saves:
+                raise CheckpointSaveError(
+                    f"{self.failed_in_row} checkpoint saves in a row failed (the last, of step {step}: {reason}); "
+                    "stopping: the newest complete checkpoint is kept, fix the storage and run again to resume"
+                ) from error
 
         # -------------------------------------------------- metrics
         def start_metrics(self) -> None:
@@ -581,10 +651,18 @@ def build_recipe(
 
         def _finalize_and_close_checkpointer(self):
             started = time.perf_counter()
-            super()._finalize_and_close_checkpointer()  # waits for the last async save and publishes it
+            self.publish_written_save(wait=True)  # the last save: published, or dropped as failed
+            super()._finalize_and_close_checkpointer()  # closes the checkpointer
+            done = self.step_scheduler.step
             if self.metrics is not None:
-                done = self.step_scheduler.step
                 self.metrics.log({"step": done, "checkpoint_finalize_s": time.perf_counter() - started})
+            if self.failed_step is not None and self.failed_step == done:
+                # Training ended (or a stop signal came) but its state is not on disk: the run did not do its job.
+                saved = ckpt.saved_checkpoints(run_dir)
+                raise CheckpointSaveError(
+                    f"the last checkpoint (step {done}) was not saved; the newest complete checkpoint is "
+                    f"{f'step {saved[-1].step}' if saved else 'none'}: run again to resume from it"
+                )
 
         # -------------------------------------------------- checkpoints
         def save_checkpoint(self, epoch, step, train_loss, val_loss=None, best_metric_key="default"):
@@ -597,6 +675,9 @@ def build_recipe(
 
                 self.checkpointer.save_optimizer = die
             started = time.perf_counter()
+            # The previous save's write, if still running, ends first: published, or dropped as failed (AutoModel's
+            # own wait would raise its error and end the run).
+            self.publish_written_save(wait=True)
             profile = os.environ.get("NEMOFLOW_PROFILE_SAVES")  # a directory: cProfile of each save's blocking part
             if profile:
                 import cProfile
@@ -959,6 +1040,7 @@ def train(config: TrainConfig) -> int:
         print(why_not, flush=True)
     if async_save:
         automodel_shim.keep_staging_buffers(cuda)
+    automodel_shim.parallel_writes(config.ckpt_write_threads)
     if resolve_moe_impl(config.arch, config.moe_impl) == "grouped":
         from workloads import moe_model
 
@@ -1134,22 +1216,41 @@ def main(argv: list[str] | None = None) -> int:
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
+    except CheckpointSaveError as exc:
+        if _disk_full(exc) or _run_dir_full(config):
+            print(f"error: {NO_SPACE}", file=sys.stderr, flush=True)
+        else:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         if not (_disk_full(exc) or _run_dir_full(config)):
             raise
         # One line after the traceback: what happened and what to do (the incomplete save is never a checkpoint).
-        print(
-            f"error: no space left on the device holding the run directory ({exc.__class__.__name__} while "
-            "writing); the last complete checkpoint is kept: free space (or move run_dir) and run again to resume",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"error: {NO_SPACE} ({exc.__class__.__name__} while writing)", file=sys.stderr, flush=True)
         return 1
     finally:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+NO_SPACE = (
+    "no space left on the device holding the run directory; the last complete checkpoint is kept: free space "
+    "(or move run_dir) and run again to resume"
+)
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line for the log: its type and its message's first line (DCP's CheckpointException: the
+    first failing rank's error)."""
+    failures = getattr(exc, "failures", None) or {}
+    for rank, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", failure)
+        if isinstance(inner, BaseException):
+            return f"rank {rank}: {_one_line(inner)}"
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
 
 
 def _run_dir_full(config: TrainConfig | None) -> bool:
