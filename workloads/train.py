@@ -455,6 +455,8 @@ def build_recipe(
         saved_step: int | None = None  # the save whose staging the next optimizer step may wait for
         failed_in_row: int = 0  # background saves that failed since the last one published
         failed_step: int | None = None  # the step of the last save that failed
+        prestage = None  # automodel_shim.Prestage: the first save's staging buffers, prepared in the background
+        staged_report: bool = False  # the first save after pre-staging records the buffers it used
         agree_group = None  # ranks agree on publishing a written save (publish_written_save)
 
         def _make_progress_bar(self, *args, **kwargs):
@@ -486,11 +488,20 @@ def build_recipe(
                 started = time.perf_counter()
                 self.checkpointer.maybe_wait_for_staging()
                 if self.metrics is not None:
-                    self.metrics.log({"step": self.saved_step, "checkpoint_wait_s": time.perf_counter() - started})
-                self.saved_step = None
+                    record = {"step": self.saved_step, "checkpoint_wait_s": time.perf_counter() - started}
+                    if self.staged_report:
+                        # every buffer the first save used: equal to what was pre-staged when it served the save
+                        stagers = (self.checkpointer._model_ctx.stager, self.checkpointer._optim_ctx.stager)
+                        record["checkpoint_staged_gib"] = sum(map(automodel_shim.staged_bytes, stagers)) / 2**30
+                    self.metrics.log(record)
+                self.saved_step, self.staged_report = None, False
             self.profile_steps(done, start=True)
             result = super()._run_train_optim_step(batches, max_grad_norm)
             self.profile_steps(done, start=False)
+            if self.prestage is not None and not self.prestage.optimizer_ready.is_set():
+                # the optimizer's state exists from its first step on: its staging buffers can be prepared now
+                tensors = automodel_shim.optimizer_tensors(self.optimizer)
+                self.prestage.optimizer(self.checkpointer._optim_ctx.stager, tensors)
             return result
 
         def profile_steps(self, done: int, start: bool) -> None:
@@ -559,6 +570,34 @@ def build_recipe(
             self.failed_in_row = 0
             if self.dist_env.is_main:
                 self.finisher.finish_published()
+
+        def join_prestage(self, done: int) -> None:
+            """Before the first save: the background preparation of its staging buffers is finished (it waits for
+            what is left, counted in checkpoint_save_s), and on record."""
+            prestage, self.prestage = self.prestage, None
+            prestage.join()
+            if prestage.error is not None:
+                if self.dist_env.is_main:
+                    _say(
+                        f"warning: the checkpoint staging buffers could not be prepared ahead "
+                        f"({_one_line(prestage.error)}); the first save allocates them"
+                    )
+                return
+            self.staged_report = self.checkpointer.config.is_async
+            if self.dist_env.is_main:
+                _say(
+                    f"checkpoint staging buffers ready: {prestage.bytes / 2**30:.2f} GiB of host memory "
+                    f"({'pinned, ' if prestage.cuda else ''}shared) prepared in {prestage.seconds:.1f} s in the "
+                    "background"
+                )
+                if self.metrics is not None:
+                    self.metrics.log(
+                        {
+                            "step": done,
+                            "checkpoint_prestage_s": prestage.seconds,
+                            "checkpoint_prestage_gib": prestage.bytes / 2**30,
+                        }
+                    )
 
         def drop_failed_save(self, error: BaseException | None, replace_writer: bool) -> None:
             """A background save failed: report it, remove it, keep training (or stop after too many in a row).
@@ -678,6 +717,8 @@ def build_recipe(
             # The previous save's write, if still running, ends first: published, or dropped as failed (AutoModel's
             # own wait would raise its error and end the run).
             self.publish_written_save(wait=True)
+            if self.prestage is not None:
+                self.join_prestage(done)
             profile = os.environ.get("NEMOFLOW_PROFILE_SAVES")  # a directory: cProfile of each save's blocking part
             if profile:
                 import cProfile
@@ -1065,6 +1106,8 @@ def train(config: TrainConfig) -> int:
     recipe.setup()
     if async_save:
         recipe.writer_start = automodel_shim.start_checkpoint_process(recipe.checkpointer._model_ctx.process_group)
+        weights = [p for part in recipe.model_parts for p in part.parameters()]
+        recipe.prestage = automodel_shim.Prestage(recipe.checkpointer._model_ctx.stager, weights, cuda)
         if world_size > 1:
             recipe.agree_group = torch.distributed.new_group(backend="gloo")
     if strategy == "ddp" and config.enable_compile:

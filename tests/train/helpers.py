@@ -73,7 +73,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-TIMING_ONLY = ("checkpoint_save_s", "checkpoint_wait_s", "checkpoint_finalize_s")
+TIMING_ONLY = ("checkpoint_save_s", "checkpoint_wait_s", "checkpoint_finalize_s", "checkpoint_prestage_s")
 
 
 def deterministic_part(metrics: list[dict]) -> list[dict]:

@@ -61,6 +61,21 @@ def test_saves_are_asynchronous_and_the_loop_waits_only_for_the_copy(reference_r
     assert published < next(i for i, line in enumerate(lines) if line.startswith("step=12 loss="))
 
 
+def test_the_first_saves_staging_buffers_are_prepared_before_it(reference_run):
+    """The host buffers the first save copies into were allocated in the background before it (issue 34, item 3):
+    at least the weights and AdamW's two moments (fp32 on CPU), and the save allocated none of its own (the
+    buffers it used, measured after its copy, are exactly the pre-staged ones)."""
+    metrics = reference_run["metrics"]
+    prestaged = [m for m in metrics if "checkpoint_prestage_gib" in m]
+    used = [m for m in metrics if "checkpoint_staged_gib" in m]
+    assert [m["step"] for m in prestaged] == [4] and [m["step"] for m in used] == [4]
+    weights = sum(n for n in _weights_numel(ckpt.latest_checkpoint(reference_run["run_dir"]).path).values())
+    assert prestaged[0]["checkpoint_prestage_gib"] * 2**30 >= 3 * 4 * weights
+    assert used[0]["checkpoint_staged_gib"] == prestaged[0]["checkpoint_prestage_gib"]
+    line = next(x for x in reference_run["stdout"].splitlines() if x.startswith("checkpoint staging buffers ready: "))
+    assert "prepared in" in line and "in the background" in line
+
+
 @pytest.mark.slow
 @pytest.mark.faults
 def test_killed_right_after_a_save_resumes_from_the_one_before(tmp_path, train_dataset, reference_run):
@@ -232,4 +247,13 @@ def _weights(path) -> dict:
     found = {}
     for file in sorted(path.glob("*.safetensors")):
         found.update({k: v.sum().item() for k, v in load_file(str(file)).items()})
+    return found
+
+
+def _weights_numel(path) -> dict:
+    from safetensors.torch import load_file
+
+    found = {}
+    for file in sorted(path.glob("*.safetensors")):
+        found.update({k: v.numel() for k, v in load_file(str(file)).items()})
     return found
