@@ -457,6 +457,7 @@ def build_recipe(
         failed_step: int | None = None  # the step of the last save that failed
         prestage = None  # automodel_shim.Prestage: the first save's staging buffers, prepared in the background
         staged_report: bool = False  # the first save after pre-staging records the buffers it used
+        write_marks: dict | None = None  # when the pending save's copies and writes ended (perf_counter)
         agree_group = None  # ranks agree on publishing a written save (publish_written_save)
 
         def _make_progress_bar(self, *args, **kwargs):
@@ -566,10 +567,44 @@ def build_recipe(
                 self.drop_failed_save(errors[0] if errors else None, replace_writer=bool(flags[2]))
                 return
             self.checkpointer.async_wait()  # returns at once: the writes are done
+            path = lifecycle._pending_checkpoint_dir
             lifecycle.complete_pending()
             self.failed_in_row = 0
             if self.dist_env.is_main:
+                self.record_write(Path(path))
                 self.finisher.finish_published()
+
+        def record_write(self, path: Path) -> None:
+            """The background write's time and rate (metrics.jsonl ``checkpoint_write_s``, ``checkpoint_gb``,
+            ``checkpoint_write_gbps``): from the end of the first copy to host memory to the end of the last write,
+            over the bytes of the step directory (every rank's files: the rate of the whole save)."""
+            marks, self.write_marks = self.write_marks or {}, None
+            staged = [t for k, t in marks.items() if k.endswith("staged")]
+            written = [t for k, t in marks.items() if k.endswith("written")]
+            if self.metrics is None or not staged or not written or not path.is_dir():
+                return
+            seconds = max(written) - min(staged)
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            self.metrics.log(
+                {
+                    "step": ckpt.step_of(path),
+                    "checkpoint_write_s": seconds,
+                    "checkpoint_gb": size / 1e9,
+                    "checkpoint_write_gbps": size / 1e9 / max(seconds, 1e-9),
+                }
+            )
+
+        def mark_writes(self) -> None:
+            """Note when this save's copies to host memory and its writes end (for :meth:`record_write`)."""
+            marks = self.write_marks = {}
+            for name, context in (("model", self.checkpointer._model_ctx), ("optim", self.checkpointer._optim_ctx)):
+                if context.future is None:
+                    continue
+                for kind, future in (
+                    ("staged", context.future.staging_completion),
+                    ("written", context.future.upload_completion),
+                ):
+                    future.add_done_callback(lambda _, key=f"{name}_{kind}": marks.setdefault(key, time.perf_counter()))
 
         def join_prestage(self, done: int) -> None:
             """Before the first save: the background preparation of its staging buffers is finished (it waits for
@@ -612,6 +647,7 @@ def build_recipe(
             for context in (self.checkpointer._model_ctx, self.checkpointer._optim_ctx):
                 context.future, context.staging_active = None, False
             lifecycle._pending_checkpoint_dir = lifecycle._pending_best_checkpoint = None
+            self.write_marks = None
             self.failed_in_row += 1
             self.failed_step = step = ckpt.step_of(path)
             reason = _one_line(error) if error is not None else "the write failed on another rank"
@@ -738,6 +774,8 @@ def build_recipe(
                 meta["world_size"] = self.dist_env.world_size
                 ckpt.write_text_atomic(path / ckpt.META, json.dumps(meta, indent=1, sort_keys=True, default=str))
             blocked = time.perf_counter() - started
+            if self.checkpointer.config.is_async:
+                self.mark_writes()
             if self.metrics is not None:
                 # Time the training loop waited in the save itself (async: the previous save's write, if still
                 # running, and the start of this one's copy to host memory); checkpoint_wait_s follows at the

@@ -61,6 +61,19 @@ def test_saves_are_asynchronous_and_the_loop_waits_only_for_the_copy(reference_r
     assert published < next(i for i, line in enumerate(lines) if line.startswith("step=12 loss="))
 
 
+def test_each_save_writes_its_files_in_parallel_and_its_rate_is_on_record(reference_run):
+    """ckpt_write_threads (default 4): every rank's weights and optimizer state go to 4 files each, written by
+    as many threads at once (issue 34, item 1); each save's write time, size and rate are in metrics.jsonl."""
+    step_dir = ckpt.saved_checkpoints(reference_run["run_dir"])[-1].step_dir
+    assert len(list((step_dir / "model").glob("shard-00001-model-*-of-00004.safetensors"))) == 4
+    assert len(list((step_dir / "optim").glob("__0_*.distcp"))) == 4
+    writes = [m for m in reference_run["metrics"] if "checkpoint_write_gbps" in m]
+    assert [m["step"] for m in writes] == [4, 8, 12]
+    for m in writes:
+        assert m["checkpoint_write_s"] > 0 and m["checkpoint_gb"] > 0
+        assert m["checkpoint_write_gbps"] == pytest.approx(m["checkpoint_gb"] / m["checkpoint_write_s"])
+
+
 def test_the_first_saves_staging_buffers_are_prepared_before_it(reference_run):
     """The host buffers the first save copies into were allocated in the background before it (issue 34, item 3):
     at least the weights and AdamW's two moments (fp32 on CPU), and the save allocated none of its own (the
