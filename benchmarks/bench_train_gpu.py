@@ -290,6 +290,10 @@ def checkpoint_stats(records: list[dict], warmup: int, tokens_per_step: int) -> 
             ),
             None,
         ),
+        # the buffers the first save used: equal to first_save_prestage's GiB when they served it (no second copy)
+        "first_save_staged_gib": next(
+            (round(r["checkpoint_staged_gib"], 2) for r in records if "checkpoint_staged_gib" in r), None
+        ),
         "failed_saves": [
             {"step": r["step"], "reason": r["checkpoint_failed"]} for r in records if "checkpoint_failed" in r
         ],
@@ -313,7 +317,8 @@ def summary(result: dict) -> str:
         f"checkpoints every {run['ckpt_every']} steps: blocked per save {run['blocked_per_save_s']} s "
         f"(final save {run['final_save_s']} s, finalize {run['checkpoint_finalize_s']:.2f} s); writer "
         f"{run['write_gbps_per_save']} GB/s per save (median {median if median is None else round(median, 3)}, "
-        f"{run['checkpoint_gb']} GB a save); first save's buffers {run['first_save_prestage']}; "
+        f"{run['checkpoint_gb']} GB a save); first save's buffers {run['first_save_prestage']} (it used "
+        f"{run['first_save_staged_gib']} GiB); "
         f"effective tokens/s {run['effective_tokens_per_s']:.0f}"
         + (f" = {ratio:.1%} of the no-save run" if ratio else "")
         + (f"; FAILED saves {run['failed_saves']}" if run["failed_saves"] else "")

@@ -374,6 +374,8 @@ class Prestage:
 
     def __init__(self, model_stager, model_tensors, cuda: bool):
         self.cuda = cuda
+        # this rank's GPU: a new thread's current device is GPU 0, whatever the rank set on its main thread
+        self.device = torch.cuda.current_device() if cuda else None
         self.optimizer_ready = threading.Event()
         self.optimizer_work: tuple | None = None
         self.bytes = 0
@@ -400,6 +402,8 @@ class Prestage:
 
         started = time.perf_counter()
         try:
+            if self.device is not None:
+                torch.cuda.set_device(self.device)
             stream = torch.cuda.Stream() if self.cuda else None
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 self.bytes += _stage_storages(model_stager, model_tensors, self.cuda)

@@ -974,25 +974,54 @@ def async_save_fits(config: TrainConfig, vocab_size: int, world_size: int, cuda:
     )
 
 
-def host_memory_available() -> float:
-    """Bytes a staging copy may take: the least of MemAvailable, the cgroup's headroom and /dev/shm's free space."""
+def host_memory_available(root: Path = Path("/")) -> float:
+    """Bytes a staging copy may take: the least of MemAvailable, the cgroup's headroom (cgroup v2, or v1's memory
+    controller) and /dev/shm's free space. ``root``: where /proc, /sys and /dev are (tests lay out a tree)."""
     limits = []
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in (root / "proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 limits.append(int(line.split()[1]) * 1024)
     except OSError:
         pass
+    v2, v1 = root / "sys/fs/cgroup", root / "sys/fs/cgroup/memory"
+    own_v2, own_v1 = _own_cgroups(root)
+    candidates = []
+    for base, own, limit_name, used_name in (
+        (v2, own_v2, "memory.max", "memory.current"),
+        (v1, own_v1, "memory.limit_in_bytes", "memory.usage_in_bytes"),
+    ):
+        # this process's own cgroup where the mount shows it (a host), else the mount's root (a container's)
+        for directory in ([base / own.lstrip("/")] if own else []) + [base]:
+            candidates.append((directory / limit_name, directory / used_name))
+    for limit_file, used_file in candidates:
+        try:
+            limit = limit_file.read_text().strip()
+            # "max" (v2) or a page-rounded 2**63 (v1): no limit
+            if limit != "max" and int(limit) < 1 << 60:
+                limits.append(int(limit) - int(used_file.read_text()))
+                break
+        except (OSError, ValueError):
+            continue
+    shm = root / "dev/shm"
+    if shm.is_dir():
+        limits.append(shutil.disk_usage(shm).free)
+    return float(min(limits)) if limits else float("inf")
+
+
+def _own_cgroups(root: Path) -> tuple[str | None, str | None]:
+    """(cgroup v2 path, cgroup v1 memory-controller path) of this process, from /proc/self/cgroup."""
+    v2 = v1 = None
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            limits.append(int(limit) - used)
+        for line in (root / "proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                v2 = path
+            elif "memory" in controllers.split(","):
+                v1 = path
     except (OSError, ValueError):
         pass
-    if Path("/dev/shm").is_dir():
-        limits.append(shutil.disk_usage("/dev/shm").free)
-    return float(min(limits)) if limits else float("inf")
+    return v2, v1
 
 
 def run_mirror(config: TrainConfig) -> staging.RunMirror | None:
