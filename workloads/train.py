@@ -455,6 +455,7 @@ def build_recipe(
         saved_step: int | None = None  # the save whose staging the next optimizer step may wait for
         failed_in_row: int = 0  # background saves that failed since the last one published
         failed_step: int | None = None  # the step of the last save that failed
+        failed_error: BaseException | None = None  # and its error (the cause of a CheckpointSaveError)
         prestage = None  # automodel_shim.Prestage: the first save's staging buffers, prepared in the background
         staged_report: bool = False  # the first save after pre-staging records the buffers it used
         write_marks: dict | None = None  # when the pending save's copies and writes ended (perf_counter)
@@ -650,6 +651,7 @@ def build_recipe(
             self.write_marks = None
             self.failed_in_row += 1
             self.failed_step = step = ckpt.step_of(path)
+            self.failed_error = error
             reason = _one_line(error) if error is not None else "the write failed on another rank"
             if replace_writer:
                 reason += " (the checkpoint writer process died; a new one is started)"
@@ -737,7 +739,7 @@ def build_recipe(
                 raise CheckpointSaveError(
                     f"the last checkpoint (step {done}) was not saved; the newest complete checkpoint is "
                     f"{f'step {saved[-1].step}' if saved else 'none'}: run again to resume from it"
-                )
+                ) from self.failed_error
 
         # -------------------------------------------------- checkpoints
         def save_checkpoint(self, epoch, step, train_loss, val_loss=None, best_metric_key="default"):
