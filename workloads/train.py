@@ -110,7 +110,12 @@ class ExportError(RuntimeError):
 
 class CheckpointSaveError(RuntimeError):
     """Saves failed ``ckpt_max_failed_saves`` times in a row, or the run's last save failed: the run stops (the
-    newest complete checkpoint is kept; its ``__cause__`` is the last write's error)."""
+    newest complete checkpoint is kept; its ``__cause__`` is the last write's error). ``disk_full``: the last
+    failure came with the run directory's disk full (its space is back once the failed save is removed)."""
+
+    def __init__(self, message: str, disk_full: bool = False):
+        super().__init__(message)
+        self.disk_full = disk_full
 
 
 def launch_world() -> tuple[int, int, int]:
@@ -456,6 +461,7 @@ def build_recipe(
         failed_in_row: int = 0  # background saves that failed since the last one published
         failed_step: int | None = None  # the step of the last save that failed
         failed_error: BaseException | None = None  # and its error (the cause of a CheckpointSaveError)
+        failed_disk_full: bool = False  # and whether the run directory's disk was full then
         prestage = None  # automodel_shim.Prestage: the first save's staging buffers, prepared in the background
         staged_report: bool = False  # the first save after pre-staging records the buffers it used
         write_marks: dict | None = None  # when the pending save's copies and writes ended (perf_counter)
@@ -653,6 +659,11 @@ def build_recipe(
             self.failed_step = step = ckpt.step_of(path)
             self.failed_error = error
             reason = _one_line(error) if error is not None else "the write failed on another rank"
+            # torch.save inside DCP's writer reports a full disk as "unexpected pos", without an errno: the disk
+            # is looked at before the failed save is removed and gives its space back.
+            self.failed_disk_full = (error is not None and _disk_full(error)) or _run_dir_full(config)
+            if self.failed_disk_full and "No space left" not in reason:
+                reason += " (no space left on the device holding the run directory)"
             if replace_writer:
                 reason += " (the checkpoint writer process died; a new one is started)"
                 self.writer_start = automodel_shim.replace_writer(self.checkpointer._model_ctx.process_group)
@@ -674,7 +685,8 @@ def build_recipe(
             if self.failed_in_row >= config.ckpt_max_failed_saves:
                 raise CheckpointSaveError(
                     f"{self.failed_in_row} checkpoint saves in a row failed (the last, of step {step}: {reason}); "
-                    "stopping: the newest complete checkpoint is kept, fix the storage and run again to resume"
+                    "stopping: the newest complete checkpoint is kept, fix the storage and run again to resume",
+                    disk_full=self.failed_disk_full,
                 ) from error
 
         # -------------------------------------------------- metrics
@@ -738,7 +750,8 @@ def build_recipe(
                 saved = ckpt.saved_checkpoints(run_dir)
                 raise CheckpointSaveError(
                     f"the last checkpoint (step {done}) was not saved; the newest complete checkpoint is "
-                    f"{f'step {saved[-1].step}' if saved else 'none'}: run again to resume from it"
+                    f"{f'step {saved[-1].step}' if saved else 'none'}: run again to resume from it",
+                    disk_full=self.failed_disk_full,
                 ) from self.failed_error
 
         # -------------------------------------------------- checkpoints
@@ -1329,7 +1342,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     except CheckpointSaveError as exc:
-        if _disk_full(exc) or _run_dir_full(config):
+        if exc.disk_full or _disk_full(exc) or _run_dir_full(config):
             print(f"error: {NO_SPACE}", file=sys.stderr, flush=True)
         else:
             print(f"error: {exc}", file=sys.stderr, flush=True)

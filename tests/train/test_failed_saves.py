@@ -42,6 +42,12 @@ def _losses(metrics: list[dict]) -> list[dict]:
     return deterministic_part([m for m in metrics if "checkpoint_failed" not in m])
 
 
+def _training(metrics: list[dict]) -> list[dict]:
+    """The optimizer steps' records (loss, lr, grad norm, samples), without wall-clock fields: a run that
+    checkpoints (and so validates) more often than the reference run trains the same steps."""
+    return [{k: v for k, v in m.items() if k != "tokens_per_s"} for m in metrics if "loss" in m]
+
+
 def _trained_steps(metrics: list[dict]) -> list[int]:
     return [m["step"] for m in metrics if "loss" in m]
 
@@ -105,7 +111,8 @@ def test_failures_in_a_row_stop_the_run_and_a_rerun_resumes_from_the_last_good_s
     resumed = run_trainer(config_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "at step 4 (consumed_samples=32)" in resumed.stdout
-    assert _losses(read_metrics(run_dir)) == deterministic_part(reference_run["metrics"])
+    # validation runs at every save, so at steps the reference run did not validate: the training steps compare
+    assert _training(read_metrics(run_dir)) == _training(reference_run["metrics"])
 
 
 @pytest.mark.slow
@@ -154,11 +161,12 @@ def test_a_full_disk_fails_a_save_training_continues_then_the_last_save_stops_th
         config_path = write_config(tiny_config(train_dataset, run_dir, save_top_k=1), tmp_path / "config.json")
         proc = run_trainer(config_path, timeout=900)
         failures = _failures(proc.stdout)
-        row.injected += sum("No space left on device" in reason for _, reason in failures)
+        row.injected += sum("no space left" in reason.lower() for _, reason in failures)
         row.compare(saved_steps(proc.stdout), checkpoints_now(run_dir))
         assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert [step for step, _ in failures] == [8, 12], proc.stdout[-3000:]
-        assert all("No space left on device" in reason for _, reason in failures), failures
+        # ENOSPC from the safetensors write, or torch.save's "unexpected pos" on a full disk (no errno), named so
+        assert all("no space left" in reason.lower() for _, reason in failures), failures
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith("error: no space left on the device holding the run directory"), last
         metrics = read_metrics(run_dir)
