@@ -346,6 +346,18 @@ def writer_alive() -> bool:
     return process is None or process._save_process.is_alive()
 
 
+def writer_exit_code() -> int | None:
+    """The exit code of this rank's writer process if it died (-9: SIGKILL), else None. torch's own error may say
+    "Exit code: None": it saw the pipe close before the process was reaped; this waits for the reaping."""
+    import torch.distributed.checkpoint._async_process_executor as executor
+
+    process = executor._CHECKPOINT_PROCESS
+    if process is None or process._save_process.is_alive():
+        return None
+    process._save_process.join(timeout=10)
+    return process._save_process.exitcode
+
+
 def replace_writer(process_group) -> threading.Thread:
     """Drop this rank's writer process (dead, or alive in a group with a dead peer) and start a new one in the
     background, as at setup. Every rank calls it at the same point: the new processes form a new gloo group."""

@@ -665,7 +665,9 @@ def build_recipe(
             if self.failed_disk_full and "No space left" not in reason:
                 reason += " (no space left on the device holding the run directory)"
             if replace_writer:
-                reason += " (the checkpoint writer process died; a new one is started)"
+                code = automodel_shim.writer_exit_code()
+                died = f"died with exit code {code}" if code is not None else "died on another rank"
+                reason += f" (the checkpoint writer process {died}; a new one is started)"
                 self.writer_start = automodel_shim.replace_writer(self.checkpointer._model_ctx.process_group)
             if self.dist_env.is_main:
                 if path in self.finisher.pending:
