@@ -6,7 +6,9 @@
 #   devtools/gpu_node.sh install DIR [DIR ...]   # wheel chunks from `scripts/wheelhouse.sh build` (one call each)
 #   devtools/gpu_node.sh facts OUT               # the node: GPUs, driver, torch, disk and /dev/shm write speed
 #   devtools/gpu_node.sh demo OUT                # `nemoflow demo` on every GPU, twice; stage times, summary, metrics
-#   devtools/gpu_node.sh bench-checkpoints OUT   # 1.1B: a save every 10 steps against none (issue 21)
+#   devtools/gpu_node.sh bench-checkpoints OUT [ARGS]  # 1.1B: a save every 10 steps against none (issues 21, 34);
+#                                                # ARGS go to bench_train_gpu.py, e.g. --steps 410 --ckpt-every 200,
+#                                                # --run-root /dev/shm/nemoflow-bench, --ckpt-write-threads 8
 #   devtools/gpu_node.sh test-gpu OUT            # the tests marked `gpu` (resume on the GPU)
 #   devtools/gpu_node.sh bench-moe OUT           # the Mixtral-shaped MoE, today's path against grouped GEMM
 #   devtools/gpu_node.sh profile-saves OUT       # 1.1B, two saves: cProfile of what each save blocks on
@@ -83,6 +85,9 @@ case "$cmd" in
     "$VENV/bin/python" benchmarks/bench_train_gpu.py --model 1.1b --gpus 1 --steps 40 --warmup 5 --ckpt-every 10 \
       --compare-no-saves --skip-reference --out "$ROOT/bench-ckpt" "$@" 2>&1 | tee "$out/bench-checkpoints.log" || true
     cp "$ROOT"/bench-ckpt/*.json "$ROOT"/bench-ckpt/*.log "$out/" 2>/dev/null || true
+    # the numbers issue 34's targets are stated in: per-save blocked time, the writer's GB/s, the share of the
+    # no-save rate (the facts case measures the disk and /dev/shm to compare the writer with)
+    grep -E "^checkpoints every" "$out/bench-checkpoints.log" || echo "no checkpoint summary: see $out/bench-checkpoints.log"
     ;;
   test-gpu)
     out=${1:?test-gpu OUT}; mkdir -p "$out"

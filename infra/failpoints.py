@@ -23,6 +23,10 @@ KNOWN: dict[str, str] = {
     "train.log_samples": "every rank prints a hash of every sample it trains on",
     "train.crash_after_save_at_step": "SIGKILL the trainer right after the save of step N was handed to the "
     "background writer (before it can be published)",
+    "train.fail_checkpoint_write_at_step": "the background checkpoint writer fails the save of step N with an I/O "
+    "error after writing part of a file ('N+': every save from step N on)",
+    "train.kill_checkpoint_writer_at_step": "the background checkpoint writer process SIGKILLs itself half-way "
+    "through writing the save of step N",
     "consolidate.crash_before_manifest": "SIGKILL the export after its weights are written, before MANIFEST.json",
     "consolidate.pause_before_manifest": "the export sleeps 120 s after writing its weights, before MANIFEST.json",
     "serve.step_delay_ms": "the built-in engine sleeps N ms before each token it generates (a slow model: "
@@ -56,6 +60,17 @@ def at(name: str, step: int) -> bool:
     """True when failpoint ``name`` is enabled for step ``step``."""
     configured = value(name)
     return configured is not None and configured != "" and int(configured) == step
+
+
+def hits(name: str, step: int) -> bool:
+    """True when failpoint ``name`` is enabled for step ``step``: its value ``N`` (that step) or ``N+`` (that step
+    and every later one: faults that repeat, such as a storage that keeps failing)."""
+    configured = value(name)
+    if not configured:
+        return False
+    if configured.endswith("+"):
+        return step >= int(configured[:-1])
+    return int(configured) == step
 
 
 def env(**points: int | str | bool) -> dict[str, str]:

@@ -171,6 +171,11 @@ STAGING = (
         "self._model_ctx.future.upload_completion.result()",
         "f4204eef023314158d8fe6ae1f6b1ec0af2140e0ee79ff79e3fb7f8953345fc8",
     ),
+    Patched(  # parallel_writes wraps it: _do_save hands it every save's storage writer
+        "nemo_automodel.components.checkpoint.checkpointing:_maybe_msc_writer",
+        "return storage_writer",
+        "909fd457e418b47e21a0e7a2ac2ba5de70d683464ff242a9de85ed6b271ee9b6",
+    ),
     Patched(
         "nemo_automodel.components.checkpoint.checkpointing:Checkpointer.__init__",
         "self._model_ctx.stager = DefaultStager()",
@@ -311,3 +316,149 @@ def unlock_started_saves() -> None:
 
     executor_class.execute_save = execute_save
     executor_class._nemoflow_unlocked = True
+
+
+def parallel_writes(threads: int) -> None:
+    """Every checkpoint save writes ``threads`` files per rank at once (workloads/checkpoint_writers.py).
+
+    AutoModel's ``_do_save`` passes each save's storage writer through ``_maybe_msc_writer`` (None for the
+    optimizer state: DCP then builds a one-file-per-rank ``FileSystemWriter``; AutoModel's safetensors writer for
+    the weights); the wrapper returns the parallel writers instead. Synchronous saves use them too.
+    """
+    import nemo_automodel.components.checkpoint.checkpointing as checkpointing
+
+    from workloads import checkpoint_writers
+
+    real = getattr(checkpointing._maybe_msc_writer, "__wrapped__", checkpointing._maybe_msc_writer)
+
+    def maybe_msc_writer(path, storage_writer):
+        return checkpoint_writers.parallel(real(path, storage_writer), path, threads)
+
+    maybe_msc_writer.__wrapped__ = real
+    checkpointing._maybe_msc_writer = maybe_msc_writer
+
+
+def writer_alive() -> bool:
+    """Whether torch.distributed.checkpoint's background writer process of this rank is running (or not started)."""
+    import torch.distributed.checkpoint._async_process_executor as executor
+
+    process = executor._CHECKPOINT_PROCESS
+    return process is None or process._save_process.is_alive()
+
+
+def writer_exit_code() -> int | None:
+    """The exit code of this rank's writer process if it died (-9: SIGKILL), else None. torch's own error may say
+    "Exit code: None": it saw the pipe close before the process was reaped; this waits for the reaping."""
+    import torch.distributed.checkpoint._async_process_executor as executor
+
+    process = executor._CHECKPOINT_PROCESS
+    if process is None or process._save_process.is_alive():
+        return None
+    process._save_process.join(timeout=10)
+    return process._save_process.exitcode
+
+
+def replace_writer(process_group) -> threading.Thread:
+    """Drop this rank's writer process (dead, or alive in a group with a dead peer) and start a new one in the
+    background, as at setup. Every rank calls it at the same point: the new processes form a new gloo group."""
+    import torch.distributed.checkpoint._async_process_executor as executor
+
+    with executor._NEMO_CREATE_LOCK:
+        old, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
+    if old is not None and old._save_process.is_alive():
+        old._save_process.kill()
+        old._save_process.join(timeout=30)
+    return start_checkpoint_process(process_group)
+
+
+class Prestage:
+    """The staging buffers of the first save allocated, pinned and shared in the background, before that save.
+
+    The first asynchronous save after start-up blocked 5.6-8.9 s on an H200 (issue 34): its stagers allocated a
+    shared, pinned host copy of every tensor of the state (13 GB for a 1.1B model). Here each stager stages every
+    tensor it will be handed once, in a background thread: the model's weights at once (while the first step
+    compiles), the optimizer's state after the first optimizer step creates it (AdamW's moments do not exist
+    before). The buffers are cached per source storage (``keep_staging_buffers``), so the first save copies into
+    them like every later one. On a GPU the copies run on a side stream (their contents are overwritten by the
+    save; only the allocation and the pinning matter); on a CPU there is no pinning and it is the allocation.
+    The first save joins the thread (the time it still waited is on record in ``checkpoint_save_s``).
+    """
+
+    def __init__(self, model_stager, model_tensors, cuda: bool):
+        self.cuda = cuda
+        # this rank's GPU: a new thread's current device is GPU 0, whatever the rank set on its main thread
+        self.device = torch.cuda.current_device() if cuda else None
+        self.optimizer_ready = threading.Event()
+        self.optimizer_work: tuple | None = None
+        self.bytes = 0
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(
+            target=self._run, args=(model_stager, model_tensors), name="nemoflow-prestage", daemon=True
+        )
+        self.thread.start()
+
+    def optimizer(self, stager, tensors) -> None:
+        """The optimizer's state exists now (after the first optimizer step): stage it too."""
+        if not self.optimizer_ready.is_set():
+            self.optimizer_work = (stager, list(tensors))
+            self.optimizer_ready.set()
+
+    def join(self) -> None:
+        self.optimizer_ready.set()  # a save before any optimizer step: only the weights are staged
+        self.thread.join()
+
+    def _run(self, model_stager, model_tensors) -> None:
+        import contextlib
+        import time
+
+        started = time.perf_counter()
+        try:
+            if self.device is not None:
+                torch.cuda.set_device(self.device)
+            stream = torch.cuda.Stream() if self.cuda else None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self.bytes += _stage_storages(model_stager, model_tensors, self.cuda)
+                self.optimizer_ready.wait()
+                if self.optimizer_work is not None:
+                    self.bytes += _stage_storages(*self.optimizer_work, self.cuda)
+            if stream is not None:
+                stream.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - the save then allocates its buffers itself, as before
+            self.error = exc
+        self.seconds = time.perf_counter() - started
+
+
+def _stage_storages(stager, tensors, cuda: bool) -> int:
+    """Stage each tensor's storage once through ``stager`` (allocating its cached buffer); the bytes staged."""
+    inner = stager._state_dict_stager
+    staged = 0
+    for tensor in tensors:
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor (FSDP2): its shard is what is staged
+        if not isinstance(local, torch.Tensor) or local.data_ptr() == 0:
+            continue
+        storage = local.untyped_storage()
+        if storage in inner._cached_storage_mapping:
+            continue
+        try:
+            buffer = inner._stage_untyped_storage(storage, non_blocking=cuda)
+        except TypeError:  # a torch whose stager has no non_blocking argument
+            buffer = inner._stage_untyped_storage(storage)
+        staged += buffer.nbytes()
+    return staged
+
+
+def staged_bytes(stager) -> int:
+    """The bytes of host buffers ``stager`` holds (cached per source storage)."""
+    return sum(s.nbytes() for s in stager._state_dict_stager._cached_storage_mapping.values())
+
+
+def optimizer_tensors(optimizers) -> list:
+    """Every tensor of the optimizers' state (AdamW: step, exp_avg, exp_avg_sq per parameter)."""
+    return [
+        value
+        for optimizer in optimizers
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]

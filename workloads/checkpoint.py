@@ -75,6 +75,28 @@ def step_dir_name(step: int, epoch: int = 0) -> str:
     return f"epoch_{epoch}_step_{step - 1}"
 
 
+def step_of(step_dir: str | os.PathLike) -> int:
+    """The optimizer steps done when the checkpoint in AutoModel's ``step_dir`` was taken (``epoch_0_step_7``: 8)."""
+    match = STEP_DIR_RE.match(Path(step_dir).name)
+    if match is None:
+        raise ValueError(f"{step_dir} is not an AutoModel checkpoint directory (epoch_E_step_S)")
+    return int(match.group(2)) + 1
+
+
+def remove_unpublished(step_dir: str | os.PathLike) -> None:
+    """Delete a save that was never published (its write failed): renamed out of the step-directory namespace in
+    one step first, so a crash during the deletion leaves a name nothing lists, never a step directory that lost
+    its ``.incomplete`` marker before its files. Refuses a published checkpoint."""
+    step_dir = Path(step_dir)
+    if not step_dir.exists():
+        return
+    if not (step_dir / INCOMPLETE).exists():
+        raise ValueError(f"{step_dir} is a published checkpoint, not a failed save: not deleting it")
+    aside = step_dir.with_name(f"{TMP_PREFIX}failed-{step_dir.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(step_dir, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def consolidated_dir(step_dir: str | os.PathLike) -> Path:
     return Path(step_dir) / CONSOLIDATED
 

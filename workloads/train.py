@@ -34,6 +34,11 @@ AutoModel's; this module adds what the pipeline needs around them:
   run then trains in a node-local copy, uploads every complete checkpoint (resume state
   included, MANIFEST.json last), metrics.jsonl and train_config.json, and a restarted job
   resumes from the newest uploaded checkpoint;
+* a background save that fails (a storage error, a full disk, the writer process killed) is reported (a
+  "warning: the checkpoint of step N was not saved" line, a ``checkpoint_failed`` record in metrics.jsonl) and
+  training continues: the failed save is removed (it was never published), the previous checkpoint stays the
+  newest, a dead writer process is replaced; ``ckpt_max_failed_saves`` failures in a row, or a failed last
+  save, stop the run (exit 1, one line that says why);
 * SIGTERM / SIGUSR1: a checkpoint at the next step boundary, then exit 76;
 * W&B through AutoModel when ``WANDB_API_KEY`` is set (``WANDB_PROJECT``, default nemoflow);
 * every rank's output prefixed with ``[rank N]`` when there is more than one.
@@ -51,6 +56,7 @@ Exit codes: 0 done, 2 bad configuration / missing data / unwritable run_dir,
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import errno
 import hashlib
 import json
@@ -100,6 +106,16 @@ class LaunchError(ValueError):
 
 class ExportError(RuntimeError):
     """The Hugging Face export after training failed; the saved checkpoints are intact."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """Saves failed ``ckpt_max_failed_saves`` times in a row, or the run's last save failed: the run stops (the
+    newest complete checkpoint is kept; its ``__cause__`` is the last write's error). ``disk_full``: the last
+    failure came with the run directory's disk full (its space is back once the failed save is removed)."""
+
+    def __init__(self, message: str, disk_full: bool = False):
+        super().__init__(message)
+        self.disk_full = disk_full
 
 
 def launch_world() -> tuple[int, int, int]:
@@ -432,6 +448,8 @@ def build_recipe(
     from nemo_automodel.components.config.loader import ConfigNode
     from nemo_automodel.recipes.llm.train_ft import TrainFinetuneRecipeForNextTokenPrediction
 
+    from workloads import automodel_shim
+
     tokens_per_step = config.global_batch_size * config.seq_length
     log_samples = failpoints.enabled("train.log_samples")
     peak = peak_flops() if torch.cuda.is_available() else None
@@ -440,6 +458,13 @@ def build_recipe(
         metrics: MetricsLog | None = None
         last_val_loss: float | None = None
         saved_step: int | None = None  # the save whose staging the next optimizer step may wait for
+        failed_in_row: int = 0  # background saves that failed since the last one published
+        failed_step: int | None = None  # the step of the last save that failed
+        failed_error: BaseException | None = None  # and its error (the cause of a CheckpointSaveError)
+        failed_disk_full: bool = False  # and whether the run directory's disk was full then
+        prestage = None  # automodel_shim.Prestage: the first save's staging buffers, prepared in the background
+        staged_report: bool = False  # the first save after pre-staging records the buffers it used
+        write_marks: dict | None = None  # when the pending save's copies and writes ended (perf_counter)
         agree_group = None  # ranks agree on publishing a written save (publish_written_save)
 
         def _make_progress_bar(self, *args, **kwargs):
@@ -472,8 +497,13 @@ def build_recipe(
                 with phases.within(phases.SAVE):
                     self.checkpointer.maybe_wait_for_staging()
                 if self.metrics is not None:
-                    self.metrics.log({"step": self.saved_step, "checkpoint_wait_s": time.perf_counter() - started})
-                self.saved_step = None
+                    record = {"step": self.saved_step, "checkpoint_wait_s": time.perf_counter() - started}
+                    if self.staged_report:
+                        # every buffer the first save used: equal to what was pre-staged when it served the save
+                        stagers = (self.checkpointer._model_ctx.stager, self.checkpointer._optim_ctx.stager)
+                        record["checkpoint_staged_gib"] = sum(map(automodel_shim.staged_bytes, stagers)) / 2**30
+                    self.metrics.log(record)
+                self.saved_step, self.staged_report = None, False
             self.profile_steps(done, start=True)
             # This process's first step compiles (torch.compile is lazy) and warms up: counted as the build.
             phases.switch(phases.STEPS if getattr(self, "stepped", False) else phases.BUILD)
@@ -481,6 +511,10 @@ def build_recipe(
             phases.switch(phases.DATA)  # until the next step: the next batch and the loop's bookkeeping
             self.stepped = True
             self.profile_steps(done, start=False)
+            if self.prestage is not None and not self.prestage.optimizer_ready.is_set():
+                # the optimizer's state exists from its first step on: its staging buffers can be prepared now
+                tensors = automodel_shim.optimizer_tensors(self.optimizer)
+                self.prestage.optimizer(self.checkpointer._optim_ctx.stager, tensors)
             return result
 
         def _get_dp_rank(self, include_cp: bool = False):
@@ -524,29 +558,156 @@ def build_recipe(
                 Path(name).write_text(f"steps {first}-{last}, sorted by {sort}\n{table}\n")
                 self.step_profiler = None
 
-        def publish_written_save(self) -> None:
-            """Publish the last asynchronous save as soon as its files are written.
+        def publish_written_save(self, wait: bool = False) -> None:
+            """Publish the last asynchronous save as soon as its files are written, or drop it if its write failed.
 
             AutoModel publishes an asynchronous save (removes its ``.incomplete`` marker, moves LATEST) only at the
             next save or at the end of training, so a job killed in between would resume from the save before.
             Every rank must publish at the same step (publication runs collectives), so the ranks agree first,
-            on a gloo group of their own, and only while a save is pending.
+            on a gloo group of their own, and only while a save is pending. ``wait``: until the writes end (before
+            the next save and at the end of training).
+
+            A write that failed on any rank (the storage, a full disk, the writer process killed) used to raise
+            here and end the run (issue 34: one background write's error ended a 1.1B run): it is
+            :meth:`drop_failed_save` instead, on every rank at the same step.
             """
             lifecycle = self.checkpointer.lifecycle
             if not self.checkpointer.config.is_async or lifecycle._pending_checkpoint_dir is None:
                 return
             contexts = (self.checkpointer._model_ctx, self.checkpointer._optim_ctx)
-            written = all(c.future is None or c.future.upload_completion.done() for c in contexts)
+            writes = [c.future.upload_completion for c in contexts if c.future is not None]
+            if wait:
+                concurrent.futures.wait(writes)
+            written = all(w.done() for w in writes)
+            errors = [w.exception() for w in writes if w.done() and w.exception() is not None]
+            # [not written, failed, writer process dead] on this rank; the ranks' maximum is what every rank does
+            flags = [int(not written), int(bool(errors)), int(not automodel_shim.writer_alive())]
             if self.agree_group is not None:
-                flag = torch.tensor([int(written)])
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.agree_group)
-                written = bool(flag.item())
-            if not written:
+                flag = torch.tensor(flags)
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.agree_group)
+                flags = flag.tolist()
+            if flags[0]:
                 return
-            self.checkpointer.async_wait()  # returns at once: the writes are done (raises their error, if any)
+            if flags[1]:
+                self.drop_failed_save(errors[0] if errors else None, replace_writer=bool(flags[2]))
+                return
+            self.checkpointer.async_wait()  # returns at once: the writes are done
+            path = lifecycle._pending_checkpoint_dir
             lifecycle.complete_pending()
+            self.failed_in_row = 0
             if self.dist_env.is_main:
+                self.record_write(Path(path))
                 self.finisher.finish_published()
+
+        def record_write(self, path: Path) -> None:
+            """The background write's time and rate (metrics.jsonl ``checkpoint_write_s``, ``checkpoint_gb``,
+            ``checkpoint_write_gbps``): from the end of the first copy to host memory to the end of the last write,
+            over the bytes of the step directory (every rank's files: the rate of the whole save)."""
+            marks, self.write_marks = self.write_marks or {}, None
+            staged = [t for k, t in marks.items() if k.endswith("staged")]
+            written = [t for k, t in marks.items() if k.endswith("written")]
+            if self.metrics is None or not staged or not written or not path.is_dir():
+                return
+            seconds = max(written) - min(staged)
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            self.metrics.log(
+                {
+                    "step": ckpt.step_of(path),
+                    "checkpoint_write_s": seconds,
+                    "checkpoint_gb": size / 1e9,
+                    "checkpoint_write_gbps": size / 1e9 / max(seconds, 1e-9),
+                }
+            )
+
+        def mark_writes(self) -> None:
+            """Note when this save's copies to host memory and its writes end (for :meth:`record_write`)."""
+            marks = self.write_marks = {}
+            for name, context in (("model", self.checkpointer._model_ctx), ("optim", self.checkpointer._optim_ctx)):
+                if context.future is None:
+                    continue
+                for kind, future in (
+                    ("staged", context.future.staging_completion),
+                    ("written", context.future.upload_completion),
+                ):
+                    future.add_done_callback(lambda _, key=f"{name}_{kind}": marks.setdefault(key, time.perf_counter()))
+
+        def join_prestage(self, done: int) -> None:
+            """Before the first save: the background preparation of its staging buffers is finished (it waits for
+            what is left, counted in checkpoint_save_s), and on record."""
+            prestage, self.prestage = self.prestage, None
+            prestage.join()
+            if prestage.error is not None:
+                if self.dist_env.is_main:
+                    _say(
+                        f"warning: the checkpoint staging buffers could not be prepared ahead "
+                        f"({_one_line(prestage.error)}); the first save allocates them"
+                    )
+                return
+            self.staged_report = self.checkpointer.config.is_async
+            if self.dist_env.is_main:
+                _say(
+                    f"checkpoint staging buffers ready: {prestage.bytes / 2**30:.2f} GiB of host memory "
+                    f"({'pinned, ' if prestage.cuda else ''}shared) prepared in {prestage.seconds:.1f} s in the "
+                    "background"
+                )
+                if self.metrics is not None:
+                    self.metrics.log(
+                        {
+                            "step": done,
+                            "checkpoint_prestage_s": prestage.seconds,
+                            "checkpoint_prestage_gib": prestage.bytes / 2**30,
+                        }
+                    )
+
+        def drop_failed_save(self, error: BaseException | None, replace_writer: bool) -> None:
+            """A background save failed: report it, remove it, keep training (or stop after too many in a row).
+
+            The save was never published (AutoModel's ``.incomplete`` marker), so nothing ever loads it; it is
+            moved aside (one rename: never a half-deleted directory without its marker) and deleted, which gives
+            a full disk its space back. The previous checkpoint stays the newest. A writer process that died is
+            replaced on every rank (the others' processes share a gloo group with it).
+            """
+            lifecycle = self.checkpointer.lifecycle
+            path = Path(lifecycle._pending_checkpoint_dir)
+            for context in (self.checkpointer._model_ctx, self.checkpointer._optim_ctx):
+                context.future, context.staging_active = None, False
+            lifecycle._pending_checkpoint_dir = lifecycle._pending_best_checkpoint = None
+            self.write_marks = None
+            self.failed_in_row += 1
+            self.failed_step = step = ckpt.step_of(path)
+            self.failed_error = error
+            reason = _one_line(error) if error is not None else "the write failed on another rank"
+            # torch.save inside DCP's writer reports a full disk as "unexpected pos", without an errno: the disk
+            # is looked at before the failed save is removed and gives its space back.
+            self.failed_disk_full = (error is not None and _disk_full(error)) or _run_dir_full(config)
+            if self.failed_disk_full and "No space left" not in reason:
+                reason += " (no space left on the device holding the run directory)"
+            if replace_writer:
+                code = automodel_shim.writer_exit_code()
+                died = f"died with exit code {code}" if code is not None else "died on another rank"
+                reason += f" (the checkpoint writer process {died}; a new one is started)"
+                self.writer_start = automodel_shim.replace_writer(self.checkpointer._model_ctx.process_group)
+            if self.dist_env.is_main:
+                if path in self.finisher.pending:
+                    self.finisher.pending.remove(path)
+                ckpt.remove_unpublished(path)
+                saved = ckpt.saved_checkpoints(run_dir)
+                newest = f"step {saved[-1].step} ({saved[-1].step_dir})" if saved else "none"
+                _say(
+                    f"warning: the checkpoint of step {step} was not saved: {reason}; training continues, the newest "
+                    f"checkpoint is still {newest} ({self.failed_in_row} failed save(s) in a row, the run stops at "
+                    f"{config.ckpt_max_failed_saves})"
+                )
+                if self.metrics is not None:
+                    self.metrics.log(
+                        {"step": step, "checkpoint_failed": reason, "checkpoint_failed_in_row": self.failed_in_row}
+                    )
+            if self.failed_in_row >= config.ckpt_max_failed_saves:
+                raise CheckpointSaveError(
+                    f"{self.failed_in_row} checkpoint saves in a row failed (the last, of step {step}: {reason}); "
+                    "stopping: the newest complete checkpoint is kept, fix the storage and run again to resume",
+                    disk_full=self.failed_disk_full,
+                ) from error
 
         # -------------------------------------------------- metrics
         def start_metrics(self) -> None:
@@ -600,10 +761,19 @@ def build_recipe(
         @phases.timed(phases.SAVE)
         def _finalize_and_close_checkpointer(self):
             started = time.perf_counter()
-            super()._finalize_and_close_checkpointer()  # waits for the last async save and publishes it
+            self.publish_written_save(wait=True)  # the last save: published, or dropped as failed
+            super()._finalize_and_close_checkpointer()  # closes the checkpointer
+            done = self.step_scheduler.step
             if self.metrics is not None:
-                done = self.step_scheduler.step
                 self.metrics.log({"step": done, "checkpoint_finalize_s": time.perf_counter() - started})
+            if self.failed_step is not None and self.failed_step == done:
+                # Training ended (or a stop signal came) but its state is not on disk: the run did not do its job.
+                saved = ckpt.saved_checkpoints(run_dir)
+                raise CheckpointSaveError(
+                    f"the last checkpoint (step {done}) was not saved; the newest complete checkpoint is "
+                    f"{f'step {saved[-1].step}' if saved else 'none'}: run again to resume from it",
+                    disk_full=self.failed_disk_full,
+                ) from self.failed_error
 
         # -------------------------------------------------- checkpoints
         @phases.timed(phases.SAVE)
@@ -617,6 +787,11 @@ def build_recipe(
 
                 self.checkpointer.save_optimizer = die
             started = time.perf_counter()
+            # The previous save's write, if still running, ends first: published, or dropped as failed (AutoModel's
+            # own wait would raise its error and end the run).
+            self.publish_written_save(wait=True)
+            if self.prestage is not None:
+                self.join_prestage(done)
             profile = os.environ.get("NEMOFLOW_PROFILE_SAVES")  # a directory: cProfile of each save's blocking part
             if profile:
                 import cProfile
@@ -636,6 +811,8 @@ def build_recipe(
                 meta["world_size"] = self.dist_env.world_size
                 ckpt.write_text_atomic(path / ckpt.META, json.dumps(meta, indent=1, sort_keys=True, default=str))
             blocked = time.perf_counter() - started
+            if self.checkpointer.config.is_async:
+                self.mark_writes()
             if self.metrics is not None:
                 # Time the training loop waited in the save itself (async: the previous save's write, if still
                 # running, and the start of this one's copy to host memory); checkpoint_wait_s follows at the
@@ -834,25 +1011,54 @@ def async_save_fits(config: TrainConfig, vocab_size: int, world_size: int, cuda:
     )
 
 
-def host_memory_available() -> float:
-    """Bytes a staging copy may take: the least of MemAvailable, the cgroup's headroom and /dev/shm's free space."""
+def host_memory_available(root: Path = Path("/")) -> float:
+    """Bytes a staging copy may take: the least of MemAvailable, the cgroup's headroom (cgroup v2, or v1's memory
+    controller) and /dev/shm's free space. ``root``: where /proc, /sys and /dev are (tests lay out a tree)."""
     limits = []
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in (root / "proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 limits.append(int(line.split()[1]) * 1024)
     except OSError:
         pass
+    v2, v1 = root / "sys/fs/cgroup", root / "sys/fs/cgroup/memory"
+    own_v2, own_v1 = _own_cgroups(root)
+    candidates = []
+    for base, own, limit_name, used_name in (
+        (v2, own_v2, "memory.max", "memory.current"),
+        (v1, own_v1, "memory.limit_in_bytes", "memory.usage_in_bytes"),
+    ):
+        # this process's own cgroup where the mount shows it (a host), else the mount's root (a container's)
+        for directory in ([base / own.lstrip("/")] if own else []) + [base]:
+            candidates.append((directory / limit_name, directory / used_name))
+    for limit_file, used_file in candidates:
+        try:
+            limit = limit_file.read_text().strip()
+            # "max" (v2) or a page-rounded 2**63 (v1): no limit
+            if limit != "max" and int(limit) < 1 << 60:
+                limits.append(int(limit) - int(used_file.read_text()))
+                break
+        except (OSError, ValueError):
+            continue
+    shm = root / "dev/shm"
+    if shm.is_dir():
+        limits.append(shutil.disk_usage(shm).free)
+    return float(min(limits)) if limits else float("inf")
+
+
+def _own_cgroups(root: Path) -> tuple[str | None, str | None]:
+    """(cgroup v2 path, cgroup v1 memory-controller path) of this process, from /proc/self/cgroup."""
+    v2 = v1 = None
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            limits.append(int(limit) - used)
+        for line in (root / "proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                v2 = path
+            elif "memory" in controllers.split(","):
+                v1 = path
     except (OSError, ValueError):
         pass
-    if Path("/dev/shm").is_dir():
-        limits.append(shutil.disk_usage("/dev/shm").free)
-    return float(min(limits)) if limits else float("inf")
+    return v2, v1
 
 
 def run_mirror(config: TrainConfig) -> staging.RunMirror | None:
@@ -981,6 +1187,7 @@ def train(config: TrainConfig) -> int:
         print(why_not, flush=True)
     if async_save:
         automodel_shim.keep_staging_buffers(cuda)
+    automodel_shim.parallel_writes(config.ckpt_write_threads)
     if resolve_moe_impl(config.arch, config.moe_impl) == "grouped":
         from workloads import moe_model
 
@@ -1007,6 +1214,8 @@ def train(config: TrainConfig) -> int:
     phases.switch(phases.BUILD)  # setup ends with the data loaders: what follows builds (compile, init_from)
     if async_save:
         recipe.writer_start = automodel_shim.start_checkpoint_process(recipe.checkpointer._model_ctx.process_group)
+        weights = [p for part in recipe.model_parts for p in part.parameters()]
+        recipe.prestage = automodel_shim.Prestage(recipe.checkpointer._model_ctx.stager, weights, cuda)
         if world_size > 1:
             recipe.agree_group = torch.distributed.new_group(backend="gloo")
     if strategy == "ddp" and config.enable_compile:
@@ -1175,16 +1384,17 @@ def main(argv: list[str] | None = None) -> int:
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
+    except CheckpointSaveError as exc:
+        if exc.disk_full or _disk_full(exc) or _run_dir_full(config):
+            print(f"error: {NO_SPACE}", file=sys.stderr, flush=True)
+        else:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         if not (_disk_full(exc) or _run_dir_full(config)):
             raise
         # One line after the traceback: what happened and what to do (the incomplete save is never a checkpoint).
-        print(
-            f"error: no space left on the device holding the run directory ({exc.__class__.__name__} while "
-            "writing); the last complete checkpoint is kept: free space (or move run_dir) and run again to resume",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"error: {NO_SPACE} ({exc.__class__.__name__} while writing)", file=sys.stderr, flush=True)
         return 1
     finally:
         phases.write()  # the job's phase seconds for the stage's gpu-time artifact ($NEMOFLOW_PHASES_FILE)
@@ -1192,6 +1402,24 @@ def main(argv: list[str] | None = None) -> int:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+NO_SPACE = (
+    "no space left on the device holding the run directory; the last complete checkpoint is kept: free space "
+    "(or move run_dir) and run again to resume"
+)
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line for the log: its type and its message's first line (DCP's CheckpointException: the
+    first failing rank's error)."""
+    failures = getattr(exc, "failures", None) or {}
+    for rank, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", failure)
+        if isinstance(inner, BaseException):
+            return f"rank {rank}: {_one_line(inner)}"
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
 
 
 def _run_dir_full(config: TrainConfig | None) -> bool:

@@ -114,6 +114,19 @@ class TrainConfig(BaseModel, RunLayout):
     enable_compile: bool = Field(False, description="torch.compile each decoder layer (AutoModel enable_compile)")
     activation_checkpointing: bool = Field(False, description="recompute activations in backward (saves memory)")
     ckpt_async_save: bool = Field(True, description="write checkpoints in the background (NeMo ckpt_async_save)")
+    ckpt_write_threads: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="files each rank writes in parallel per checkpoint save (torch.distributed.checkpoint's "
+        "thread_count): one stream reaches about 60 % of a fast disk",
+    )
+    ckpt_max_failed_saves: int = Field(
+        3,
+        ge=1,
+        description="a failed background save is reported and training continues (the previous checkpoint stays "
+        "the newest); this many failed saves in a row stop the run",
+    )
     strategy: Literal["auto", "fsdp2", "ddp"] = Field(
         "auto",
         description="data-parallel engine (NeMo / AutoModel distributed.strategy): ddp = a full replica per rank, "

@@ -348,6 +348,15 @@ def loss_curve_markdown(metrics: list[dict], best: CheckpointRef | None, run_dir
             f"checkpoints: {len(saves)} saves, training blocked {sum(blocked):.2f} s in all "
             f"(median {sorted(blocked)[len(blocked) // 2]:.2f} s a save; the writes ran in the background)",
         ]
+    failed = [m for m in metrics if "checkpoint_failed" in m]
+    if failed:
+        # A failed background save does not end the run (workloads/train.py): the artifact says which were lost.
+        listed = "; ".join(f"step {m['step']}: {m['checkpoint_failed']}" for m in failed[-5:])
+        lines += [
+            "",
+            f"checkpoints: {len(failed)} failed save{'s' if len(failed) != 1 else ''} ({listed}); training "
+            "continued from each, the previous checkpoint staying the newest",
+        ]
     lines += ["", f"run directory: `{run_dir}` (metrics.jsonl has every logged step)"]
     return "\n".join(lines)
 

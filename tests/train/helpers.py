@@ -73,7 +73,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-TIMING_ONLY = ("checkpoint_save_s", "checkpoint_wait_s", "checkpoint_finalize_s", "phase_s")
+TIMING_ONLY = (
+    "checkpoint_save_s",
+    "checkpoint_wait_s",
+    "checkpoint_finalize_s",
+    "checkpoint_prestage_s",
+    "checkpoint_write_s",
+    "phase_s",
+)
 
 
 def deterministic_part(metrics: list[dict]) -> list[dict]:
