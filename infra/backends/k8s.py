@@ -114,6 +114,10 @@ def cancel_in_flight() -> int:
     return len(runs)
 
 
+class _StreamCut(Exception):
+    """A followed log stream ended while its container still runs (a proxy or API server cut it)."""
+
+
 class KubernetesUnavailable(RuntimeError):
     """The API server could not be reached or kept failing (the message names the server)."""
 
@@ -641,8 +645,10 @@ class KubernetesBackend(Backend):
         is read once more the same way (a cut and the container's end look alike).
         """
         cursor = _LogCursor()
-        final = False
-        for attempt in range(self.log_reconnects + 1):
+
+        def read(final: bool) -> bool | None:
+            """One request of the log from the cursor: True when it was read to its end, False when it was
+            cut, None when the log cannot be read at all."""
             kwargs: dict[str, Any] = dict(container=container, follow=True, timestamps=True, _preload_content=False)
             if cursor.last_time is not None:
                 age = (datetime.datetime.now(datetime.UTC) - cursor.last_time).total_seconds()
@@ -652,7 +658,7 @@ class KubernetesBackend(Backend):
             except (ApiException, KubernetesUnavailable) as exc:
                 if not (isinstance(exc, ApiException) and exc.status == 404):
                     emit(f"[k8s] cannot read the log of pod {pod_name}: {_short(exc)}")
-                return
+                return None
             cursor.resume()
             complete = False
             pending = b""
@@ -678,17 +684,33 @@ class KubernetesBackend(Backend):
                 resp.release_conn()
             if pending:
                 out(cursor.accept(pending.decode("utf-8", "replace")))
-            if final:
+            return complete
+
+        def follow() -> None:
+            complete = read(final=False)
+            if complete is None:
                 return
             if complete and not self._container_running(pod_name, container):
                 # The stream ended and so did the container; but a stream cut just before the container
                 # ended looks the same and left lines unread: read once more from the cursor (the lines
                 # already emitted are skipped, so a log read to its end repeats nothing).
-                final = True
-                continue
+                read(final=True)
+                return
             emit(f"[k8s] log stream of pod {pod_name} was interrupted; resuming")
-            time.sleep(min(self.backoff_s * 2**attempt, 10.0))
-        emit(f"[k8s] stopped following the log of pod {pod_name} after {self.log_reconnects} reconnects")
+            raise _StreamCut(pod_name)
+
+        # a cut stream is re-requested under the shared retry policy (jittered backoff up to 10 s)
+        policy = RetryPolicy(
+            attempts=self.log_reconnects + 1,
+            initial=self.backoff_s,
+            maximum=10.0,
+            budget=None,
+            transient=lambda exc: isinstance(exc, _StreamCut),
+        )
+        try:
+            policy.call(follow)
+        except _StreamCut:
+            emit(f"[k8s] stopped following the log of pod {pod_name} after {self.log_reconnects} reconnects")
 
     def _container_running(self, pod_name: str, container: str) -> bool:
         try:
