@@ -41,6 +41,7 @@ import datetime
 import functools
 import json
 import re
+import sys
 import threading
 import time
 import uuid
@@ -525,24 +526,36 @@ class KubernetesBackend(Backend):
         """The job's verdict, and whether the job ended by itself (else the caller deletes it)."""
         name = job_obj["metadata"]["name"]
         pending_since: float | None = None
-        outage_since: float | None = None
         announced: set[str] = set()
+        cancelled = reasons.Verdict(JobState.CANCELLED, "cancelled by nemoflow (cancel_in_flight)"), False
+
+        def observe() -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+            job = self._read(job_obj)
+            return job, self._pods(LABEL_RUN, run_id) if job is not None else []
+
+        # The Job runs on without us (a control-plane upgrade, a network blip): keep waiting, up to the
+        # tolerated outage, rather than abandon, and so delete, a healthy multi-day training job (unless cancelled).
+        outage = RetryPolicy(
+            attempts=sys.maxsize,
+            initial=self.backoff_s,
+            maximum=self.backoff_s,
+            budget=self.api_outage_tolerance_s,
+            brief_attempts=sys.maxsize,  # an API server whose name stops resolving is an outage too
+            transient=lambda exc: isinstance(exc, KubernetesUnavailable) and not cancel.is_set(),
+        )
+
+        def still_waiting(exc: BaseException, attempt: int, sleep_s: float) -> None:
+            emit(f"[k8s] {exc}; the job keeps running, still waiting")
+
         while True:
             if cancel.is_set():
-                return reasons.Verdict(JobState.CANCELLED, "cancelled by nemoflow (cancel_in_flight)"), False
+                return cancelled
             try:
-                job = self._read(job_obj)
-                pods = self._pods(LABEL_RUN, run_id) if job is not None else []
-            except KubernetesUnavailable as exc:
-                # The Job runs on without us (a control-plane upgrade, a network blip): keep
-                # waiting rather than abandon, and so delete, a healthy multi-day training job.
-                outage_since = outage_since or time.monotonic()
-                if time.monotonic() - outage_since > self.api_outage_tolerance_s:
-                    raise
-                emit(f"[k8s] {exc}; the job keeps running, still waiting")
-                time.sleep(self.backoff_s)
-                continue
-            outage_since = None
+                job, pods = outage.retrying(on_retry=still_waiting)(observe)
+            except KubernetesUnavailable:
+                if cancel.is_set():
+                    return cancelled
+                raise
             if job is None:
                 return reasons.Verdict(
                     JobState.CANCELLED, f"{job_obj['kind']} {name} was deleted outside nemoflow"
