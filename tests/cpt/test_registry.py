@@ -183,14 +183,14 @@ def test_concurrent_writers_on_gcs_never_lose_an_update(tmp_path):
 
 
 @pytest.mark.gcs
-def test_two_writers_race_on_gcs_one_wins_the_other_retries_or_fails_by_name(tmp_path, monkeypatch):
+def test_two_writers_race_on_gcs_one_wins_the_other_retries_or_fails_by_name(tmp_path):
     """Writer B reads registry.json, then writer A commits before B uploads: GCS refuses B's upload by its
     generation precondition (if_generation_match), so B re-reads and re-applies; B bound to the generation
     it read fails naming the registry, and A's model is never overwritten. Against fake-gcs-server."""
     from infra.settings import reload_settings
     from tests.support.fake_gcs import fake_gcs_server
 
-    with fake_gcs_server(tmp_path / "fake-gcs.log") as endpoint:
+    with fake_gcs_server(tmp_path / "fake-gcs.log") as endpoint, pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("NEMOFLOW_GCS_ENDPOINT", endpoint)
         reload_settings()
         try:
@@ -218,7 +218,7 @@ def test_two_writers_race_on_gcs_one_wins_the_other_retries_or_fails_by_name(tmp
             after = reg.ModelRegistry(uri).read()
             assert raced == [4] and after.generation == 4 and "m-c" not in after.models
         finally:
-            monkeypatch.delenv("NEMOFLOW_GCS_ENDPOINT")
+            monkeypatch.undo()  # the endpoint other tests set (the emulator's), if any, comes back
             reload_settings()
 
 
