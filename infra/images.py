@@ -148,12 +148,22 @@ def resolve_region(source: str, region: str | None = None) -> str:
     return source.replace("<region>", region or get_settings().region)
 
 
+# Docker's image reference grammar (distribution/reference), defined once: parse_docker_ref (enroot and
+# docker:// references) and infra/k8s/images.py (what a pod pulls) match against these parts.
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _HOST_PART = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
-_REGISTRY_RE = re.compile(rf"^{_HOST_PART}(?:\.{_HOST_PART})*(?::[0-9]{{1,5}})?$")
-_REPOSITORY_RE = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*$")
-_TAG_RE = re.compile(r"^[\w][\w.-]{0,127}$")
-_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+REGISTRY = rf"(?:{_HOST_PART}(?:\.{_HOST_PART})*|\[[0-9a-fA-F:]+\])(?::[0-9]{{1,5}})?"
+REPOSITORY = rf"{_COMPONENT}(?:/{_COMPONENT})*"
+TAG = r"[\w][\w.-]{0,127}"
+DIGEST = r"sha256:[0-9a-f]{64}"
+# [registry[:port]/]path[:tag][@sha256:<64 hex>], as docker pull and Kubernetes read it
+REFERENCE = re.compile(
+    rf"^(?:(?P<registry>{REGISTRY})/)?(?P<repository>{REPOSITORY})(?::(?P<tag>{TAG}))?(?:@(?P<digest>{DIGEST}))?$"
+)
+_REGISTRY_RE = re.compile(rf"^{REGISTRY}$")
+_REPOSITORY_RE = re.compile(rf"^{REPOSITORY}$")
+_TAG_RE = re.compile(rf"^{TAG}$")
+_DIGEST_RE = re.compile(rf"^{DIGEST}$")
 
 
 @dataclasses.dataclass(frozen=True)

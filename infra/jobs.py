@@ -31,6 +31,7 @@ allocation, the headless Service of an Indexed Job).
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 import re
 import sys
@@ -38,7 +39,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field, field_validator
 
 ARRAY_INDEX_ENV = "NEMOFLOW_ARRAY_INDEX"
 # The repository root: jobs that run outside the nemoflow image (this Python environment, a
@@ -108,6 +109,31 @@ class Mount(BaseModel):
     read_only: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class ImageKind:
+    """How a job runs in an image of one kind: the builder reads these facts and never the kind's name.
+
+    ``container``: jobs run in a container whose image is the ref's ``uri`` (else ``uri`` is the
+    interpreter of an environment the job's machine shares); ``code_root``: where the repository is
+    inside; ``mount_code``: the repository is mounted in (the image lacks our code); ``holds_environment``:
+    nemoflow's own environment and code are in the image, so paths under them are not mounted.
+    """
+
+    container: bool
+    code_root: str = REPO_ROOT
+    mount_code: bool = False
+    holds_environment: bool = False
+
+
+# Every kind of image a backend stages (ImageRef.kind); a new kind is one entry here.
+IMAGE_KINDS: dict[str, ImageKind] = {
+    "sqsh": ImageKind(container=True, mount_code=True),
+    "registry": ImageKind(container=True, code_root=IMAGE_REPO_ROOT, holds_environment=True),
+    "python-env": ImageKind(container=False),
+}
+_KIND_NAMES = [repr(kind) for kind in IMAGE_KINDS]
+
+
 class ImageRef(BaseModel):
     """What a job runs in (and the lineage every artifact records).
 
@@ -118,17 +144,29 @@ class ImageRef(BaseModel):
     repository at ``/opt/nemoflow``.
     """
 
-    kind: str = Field(..., description="'sqsh', 'registry' or 'python-env'")
+    kind: str = Field(..., description=f"{', '.join(_KIND_NAMES[:-1])} or {_KIND_NAMES[-1]}")
     uri: str = Field(..., description="path/URI of the .sqsh, the image reference, or the python executable")
     checksum: str | None = None
     digest: str | None = None
     size: int | None = None
     source: str | None = None
 
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, value: str) -> str:
+        if value not in IMAGE_KINDS:
+            raise ValueError(f"unknown image kind {value!r}; choose one of {', '.join(IMAGE_KINDS)}")
+        return value
+
+    @property
+    def runs_as(self) -> ImageKind:
+        """How jobs run in this image (:data:`IMAGE_KINDS`)."""
+        return IMAGE_KINDS[self.kind]
+
     @property
     def container(self) -> str | None:
         """The value for ``JobSpec.container_image``: None when jobs run without a container."""
-        return None if self.kind == "python-env" else self.uri
+        return self.uri if self.runs_as.container else None
 
     def lineage(self) -> dict[str, str]:
         """Flat facts for manifests, artifacts and job environments (``NEMOFLOW_IMAGE*``)."""
@@ -386,18 +424,16 @@ def python_for(image: ImageRef | None) -> str:
     """The interpreter a job uses in ``image``: this one, a shared environment's, or the container's."""
     if image is None:
         return sys.executable
-    if image.kind == "python-env":
-        return image.uri
-    return "python"
+    return "python" if image.runs_as.container else image.uri
 
 
 def _code_placement(image: ImageRef | None) -> tuple[str, list[Mount]]:
     """Where the repository is inside the job, and the mounts that put it there."""
-    if image is not None and image.kind == "registry":
-        return IMAGE_REPO_ROOT, []  # the nemoflow image holds it
-    if image is not None and image.kind == "sqsh":
-        return REPO_ROOT, [Mount(source=REPO_ROOT, target=REPO_ROOT, read_only=True)]
-    return REPO_ROOT, []
+    if image is None:
+        return REPO_ROOT, []
+    kind = image.runs_as
+    mounts = [Mount(source=REPO_ROOT, target=REPO_ROOT, read_only=True)] if kind.mount_code else []
+    return kind.code_root, mounts  # the nemoflow image holds the code; a NeMo image gets it mounted
 
 
 def _under(path: str, root: str) -> bool:
@@ -412,7 +448,7 @@ def _common(
         # A container sees only what is mounted: the paths the job reads and writes, at the same place.
         # The nemoflow image (registry) holds nemoflow's own environment: files of it (the packaged
         # tokenizer, the code) are in the image already.
-        inside = (sys.prefix, REPO_ROOT) if image.kind == "registry" else ()
+        inside = (sys.prefix, REPO_ROOT) if image.runs_as.holds_environment else ()
         seen = {m.target for m in mounts}
         for path, ro in [*((p, False) for p in paths), *((p, True) for p in read_only)]:
             if not path or "://" in path or path in seen or any(_under(path, root) for root in inside):

@@ -41,9 +41,7 @@ import contextlib
 import hashlib
 import json
 import os
-import random
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -52,12 +50,28 @@ from filelock import FileLock
 from pydantic import BaseModel, Field
 
 from infra import storage
+from infra.retry import RetryPolicy
+from infra.settings import get_settings
 
 DOCUMENT = "registry.json"
 HISTORY = "history"
 # gs://: how often a writer that did not state a generation re-reads and re-applies its change after another
 # writer's commit won the race (each round, one of the racing writers commits).
 COMMIT_ATTEMPTS = 30
+
+
+class _LostRace(Exception):
+    """Another writer committed the generation this one read: re-read and re-apply (retried)."""
+
+
+# A lost race is retried, nothing else: the waits are full-jitter backoff from 20 ms up to 1 s.
+COMMIT_RETRY = RetryPolicy(
+    attempts=COMMIT_ATTEMPTS,
+    initial=0.02,
+    maximum=1.0,
+    budget=None,
+    transient=lambda exc: isinstance(exc, _LostRace),
+)
 
 
 class RegistryError(RuntimeError):
@@ -177,6 +191,23 @@ def code_version(repo: str | None = None) -> str:
         return "sha256:" + digest.hexdigest()[:16]
 
 
+def _gcs_client():
+    """A google-cloud-storage client configured as :func:`infra.storage.filesystem` configures gcsfs: the
+    NEMOFLOW_GCS_ENDPOINT (an emulator) anonymously, else Google's with the default credentials."""
+    from google.cloud import storage as gcs
+
+    settings = get_settings()
+    if settings.gcs_endpoint:
+        from google.auth.credentials import AnonymousCredentials
+
+        return gcs.Client(
+            project=settings.gcs_project or "nemoflow",
+            credentials=AnonymousCredentials(),
+            client_options={"api_endpoint": settings.gcs_endpoint},
+        )
+    return gcs.Client(project=settings.gcs_project)
+
+
 class ModelRegistry:
     """A registry at ``uri`` (local directory or gs://); see the module docstring."""
 
@@ -239,7 +270,8 @@ class ModelRegistry:
         """Read registry.json with its object generation, apply ``change``, upload only if that generation is
         still the current one (ifGenerationMatch); on a lost race re-read and re-apply, unless the caller
         stated the generation it based its change on."""
-        for attempt in range(COMMIT_ATTEMPTS):
+
+        def attempt() -> RegistryState:
             state, object_generation = self._read_gcs()
             new, entry = _apply(self.uri, state, change, expected_generation, action)
             if self._upload_if_generation(_document_bytes(new), object_generation):
@@ -250,12 +282,20 @@ class ModelRegistry:
                     f"registry {self.uri} changed while committing generation {new.generation}: another refresh "
                     "or a person changed it meanwhile; nothing was written"
                 )
+            raise _LostRace(new.generation)
+
+        def lost(exc: BaseException, attempt_number: int, sleep_s: float) -> None:
             self.conflicts += 1
-            time.sleep(random.uniform(0, min(1.0, 0.02 * 2**attempt)))  # jitter: the racers spread out
-        raise ConcurrentUpdate(
-            f"registry {self.uri}: other writers committed first {COMMIT_ATTEMPTS} times in a row; nothing was "
-            "written (try again)"
-        )
+
+        try:
+            # jittered backoff: the racers spread out
+            return COMMIT_RETRY.retrying(on_retry=lost)(attempt)
+        except _LostRace:
+            self.conflicts += 1
+            raise ConcurrentUpdate(
+                f"registry {self.uri}: other writers committed first {COMMIT_ATTEMPTS} times in a row; nothing was "
+                "written (try again)"
+            ) from None
 
     def _gcs_object(self):
         fs, path = storage.url_to_fs(self.document_uri)
@@ -279,32 +319,19 @@ class ModelRegistry:
 
     def _upload_if_generation(self, data: bytes, generation: int) -> bool:
         """Upload ``data`` as the document if its object generation is still ``generation`` (0: if it does not
-        exist); False when another writer's object is there now."""
+        exist); False when another writer's object is there now.
+
+        The precondition is GCS's own (``if_generation_match``, google-cloud-storage's upload): gcsfs can only
+        ask "create if absent", not "replace this generation".
+        """
+        from google.api_core.exceptions import PreconditionFailed
+
         fs, bucket, key = self._gcs_object()
-        boundary = "nemoflow-" + os.urandom(8).hex()
-        body = (
-            (
-                f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
-                + json.dumps({"name": key, "contentType": "application/json"})
-                + f"\r\n--{boundary}\r\nContent-Type: application/json\r\n\r\n"
-            ).encode()
-            + data
-            + f"\r\n--{boundary}--\r\n".encode()
-        )
         try:
-            # gcsfs has no call for a conditional upload of a given generation: the JSON API's multipart upload
-            # through its authenticated session (fs._location is the endpoint, an emulator's too).
-            fs.call(
-                "POST",
-                f"{fs._location}/upload/storage/v1/b/{{}}/o",
-                bucket,
-                uploadType="multipart",
-                ifGenerationMatch=str(generation),
-                headers={"Content-Type": f'multipart/related; boundary="{boundary}"'},
-                data=body,
-                json_out=True,
+            _gcs_client().bucket(bucket).blob(key).upload_from_string(
+                data, content_type="application/json", if_generation_match=generation
             )
-        except FileExistsError:  # 412 Precondition Failed: the document moved on
+        except PreconditionFailed:  # 412: the document moved on
             # A retried upload whose first try had landed also ends here: then the document is ours.
             try:
                 _, current = fs.call("GET", "b/{}/o/{}", bucket, key, alt="media")

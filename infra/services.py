@@ -32,7 +32,6 @@ import collections
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -46,8 +45,7 @@ from pydantic import BaseModel, Field
 
 from infra import storage
 from infra.jobs import ServiceSpec
-from infra.processes import group_members, pid_alive, port_owner, process_start_time
-from infra.processes import reap as _reap
+from infra.processes import group_members, pid_alive, port_owner, process_start_time, stop
 from infra.settings import DEFAULT_HOME, get_settings, redact
 
 DEFAULT_READY_TIMEOUT_S = 120.0
@@ -345,28 +343,8 @@ def _await_ready(
 
 
 def _terminate_group(pgid: int, grace_s: float, proc: subprocess.Popen | None = None) -> None:
-    """SIGTERM the group, SIGKILL what is left after ``grace_s``, and wait until it is gone."""
-
-    def gone() -> bool:
-        if proc is not None:
-            proc.poll()
-        else:
-            _reap(pgid)
-        return not group_members(pgid)
-
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if gone():
-            return
-        time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not gone():
-        time.sleep(0.05)
-    if not gone():
+    """SIGTERM the group, SIGKILL what is left after ``grace_s``, and wait until it is gone (processes.stop)."""
+    if not stop(pgid, group=True, grace_s=grace_s, proc=proc):
         raise ServiceError(f"process group {pgid} survived SIGKILL: {group_members(pgid)}")
 
 

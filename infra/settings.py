@@ -121,7 +121,9 @@ class Settings(BaseSettings):
         description="GCS endpoint override (the emulator in tests); unset for real GCS.",
     )
     gcs_project: str | None = Field(default=None, description="GCP project for gcsfs.")
-    executor: Literal["local", "slurm", "k8s"] = Field(
+    # A name of infra/executors.py's EXECUTORS, checked where it becomes an executor (as_executor: one line
+    # naming the value and the choices); that module imports this one, so the list is not repeated here.
+    executor: str = Field(
         default="local",
         description="Where a flow's jobs run when its config names no executor; the executor's options come "
         "from NEMOFLOW_SLURM_* / NEMOFLOW_K8S_* (nemoflow settings shows them).",

@@ -230,12 +230,9 @@ def fine_tune(
 
 
 def check_options(engine: Any) -> SftConfig:
-    """The options of the held-out check (``python -m workloads.sft --validate``) for a fine-tuning engine: the
-    SftConfig fields the engine sets (AutoModel's: all it was given, so the check shares its run directory),
-    the demo run's for the rest (the check runs on one node, one GPU where the engine asked for GPUs)."""
-    engine = as_engine(engine, "sft")
-    mine = {k: v for k, v in engine.model_dump(exclude_unset=True).items() if k in SftConfig.model_fields}
-    return SftConfig.model_validate({**demo_sft_config().model_dump(exclude_unset=True, exclude={"engine"}), **mine})
+    """The options of the held-out check (``python -m workloads.sft --validate``) of what ``engine`` fine-tuned:
+    the engine's own (:meth:`TrainEngine.sft_check`), over the demo run's for the rest."""
+    return as_engine(engine, "sft").sft_check(demo_sft_config())
 
 
 # ------------------------------------------------------------------ 3. the check

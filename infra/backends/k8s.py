@@ -41,6 +41,7 @@ import datetime
 import functools
 import json
 import re
+import sys
 import threading
 import time
 import uuid
@@ -112,6 +113,10 @@ def cancel_in_flight() -> int:
         cancel.set()
         backend._clean_up(list(created), run_id, everything=True, emit=lambda line: None)
     return len(runs)
+
+
+class _StreamCut(Exception):
+    """A followed log stream ended while its container still runs (a proxy or API server cut it)."""
 
 
 class KubernetesUnavailable(RuntimeError):
@@ -521,24 +526,36 @@ class KubernetesBackend(Backend):
         """The job's verdict, and whether the job ended by itself (else the caller deletes it)."""
         name = job_obj["metadata"]["name"]
         pending_since: float | None = None
-        outage_since: float | None = None
         announced: set[str] = set()
+        cancelled = reasons.Verdict(JobState.CANCELLED, "cancelled by nemoflow (cancel_in_flight)"), False
+
+        def observe() -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+            job = self._read(job_obj)
+            return job, self._pods(LABEL_RUN, run_id) if job is not None else []
+
+        # The Job runs on without us (a control-plane upgrade, a network blip): keep waiting, up to the
+        # tolerated outage, rather than abandon, and so delete, a healthy multi-day training job (unless cancelled).
+        outage = RetryPolicy(
+            attempts=sys.maxsize,
+            initial=self.backoff_s,
+            maximum=self.backoff_s,
+            budget=self.api_outage_tolerance_s,
+            brief_attempts=sys.maxsize,  # an API server whose name stops resolving is an outage too
+            transient=lambda exc: isinstance(exc, KubernetesUnavailable) and not cancel.is_set(),
+        )
+
+        def still_waiting(exc: BaseException, attempt: int, sleep_s: float) -> None:
+            emit(f"[k8s] {exc}; the job keeps running, still waiting")
+
         while True:
             if cancel.is_set():
-                return reasons.Verdict(JobState.CANCELLED, "cancelled by nemoflow (cancel_in_flight)"), False
+                return cancelled
             try:
-                job = self._read(job_obj)
-                pods = self._pods(LABEL_RUN, run_id) if job is not None else []
-            except KubernetesUnavailable as exc:
-                # The Job runs on without us (a control-plane upgrade, a network blip): keep
-                # waiting rather than abandon, and so delete, a healthy multi-day training job.
-                outage_since = outage_since or time.monotonic()
-                if time.monotonic() - outage_since > self.api_outage_tolerance_s:
-                    raise
-                emit(f"[k8s] {exc}; the job keeps running, still waiting")
-                time.sleep(self.backoff_s)
-                continue
-            outage_since = None
+                job, pods = outage.retrying(on_retry=still_waiting)(observe)
+            except KubernetesUnavailable:
+                if cancel.is_set():
+                    return cancelled
+                raise
             if job is None:
                 return reasons.Verdict(
                     JobState.CANCELLED, f"{job_obj['kind']} {name} was deleted outside nemoflow"
@@ -641,8 +658,10 @@ class KubernetesBackend(Backend):
         is read once more the same way (a cut and the container's end look alike).
         """
         cursor = _LogCursor()
-        final = False
-        for attempt in range(self.log_reconnects + 1):
+
+        def read(final: bool) -> bool | None:
+            """One request of the log from the cursor: True when it was read to its end, False when it was
+            cut, None when the log cannot be read at all."""
             kwargs: dict[str, Any] = dict(container=container, follow=True, timestamps=True, _preload_content=False)
             if cursor.last_time is not None:
                 age = (datetime.datetime.now(datetime.UTC) - cursor.last_time).total_seconds()
@@ -652,7 +671,7 @@ class KubernetesBackend(Backend):
             except (ApiException, KubernetesUnavailable) as exc:
                 if not (isinstance(exc, ApiException) and exc.status == 404):
                     emit(f"[k8s] cannot read the log of pod {pod_name}: {_short(exc)}")
-                return
+                return None
             cursor.resume()
             complete = False
             pending = b""
@@ -678,17 +697,33 @@ class KubernetesBackend(Backend):
                 resp.release_conn()
             if pending:
                 out(cursor.accept(pending.decode("utf-8", "replace")))
-            if final:
+            return complete
+
+        def follow() -> None:
+            complete = read(final=False)
+            if complete is None:
                 return
             if complete and not self._container_running(pod_name, container):
                 # The stream ended and so did the container; but a stream cut just before the container
                 # ended looks the same and left lines unread: read once more from the cursor (the lines
                 # already emitted are skipped, so a log read to its end repeats nothing).
-                final = True
-                continue
+                read(final=True)
+                return
             emit(f"[k8s] log stream of pod {pod_name} was interrupted; resuming")
-            time.sleep(min(self.backoff_s * 2**attempt, 10.0))
-        emit(f"[k8s] stopped following the log of pod {pod_name} after {self.log_reconnects} reconnects")
+            raise _StreamCut(pod_name)
+
+        # a cut stream is re-requested under the shared retry policy (jittered backoff up to 10 s)
+        policy = RetryPolicy(
+            attempts=self.log_reconnects + 1,
+            initial=self.backoff_s,
+            maximum=10.0,
+            budget=None,
+            transient=lambda exc: isinstance(exc, _StreamCut),
+        )
+        try:
+            policy.call(follow)
+        except _StreamCut:
+            emit(f"[k8s] stopped following the log of pod {pod_name} after {self.log_reconnects} reconnects")
 
     def _container_running(self, pod_name: str, container: str) -> bool:
         try:

@@ -157,16 +157,8 @@ class LocalBackend(Backend):
         )
 
     def _kill(self, proc: subprocess.Popen) -> None:
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=self.kill_grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
+        # the job's whole process group (it runs in its own session): SIGTERM, SIGKILL after the grace
+        processes.stop(proc.pid, group=True, grace_s=self.kill_grace_s, proc=proc)
 
     def cancel(self, job_id: str) -> None:
         with _RUNNING_LOCK:

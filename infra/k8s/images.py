@@ -1,23 +1,15 @@
 """Container image references, checked before anything is submitted.
 
 A typo in an image name otherwise surfaces minutes later as ImagePullBackOff;
-the grammar is Docker's reference grammar (distribution/reference):
-``[registry[:port]/]path[:tag][@sha256:<64 hex>]``.
+the grammar is Docker's reference grammar (distribution/reference), the one
+definition in :mod:`infra.images`: ``[registry[:port]/]path[:tag][@sha256:<64 hex>]``.
 """
 
 from __future__ import annotations
 
 import re
 
-_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
-_DOMAIN_PART = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
-_DOMAIN = rf"(?:{_DOMAIN_PART}(?:\.{_DOMAIN_PART})*|\[[0-9a-fA-F:]+\])(?::[0-9]+)?"
-_TAG = r"[\w][\w.-]{0,127}"
-_DIGEST = r"sha256:[0-9a-f]{64}"
-_REFERENCE = re.compile(
-    rf"^(?:(?P<domain>{_DOMAIN})/)?(?P<path>{_COMPONENT}(?:/{_COMPONENT})*)"
-    rf"(?::(?P<tag>{_TAG}))?(?:@(?P<digest>{_DIGEST}))?$"
-)
+from infra.images import DIGEST, REFERENCE
 
 
 class InvalidImageReference(ValueError):
@@ -41,10 +33,10 @@ def validate_image_reference(image: str) -> str:
         )
     if "://" in image:
         raise InvalidImageReference(f"image {image!r} must not have a scheme; write e.g. nvcr.io/nvidia/nemo:25.02")
-    match = _REFERENCE.match(image)
+    match = REFERENCE.match(image)
     if not match:
         hint = ""
-        if "@" in image and not re.search(r"@sha256:[0-9a-f]{64}$", image):
+        if "@" in image and not re.search(rf"@{DIGEST}$", image):
             hint = " (a digest is @sha256: followed by 64 lowercase hex digits)"
         elif image.lower() != image and "/" not in image.split(":")[0]:
             hint = " (repository names are lowercase)"

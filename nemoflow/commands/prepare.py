@@ -44,18 +44,24 @@ def register(sub) -> None:
 Defaults are PrepareConfig's (flows/prepare_dataset.py); an option not given keeps them.""",
     )
     parser.defer(lambda p: config_options().add_to(p))  # imports the flow: only when `prepare` runs
+    parser.defer(_executor_option)
+    parser.defer(lambda p: p.add_argument("--json", action="store_true", help="print the resulting DatasetRef as JSON"))
+    parser.set_defaults(func=run)
+
+
+def _executor_option(parser) -> None:
+    from infra.executors import EXECUTORS
+
     # Where the tokenize job array runs is the flow's executor, not a PrepareConfig field.
     parser.add_argument(
         "--executor",
         "--backend",
         dest="executor",
         default=None,
-        choices=["local", "slurm", "k8s"],
+        choices=list(EXECUTORS),
         help="where the tokenize job array runs (default: NEMOFLOW_EXECUTOR, local); its options come from "
         "NEMOFLOW_SLURM_* / NEMOFLOW_K8S_*",
     )
-    parser.add_argument("--json", action="store_true", help="print the resulting DatasetRef as JSON")
-    parser.set_defaults(func=run)
 
 
 def run(args) -> int:

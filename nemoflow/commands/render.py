@@ -38,15 +38,26 @@ def register(sub) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.defer(_options)  # the backends' names come from infra/executors.py, imported when `render` runs
+    parser.set_defaults(func=run)
+
+
+# What `render` renders for when neither --backend nor the config names an executor.
+DEFAULT_KIND = "k8s"
+
+
+def _options(parser) -> None:
+    from infra.executors import EXECUTORS
+
+    kinds = [DEFAULT_KIND, *(kind for kind in EXECUTORS if kind != DEFAULT_KIND)]
     parser.add_argument(
         "--backend",
-        choices=["k8s", "slurm", "local"],
+        choices=kinds,
         default=None,
-        help="the executor kind to render for (default: the config's executor, else k8s)",
+        help=f"the executor kind to render for (default: the config's executor, else {DEFAULT_KIND})",
     )
     parser.add_argument("--out", required=True, help="directory to write the files into (created)")
     parser.add_argument("--config", help="YAML file: an end-to-end configuration (see above)")
-    parser.set_defaults(func=run)
 
 
 def load_config(path: str | None) -> dict:
@@ -71,7 +82,7 @@ def build_config(data: dict, backend: str | None):
         if executor.get("kind") not in (None, backend):
             raise ValueError(f"--backend {backend} but the config's executor is {executor['kind']!r}")
         executor["kind"] = backend
-    executor.setdefault("kind", "k8s")
+    executor.setdefault("kind", DEFAULT_KIND)
     data["executor"] = executor
     try:
         return EndToEndConfig.model_validate(data)
@@ -103,14 +114,7 @@ def render_run(config) -> dict[str, str]:
     from infra.executors import get_backend
 
     backend = get_backend(config.executor)
-    files: dict[str, str] = {}
-    if config.executor.kind == "k8s" and config.executor.pvc_name:
-        import yaml
-
-        from infra.k8s.manifests import to_dict, workspace_pvc
-
-        pvc = to_dict(workspace_pvc(config.executor))
-        files[f"persistentvolumeclaim-{pvc['metadata']['name']}.yaml"] = yaml.safe_dump(pvc, sort_keys=False)
+    files: dict[str, str] = dict(config.executor.render_setup())  # e.g. the workspace PVC on Kubernetes
     for _, spec in planned_specs(config):
         for name, text in backend.render(spec).items():
             if name in files:
@@ -119,40 +123,19 @@ def render_run(config) -> dict[str, str]:
     return files
 
 
-def k8s_work_dir(config) -> str | None:
-    """The work dir to render a Kubernetes run with, when it must differ from the configured one.
-
-    Pods see only the workspace PVC (and gs://), so a local work dir outside it cannot be the run's.
-    Left at its default, it becomes ``<workspace_mount>/nemoflow`` (prefect.yaml's k8s deployments
-    set NEMOFLOW_WORK_DIR=/nemo-workspace/nemoflow); set by the user, it is an error naming the variable.
-    """
-    from infra import storage
+def render_work_dir(config) -> str | None:
+    """The work dir to render the run with, when the executor's jobs cannot see the configured one
+    (:meth:`infra.executors.ExecutorBase.render_work_dir`: on Kubernetes, a path outside the workspace PVC)."""
     from infra.settings import get_settings
 
-    executor = config.executor
-    if executor.kind != "k8s" or not executor.pvc_name:
-        return None
     settings = get_settings()
-    if not storage.is_local(settings.work_dir):
-        return None
-    path = os.path.abspath(storage.local_path(settings.work_dir))
-    root = executor.workspace_mount.rstrip("/")
-    if path == root or path.startswith(root + "/"):
-        return None
-    wanted = f"{root}/nemoflow"
-    if "work_dir" in settings.model_fields_set:
-        raise ValueError(
-            f"NEMOFLOW_WORK_DIR={settings.work_dir} is outside the workspace PVC ({root}), the only local path "
-            f"Kubernetes pods see: set NEMOFLOW_WORK_DIR={wanted} (what prefect.yaml's k8s deployments set) "
-            "or a gs:// URI"
-        )
-    return wanted
+    return config.executor.render_work_dir(settings.work_dir, "work_dir" in settings.model_fields_set)
 
 
 def run(args) -> int:
     data = load_config(args.config)
     config = build_config(data, args.backend)
-    work_dir = k8s_work_dir(config)
+    work_dir = render_work_dir(config)
     if work_dir is not None:
         from infra.settings import reload_settings
 
@@ -173,6 +156,6 @@ def run(args) -> int:
     for path in written:
         relative = os.path.relpath(path)
         print(path if relative.startswith("..") else relative)
-    how = f"kubectl apply -f {args.out}" if config.executor.kind == "k8s" else "sbatch / bash them"
+    how = config.executor.apply_hint(args.out)
     print(f"{len(written)} files in {args.out}; review, then: {how}", file=sys.stderr)
     return 0

@@ -26,11 +26,15 @@ def sections() -> list[tuple[str | None, Any]]:
     Another settings model (a pydantic ``BaseSettings`` with an ``env_prefix``, such as the
     Slurm or Kubernetes executor options) is one more entry: ``("slurm", SlurmOptions())``.
     """
-    from infra.executors import K8sExecutor, SlurmExecutor
+    from pydantic_settings import BaseSettings
+
+    from infra.executors import EXECUTORS
     from infra.settings import get_settings
 
-    # The executors' options as the environment fills them (a flow's executor adds its own values).
-    return [(None, get_settings()), ("slurm", SlurmExecutor()), ("k8s", K8sExecutor())]
+    # The executors' options as the environment fills them (a flow's executor adds its own values): those
+    # that are settings models (NEMOFLOW_SLURM_*, NEMOFLOW_K8S_*); the others have nothing to fill.
+    executors = [(kind, cls()) for kind, cls in EXECUTORS.items() if issubclass(cls, BaseSettings)]
+    return [(None, get_settings()), *executors]
 
 
 def rows(settings) -> list[tuple[str, str, Any, str]]:

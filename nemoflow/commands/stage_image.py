@@ -64,12 +64,7 @@ def register(sub) -> None:
         action="store_true",
         help="import a docker:// reference into a .sqsh with `enroot import` in a job on the backend",
     )
-    parser.add_argument(
-        "--backend",
-        choices=("slurm", "k8s", "local"),
-        default="slurm",
-        help="where later stages run (default: slurm); decides what staging means, see above",
-    )
+    parser.defer(_backend_option)  # the backends' names come from infra/executors.py, imported when it runs
     job = parser.add_argument_group("the enroot import job (--convert)")
     job.add_argument(
         "--cpus-per-task",
@@ -91,6 +86,21 @@ def register(sub) -> None:
     parser.set_defaults(func=run)
 
 
+# Where later stages run when --backend is not given (what staging means: see the description).
+DEFAULT_BACKEND = "slurm"
+
+
+def _backend_option(parser) -> None:
+    from infra.executors import EXECUTORS
+
+    parser.add_argument(
+        "--backend",
+        choices=list(EXECUTORS),
+        default=DEFAULT_BACKEND,
+        help=f"where later stages run (default: {DEFAULT_BACKEND}); decides what staging means, see above",
+    )
+
+
 def _job_options(args) -> tuple[dict | None, dict]:
     """The import job's resources, and the executor (``--backend`` plus Slurm's --partition/--account)."""
     resources = {k: v for k, v in (("cpus_per_task", args.cpus_per_task), ("time", args.time)) if v is not None}
@@ -99,10 +109,14 @@ def _job_options(args) -> tuple[dict | None, dict]:
         from nemoflow.cli import UserError
 
         raise UserError("--cpus-per-task, --time, --partition and --account apply to the import job: add --convert")
-    if options and args.backend != "slurm":
+    from infra.executors import EXECUTORS
+
+    if options and not set(options) <= set(EXECUTORS[args.backend].model_fields):
         from nemoflow.cli import UserError
 
-        raise UserError("--partition and --account are Slurm options: use --backend slurm")
+        # the executors that have these options, from their models
+        having = [kind for kind, cls in EXECUTORS.items() if set(options) <= set(cls.model_fields)]
+        raise UserError(f"--partition and --account are {'/'.join(having)} options: use --backend {having[0]}")
     return resources or None, {"kind": args.backend, **options}
 
 

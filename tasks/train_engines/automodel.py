@@ -492,6 +492,11 @@ class AutoModelSft(SftConfig, TrainEngine):
     def prepared(self, inputs: TrainInputs) -> AutoModelSft:
         return with_inputs(self, inputs.init_from, inputs.chat)
 
+    def sft_check(self, defaults: SftConfig) -> SftConfig:
+        # every option it was given: the check shares the run directory and reads the model as it was tuned
+        given = self.model_dump(exclude_unset=True, exclude={"engine"})
+        return SftConfig.model_validate({**defaults.model_dump(exclude_unset=True, exclude={"engine"}), **given})
+
     def check(self, executor=None) -> str:
         return (
             f"fine-tuning {self.init_from} for {self.max_steps} steps (batch {self.global_batch_size}); "

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from infra.configs.sft import SftConfig
 from infra.jobs import ImageRef, JobSpec, Resources
 from tasks.refs import ChatDataRef, CheckpointRef, DatasetRef
 
@@ -55,6 +56,12 @@ class TrainEngine(BaseModel):
     def label(self) -> str:
         """A short name for task runs and logs (``llama``, ``command``)."""
         return self.engine
+
+    def sft_check(self, defaults: SftConfig) -> SftConfig:
+        """SFT engines: the options of the held-out check of what this engine fine-tuned (``python -m
+        workloads.sft --validate``: loss against the base, greedy answers), from ``defaults`` (the demo run's)
+        and what this engine decides (its run directory, sequence length, resources)."""
+        raise NotImplementedError(f"the {self.engine} engine has no held-out check of a fine-tuned model")
 
     def prepared(self, inputs: TrainInputs) -> TrainEngine:
         """The options with the stage's inputs filled in and the run directory fixed (stable across retries)."""

@@ -61,6 +61,7 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infra import storage
+from infra.configs.sft import SftConfig
 from infra.configs.train import parse_blend
 from infra.jobs import ImageRef, JobSpec, Resources, workload_job
 from infra.settings import get_settings
@@ -133,6 +134,13 @@ class Command(TrainEngine):
 
     def prepared(self, inputs: TrainInputs) -> Command:
         return self.model_copy(update={"run_dir": run_dir_for(self, inputs)})
+
+    def sft_check(self, defaults: SftConfig) -> SftConfig:
+        # The check is nemoflow's (workloads.sft) on the Hugging Face checkpoint the command left: what the user
+        # set of these applies to it too (its run directory, sequence length and node).
+        shared = ("run_dir", "seq_length", "num_nodes", "gpus_per_node", "cpus_per_task", "mem", "time")
+        chosen = {name: getattr(self, name) for name in shared if name in self.model_fields_set}
+        return SftConfig.model_validate({**defaults.model_dump(exclude_unset=True, exclude={"engine"}), **chosen})
 
     def check(self, executor=None) -> str:
         return f"training with command {self.shown} in {self.run_dir} ({self.num_nodes} node(s))"

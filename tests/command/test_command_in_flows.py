@@ -98,3 +98,41 @@ def test_end_to_end_trains_with_a_users_command(prefect_server, work_dir, local_
     record = state.models[summary["registered_model"]]
     assert state.promoted == record.id and record.checkpoint == str(checkpoint)
     assert state.held_out.seq_length == 64  # as the command trained it (its checkpoint's meta.json)
+
+
+@pytest.mark.slow
+@pytest.mark.prefect
+def test_sft_fine_tunes_with_a_users_command_and_the_engine_decides_the_check(
+    prefect_server, work_dir, mixtral_tokenizer_model, tmp_path
+):
+    """The sft flow, a real run, with ``engine: command``: the user's script (tests/command/sft_trainer.py)
+    fine-tunes from the contract's variables alone, the stage finds its newest checkpoint, the held-out check
+    runs with the options the command engine gives it (its sequence length; the demo run's for the rest), and
+    the registry records the model with its parent."""
+    from flows.sft import SftFlowConfig, sft
+    from infra import registry as reg
+    from tests.sft.conftest import make_base_model
+
+    base = make_base_model(tmp_path / "base", mixtral_tokenizer_model)
+    registry_uri = str(work_dir / "registry")
+    reg.ModelRegistry(registry_uri).register(
+        reg.ModelRecord(id="m-base", checkpoint=str(base), metrics={"steps": 12}), promote=True
+    )
+    train = {"engine": "command", "command": [sys.executable, str(HERE / "sft_trainer.py")], "seq_length": 128}
+    config = SftFlowConfig.model_validate(
+        {"train": {**train, "cpus_per_task": 1}, "data": {"demo_examples": 400, "demo_tasks": ["book"]}}
+        | {"registry": registry_uri}
+    )
+    summary = sft(config)
+
+    state = reg.ModelRegistry(registry_uri).read()
+    record = state.model(summary["model"])
+    assert record.parent == "m-base" and record.metrics["kind"] == "sft"
+    assert record.metrics["held_out_chat_loss"] < record.metrics["parent_held_out_chat_loss"]
+    checkpoint = Path(record.checkpoint)
+    run_dir = checkpoint.parents[3]
+    assert run_dir.parent == work_dir / "runs" and run_dir.name.startswith("cmd-")  # the command engine's run
+    mine = json.loads((run_dir / "my_sft_config.json").read_text())  # the script's config, from the contract
+    assert mine["init_from"] == str(base) and mine["seq_length"] == 128
+    report = json.loads(next(work_dir.rglob("validation/*.json")).read_text())
+    assert report["passed"] and report["answer_rate"] >= 0.5

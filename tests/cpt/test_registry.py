@@ -182,6 +182,46 @@ def test_concurrent_writers_on_gcs_never_lose_an_update(tmp_path):
     assert conflicts >= writers - 1  # they did race: all read generation 1, only one could commit it
 
 
+@pytest.mark.gcs
+def test_two_writers_race_on_gcs_one_wins_the_other_retries_or_fails_by_name(tmp_path):
+    """Writer B reads registry.json, then writer A commits before B uploads: GCS refuses B's upload by its
+    generation precondition (if_generation_match), so B re-reads and re-applies; B bound to the generation
+    it read fails naming the registry, and A's model is never overwritten. Against fake-gcs-server."""
+    from infra.settings import reload_settings
+    from tests.support.fake_gcs import fake_gcs_server
+
+    with fake_gcs_server(tmp_path / "fake-gcs.log") as endpoint, pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("NEMOFLOW_GCS_ENDPOINT", endpoint)
+        reload_settings()
+        try:
+            storage.filesystem("gs://x").mkdir("registry-two")
+            uri = "gs://registry-two/registry"
+            reg.ModelRegistry(uri).register(_record("m-0"), promote=True)
+            a, b = reg.ModelRegistry(uri), reg.ModelRegistry(uri)
+            read_first = b._read_gcs
+            raced = []
+
+            def read_then_lose(self=b):
+                got = read_first()
+                if not raced:  # A commits between B's read and B's upload, once
+                    raced.append(a.register(_record("m-a", "m-0")).generation)
+                return got
+
+            monkeypatch.setattr(b, "_read_gcs", read_then_lose)
+            state = b.register(_record("m-b", "m-0"))
+            assert raced == [2] and b.conflicts == 1 and state.generation == 3
+            assert set(reg.ModelRegistry(uri).read().models) == {"m-0", "m-a", "m-b"}
+
+            raced.clear()
+            with pytest.raises(reg.ConcurrentUpdate, match=f"registry {uri} changed while committing generation 4"):
+                b.register(_record("m-c", "m-0"), expected_generation=3)
+            after = reg.ModelRegistry(uri).read()
+            assert raced == [4] and after.generation == 4 and "m-c" not in after.models
+        finally:
+            monkeypatch.undo()  # the endpoint other tests set (the emulator's), if any, comes back
+            reload_settings()
+
+
 def test_registry_on_gcs(gcs_bucket):
     r = reg.ModelRegistry(f"{gcs_bucket}/registry")
     r.register(_record("m-a"), promote=True)

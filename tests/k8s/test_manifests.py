@@ -272,6 +272,22 @@ def test_valid_image_references(image):
 
 
 @pytest.mark.parametrize(
+    "image",
+    [
+        "nvcr.io/nvidia/nemo:25.02",
+        "localhost:5000/team/nemo:dev-1",
+        "[::1]:5000/nemo:1",
+        "ghcr.io/o/i@sha256:" + "b" * 64,
+    ],
+)
+def test_one_reference_grammar_for_pods_and_enroot(image):
+    """What a pod pulls and what enroot imports are read by the same grammar (infra.images)."""
+    from infra.images import parse_docker_ref
+
+    assert validate_image_reference(image) == image and parse_docker_ref(image).canonical == image
+
+
+@pytest.mark.parametrize(
     "image, hint",
     [
         ("nvcr.io/nvidia/NeMo:25.02", "not [registry/]"),
