@@ -91,7 +91,9 @@ def demo_part(parts: Path) -> dict | None:
     if report is None:
         return None
     times = [int(m) for m in re.findall(r"demo run \d+: (\d+) s", _read(base / "demo-times.txt"))]
-    return {**report, "whole_s": times, "tests": tests_part(base)}
+    # which serving engine's environment the demo had (gpu_node.sh demo writes it; `auto` picks vLLM when there)
+    serving = _read(base / "engine.txt").removeprefix("serving engine environment: ") or None
+    return {**report, "whole_s": times, "tests": tests_part(base), "serving": serving}
 
 
 def tests_part(base: Path) -> dict | None:
@@ -279,7 +281,8 @@ def render(report: dict) -> str:
                 f"Training in the pipeline: {t['steps']} steps, {t['tokens_per_s']:,.0f} tokens/s (median), MFU "
                 f"{_fmt(t.get('mfu'), '%')}, peak {t.get('peak_mem_gib') or 0:.1f} GiB; loss {t['first_loss']:.2f} -> "
                 f"{t['last_loss']:.2f}; validation loss {runs[0]['val_loss']:.3f} (untrained "
-                f"{runs[0]['untrained_loss']:.3f}). Smoke answer in {runs[0]['latency_s']:.2f} s: "
+                f"{runs[0]['untrained_loss']:.3f}). Serving engine environment: {demo.get('serving') or 'not recorded'}. "
+                f"Smoke answer in {runs[0]['latency_s']:.2f} s: "
                 f"{runs[0]['answer'][:120]!r}",
             ]
     held = (runs[0].get("gpu_time") or {}) if runs else {}

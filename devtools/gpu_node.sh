@@ -71,6 +71,11 @@ case "$cmd" in
   demo)
     out=${1:?demo OUT}; mkdir -p "$out"
     export PATH="$VENV/bin:$PATH"
+    # vLLM's own environment where `vllm-install` made one: the demo's `auto` engine then serves with vLLM
+    if [ -x "$ROOT/vllm-venv/bin/python" ] && [ -z "${NEMOFLOW_VLLM_PYTHON:-}" ]; then
+      export NEMOFLOW_VLLM_PYTHON=$ROOT/vllm-venv/bin/python
+    fi
+    echo "serving engine environment: ${NEMOFLOW_VLLM_PYTHON:-none (the built-in engine serves)}" | tee "$out/engine.txt"
     for run in 1 2; do
       start=$(date +%s)
       nemoflow demo 2>&1 | tee "$out/demo-$run.log"

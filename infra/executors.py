@@ -144,7 +144,7 @@ class K8sExecutor(ExecutorBase, K8sOptions):
 # THE list of executors: everything else that names backends is derived from it.
 EXECUTOR_TYPES: tuple[type[ExecutorBase], ...] = (LocalExecutor, SlurmExecutor, K8sExecutor)
 EXECUTORS: dict[str, type[ExecutorBase]] = {cls.model_fields["kind"].default: cls for cls in EXECUTOR_TYPES}
-AnyExecutor = Union[EXECUTOR_TYPES]  # noqa: UP007 (a union built from the tuple)
+AnyExecutor = Union[EXECUTOR_TYPES]  # noqa: UP007 - a union built from the tuple
 
 
 def interactive_kinds() -> list[str]:

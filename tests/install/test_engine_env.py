@@ -110,7 +110,7 @@ def index(tmp_path, monkeypatch):
     resolution (never downloaded: the node's is used)."""
     index = tmp_path / "index"
     index.mkdir()
-    pip_whl = bundled("pip")
+    pip_whl = bundled("pip", tmp_path / "scratch")
     (index / pip_whl.name).write_bytes(pip_whl.read_bytes())
     monkeypatch.setenv("TOY_PIP_VERSION", pip_whl.name.split("-")[1])
     engine_wheel(index, "1.0", ["torch", f"packaging>={PACKAGING}", "numbaish==0.65", "bigdep", "optdep"])
@@ -213,7 +213,7 @@ def test_chunks_install_one_call_at_a_time_beside_the_nodes_torch(index, tmp_pat
     assert "joined bigdep-1.0-py3-none-any.whl from 3 parts (sha256 verified)" in proc.stdout
     assert "imported 1 of 1 modules" in proc.stdout and f"==> ready: {venv}/bin/toyengine" in proc.stdout
     # nothing staged is left but the pip that installs (a joined wheel's bytes are not kept twice)
-    assert [p.name for p in (venv / ee.STATE).glob("*.whl")] == [bundled("pip").name]
+    assert [p.name for p in (venv / ee.STATE).glob("*.whl")] == [bundled("pip", tmp_path / "scratch-pip").name]
     assert not list((venv / ee.STATE).glob("*.part-*"))
     # the engine's console script runs on the venv's Python: its pin wins, the node's torch is found
     env = {k: v for k, v in offline_env().items() if k != "PYTHONPATH"}
