@@ -45,6 +45,8 @@ TARGETS = {
     "moe_mb4_mfu": ("target", "moe-0.9b grouped, micro batch 4: MFU (active)", 0.30, ">="),
     "mixtral_2l_mb2_mfu": ("target", "Mixtral-8x7B 2-layer slice, micro batch 2: MFU (active)", 0.45, ">="),
     "mixtral_2l_mb4_mfu": ("target", "Mixtral-8x7B 2-layer slice, micro batch 4: MFU (active)", 0.45, ">="),
+    "serve_ttft_p99_c16_ms": ("target", "vLLM behind the proxy, concurrency 16: TTFT p99 (ms)", 100.0, "<="),
+    "proxy_cost_c16_pct": ("target", "the proxy's cost at concurrency 16: % of output tokens/s", 5.0, "<="),
 }
 
 
@@ -118,7 +120,11 @@ def _read(path: Path) -> str:
 
 
 def bench_part(parts: Path, part: str) -> dict:
-    """Every bench_train_gpu JSON a part left (its name says the model and micro batch)."""
+    """Every bench_train_gpu JSON a part left (its name says the model and micro batch); for ``serve``, the
+    serving benchmark's summary alone (vLLM's per-level result files beside it hold every request)."""
+    if part == "serve":
+        summary = _load(parts / part / "bench_serve_vllm.json")
+        return {"bench_serve_vllm": summary} if summary is not None else {}
     return {p.stem: _load(p) for p in sorted((parts / part).glob("*.json")) if p.name != "status.json"}
 
 
@@ -165,6 +171,7 @@ def checks(report: dict) -> list[dict]:
         "smoke_s": runs[0]["latency_s"] if runs else None,
         **train_values(report.get("train") or {}),
         **moe_values(report.get("moe") or {}),
+        **serve_values(report.get("serve") or {}),
     }
     for name, (kind, what, target, op) in TARGETS.items():
         value = values.get(name)
@@ -176,8 +183,20 @@ def checks(report: dict) -> list[dict]:
     return out
 
 
+def serve_values(serve: dict) -> dict:
+    r = serve.get("bench_serve_vllm") or {}
+    proxy16 = (r.get("levels") or {}).get("proxy", {}).get("16", {})
+    return {
+        "serve_ttft_p99_c16_ms": proxy16.get("p99_ttft_ms"),
+        "proxy_cost_c16_pct": (r.get("proxy_cost") or {}).get("16", {}).get("output_tok_s_pct"),
+    }
+
+
 def _has_error(result: dict) -> bool:
     if "error" in result:
+        return True
+    levels = result.get("levels") or {}  # the serving benchmark: a level whose client failed
+    if any("error" in row for rows in levels.values() for row in rows.values()):
         return True
     return any(isinstance(v, dict) and "error" in v for v in (result.get("nemoflow") or {}).values())
 
@@ -312,7 +331,41 @@ def render(report: dict) -> str:
                     f"{_fmt(n.get('tokens_per_s'))} | {_fmt(n.get('mfu'), '%')} | {_fmt(n.get('peak_mem_gib'))} | "
                     f"{_fmt(n.get('blocked_median_s'), ' s')} |"
                 )
+    lines += serve_lines(report.get("serve") or {})
     return "\n".join(lines) + "\n"
+
+
+def serve_lines(serve: dict) -> list[str]:
+    """The serving benchmark (`vllm bench serve`): each engine and concurrency, the proxy's cost."""
+    r = serve.get("bench_serve_vllm") or {}
+    levels = r.get("levels") or {}
+    if not levels:
+        return []
+    names = {"proxy": "vLLM behind nemoflow's proxy", "vllm": "vLLM's own port", "builtin": "built-in engine"}
+    lines = [
+        "",
+        f"Serving ({r.get('workload')}; vLLM started to ready in {_fmt(r.get('vllm_start_to_ready_s'), ' s')}, the "
+        f"seed's request through the proxy in {', '.join(f'{t:.2f} s' for t in r.get('seed_request_s') or []) or 'not run'}):",
+        "",
+        "| engine | concurrency | requests (failed) | output tokens/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, rows in levels.items():
+        for c, row in rows.items():
+            if "error" in row:
+                lines.append(f"| {names.get(label, label)} | {c} | error: {row['error'][:80]} | | | |")
+                continue
+            lines.append(
+                f"| {names.get(label, label)} | {c} | {row.get('completed')} ({row.get('failed', 0)}) | "
+                f"{_fmt(row.get('output_throughput'))} | {_fmt(row.get('median_ttft_ms'))} / "
+                f"{_fmt(row.get('p99_ttft_ms'))} | {_fmt(row.get('median_tpot_ms'))} / {_fmt(row.get('p99_tpot_ms'))} |"
+            )
+    for c, cost in (r.get("proxy_cost") or {}).items():
+        lines.append(
+            f"\nThe proxy's cost at concurrency {c}: {cost['output_tok_s_pct']} % of output tokens/s, "
+            f"{cost['ttft_p50_pct']} % of TTFT p50."
+        )
+    return lines
 
 
 def _variants(result: dict):

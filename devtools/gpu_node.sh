@@ -18,7 +18,7 @@
 #   devtools/gpu_node.sh vllm-check OUT          # the engine venv's import check again, its freeze, vllm --version
 #   devtools/gpu_node.sh vllm-bench OUT [ARGS]   # benchmarks/bench_serve_vllm.py: vLLM behind the proxy and direct
 #   devtools/gpu_node.sh vllm-bench-builtin OUT  # the same client against the built-in engine, same checkpoint
-#   devtools/gpu_node.sh acceptance OUT PART [COMMIT]  # THE acceptance run, one PART a call (each fits a 10-minute
+#   devtools/gpu_node.sh acceptance OUT PART [COMMIT [ARGS]]  # THE acceptance run, one PART a call (each fits a 10-minute
 #       call): demo (`nemoflow demo` twice + the tests marked gpu), train (1.1B with a save every 10 steps against
 #       none), moe (moe-0.9b and the Mixtral-8x7B 2-layer slice, grouped), serve (the serving benchmark, when its
 #       engine is installed); after each part OUT/acceptance.json + acceptance.md hold every part run so far,
@@ -148,6 +148,7 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
   acceptance)
     out=${1:?acceptance OUT PART [COMMIT]}; part=${2:?acceptance OUT demo|train|moe|serve [COMMIT]}
     commit=${3:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+    shift $(( $# < 3 ? $# : 3 ))  # what is left goes to the part's benchmark (serve: bench_serve_vllm.py's options)
     parts=$ROOT/acceptance; dir=$parts/$part
     rm -rf "$dir"; mkdir -p "$dir" "$out"
     start=$(date +%s); rc=0
@@ -172,7 +173,7 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
           tail -3 "$dir/$model-mb$mb.log"
         done ;;
       serve)
-        "$0" vllm-bench "$dir" || rc=$? ;;
+        "$0" vllm-bench "$dir" "$@" || rc=$? ;;
       *) echo "acceptance: unknown part $part (demo, train, moe, serve)" >&2; exit 2 ;;
     esac
     echo "{\"exit\": $rc, \"wall_s\": $(( $(date +%s) - start ))}" > "$dir/status.json"
