@@ -121,7 +121,7 @@ case "$cmd" in
     ;;
   vllm-install)
     [ $# -ge 1 ] || { echo "vllm-install needs chunk directories" >&2; exit 2; }
-    ldd --version 2>&1 | head -1
+    ldd --version 2>&1 | sed -n 1p  # sed reads it all: head would end ldd by SIGPIPE, and pipefail the script
     args=()
     for dir in "$@"; do args+=(--offline "$dir"); done
     scripts/setup.sh "${args[@]}" --engine-venv "$ROOT/vllm-venv" --reuse-torch "$NODE_PYTHON"
