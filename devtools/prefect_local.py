@@ -573,7 +573,10 @@ def ensure_work_pool(name: str, pool_type: str, api: PrefectApi | str, base_job_
 
 
 def _deployed_fingerprint(api: PrefectApi) -> str:
-    return hashlib.sha256((api.url + "\n" + (REPO_ROOT / "prefect.yaml").read_text()).encode()).hexdigest()
+    """The API, this checkout's path (the deployments' pull step runs the flows from it: a clone elsewhere must
+    redeploy, or its runs crash on a directory that is gone) and prefect.yaml."""
+    text = "\n".join([api.url, str(REPO_ROOT.resolve()), (REPO_ROOT / "prefect.yaml").read_text()])
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def deploy_if_changed(api: PrefectApi, echo=print) -> bool:
