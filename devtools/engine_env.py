@@ -59,7 +59,8 @@ class EngineSpec:
 
 # vLLM 0.26.0: a static walk of the module-level imports reachable from `vllm serve`, the OpenAI server, the
 # V1 engine core, the GPU worker and model runner, the Llama model and the FLASH_ATTN backend found none of
-# these; each is imported inside a function or behind an availability check.
+# these; each is imported inside a function or behind an availability check. (apache-tvm-ffi was listed too,
+# wrongly: on the H200 `import vllm.v1.engine.core` failed with "No module named 'tvm_ffi'"; it is required.)
 VLLM_OPTIONAL = {
     "flashinfer-python": "attention/sampling kernels JIT-compiled with nvcc; vllm_env sets VLLM_USE_FLASHINFER_SAMPLER=0",
     "nvidia-cudnn-frontend": "used through flashinfer only",
@@ -68,7 +69,6 @@ VLLM_OPTIONAL = {
     "humming-kernels": "quantized GEMM kernels, imported inside functions",
     "tilelang": "TileLang kernels (sparse MLA), imported inside functions",
     "tokenspeed-mla": "MLA attention (DeepSeek-style models), chosen by the attention registry by name",
-    "apache-tvm-ffi": "FFI of flashinfer/tilelang/xgrammar kernels",
     "numba": "n-gram speculative decoding only (vllm.utils.import_utils.is_numba_available)",
     "pynvvideocodec": "video inputs (vllm.multimodal.video, imported inside a function)",
     "torchcodec": "video inputs (vllm.multimodal.video, behind an availability check)",
