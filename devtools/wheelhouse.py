@@ -820,24 +820,9 @@ def check(venv: Path, manifest: dict, repo: Path, log=print) -> int:
     """Import the pipeline's stages from the venv (outside the repo, without PYTHONPATH) and check torch."""
     left_out = set(manifest.get("left_out", []))
     mods = [m for m, dist in CHECK_IMPORTS if canon(dist) not in left_out]
-    code = (
-        "import importlib,sys,time\n"
-        "t=time.monotonic(); bad=[]\n"
-        "for m in sys.argv[1:]:\n"
-        "    try: importlib.import_module(m)\n"
-        "    except Exception as e: bad.append('%s: %s: %s'%(m,type(e).__name__,str(e).splitlines()[0] if str(e) else ''))\n"
-        "for b in bad: print('error: import', b)\n"
-        "print('imported %d modules in %.0f s'%(len(sys.argv)-1-len(bad), time.monotonic()-t))\n"
-        "sys.exit(1 if bad else 0)"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = _run([_py(venv), "-c", code, *mods], cwd=tempfile.gettempdir(), env=env)
-    for line in proc.stdout.strip().splitlines():
-        log(f"    {line}")
-    if proc.returncode != 0:
-        for line in proc.stderr.strip().splitlines()[-15:]:
-            log(f"    {line}")
+    if engine_env.check_imports(venv, mods, log) != 0:  # the one import check, shared with engine venvs
         return 1
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     fix = (
         "point --reuse-torch at a Python whose torch is the {variant} build, or carry that build: "
         "scripts/wheelhouse.sh build --torch {variant} ..."
