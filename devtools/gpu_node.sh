@@ -19,7 +19,7 @@
 #   devtools/gpu_node.sh vllm-bench OUT [ARGS]   # benchmarks/bench_serve_vllm.py: vLLM behind the proxy and direct
 #   devtools/gpu_node.sh vllm-bench-builtin OUT  # the same client against the built-in engine, same checkpoint
 #   devtools/gpu_node.sh acceptance OUT PART [COMMIT [ARGS]]  # THE acceptance run, one PART a call (each fits a 10-minute
-#       call): demo (`nemoflow demo` twice + the tests marked gpu), train (1.1B with a save every 10 steps against
+#       call): demo (`nemoflow demo` twice), tests (the tests marked gpu), train (1.1B with a save every 10 steps against
 #       none), moe (moe-0.9b and the Mixtral-8x7B 2-layer slice, grouped), serve (the serving benchmark, when its
 #       engine is installed); after each part OUT/acceptance.json + acceptance.md hold every part run so far,
 #       checked against the targets (devtools/acceptance.py). COMMIT: the commit the tree is (the copy has no .git).
@@ -146,7 +146,7 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
       ${ckpt:+--checkpoint "$ckpt"} "${which[@]}" "$@" 2>&1 | tee "$out/bench.log"
     ;;
   acceptance)
-    out=${1:?acceptance OUT PART [COMMIT]}; part=${2:?acceptance OUT demo|train|moe|serve [COMMIT]}
+    out=${1:?acceptance OUT PART [COMMIT]}; part=${2:?acceptance OUT demo|tests|train|moe|serve [COMMIT]}
     commit=${3:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
     shift $(( $# < 3 ? $# : 3 ))  # what is left goes to the part's benchmark (serve: bench_serve_vllm.py's options)
     parts=$ROOT/acceptance; dir=$parts/$part
@@ -154,8 +154,11 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
     start=$(date +%s); rc=0
     case "$part" in
       demo)
-        "$0" demo "$dir" || rc=$?
-        # the tests marked gpu (collected from their files: the node lacks the CPU suite's test tools)
+        "$0" demo "$dir" || rc=$? ;;
+      tests)
+        # the tests marked gpu (collected from their files: the node lacks the CPU suite's test tools); vLLM's
+        # own environment when it is installed (the blue/green switch with vLLM needs it)
+        [ -x "$ROOT/vllm-venv/bin/python" ] && export NEMOFLOW_VLLM_PYTHON=$ROOT/vllm-venv/bin/python
         mapfile -t files < <(grep -l "pytest.mark.gpu" -r tests --include='test_*.py')
         "$VENV/bin/python" -m pytest "${files[@]}" -m gpu -q -p no:cacheprovider 2>&1 | tee "$dir/tests-gpu.log" \
           || rc=$? ;;
@@ -174,7 +177,7 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
         done ;;
       serve)
         "$0" vllm-bench "$dir" "$@" || rc=$? ;;
-      *) echo "acceptance: unknown part $part (demo, train, moe, serve)" >&2; exit 2 ;;
+      *) echo "acceptance: unknown part $part (demo, tests, train, moe, serve)" >&2; exit 2 ;;
     esac
     echo "{\"exit\": $rc, \"wall_s\": $(( $(date +%s) - start ))}" > "$dir/status.json"
     "$VENV/bin/python" -m devtools.acceptance collect "$parts" "$out" "$commit"

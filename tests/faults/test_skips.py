@@ -21,6 +21,8 @@ ALLOWED = {
     "jobs: taking it down would break them (a scheduling state, not a missing tool)",
     ("tests/serve/test_device.py", "this machine has a GPU"): "the no-GPU error path cannot run on a GPU machine",
     ("tests/serve/test_engines.py", "NEMOFLOW_VLLM_PYTHON"): "vLLM is not installed by the test command (GPU node)",
+    ("tests/serve/test_blue_green.py", "needs an NVIDIA GPU"): "no GPU on the CI machine (the GPU acceptance runs it)",
+    ("tests/serve/test_blue_green.py", "NEMOFLOW_VLLM_PYTHON"): "vLLM is not installed by the test command (GPU node)",
     ("tests/serve/test_engines.py", "NEMOFLOW_NEMO_DEPLOY_SCRIPT"): "NeMo's Triton deploy script is not installed "
     "by the test command",
     ("tests/image/test_convert.py", "enroot is installed"): "the enroot-missing path cannot run where it is installed",

@@ -71,8 +71,11 @@ def _parts(tmp_path: Path, demo_states=("Cached",), tests_line="3 passed in 140.
     }
     (demo / "gpu-demo.json").write_text(json.dumps({"runs": runs, "training": training}))
     (demo / "demo-times.txt").write_text("demo run 1: 110 s\ndemo run 2: 26 s\n")
-    (demo / "tests-gpu.log").write_text(f"...\n{tests_line}\n")
     (demo / "status.json").write_text('{"exit": 0, "wall_s": 300}')
+    tests = parts / "tests"
+    tests.mkdir()
+    (tests / "tests-gpu.log").write_text(f"...\n{tests_line}\n")
+    (tests / "status.json").write_text('{"exit": 0, "wall_s": 140}')
     if with_train:
         train = parts / "train"
         train.mkdir()

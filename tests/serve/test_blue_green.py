@@ -10,15 +10,18 @@ happened (the old server's process is gone) and, as data lost, the requests that
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.request
 
 import pytest
+import torch
 
 from infra import processes, services
 from tests.conftest import free_port
 from tests.support import fault_ledger
+from workloads.serve_engines.vllm import PYTHON_ENV
 
 from .conftest import MODEL_NAME
 
@@ -61,13 +64,53 @@ class Client(threading.Thread):
 @pytest.mark.slow
 @pytest.mark.faults
 def test_switches_under_eight_concurrent_clients_fail_no_request(prefect_server, work_dir, tiny_checkpoint):
+    switch_twice_under_load(tiny_checkpoint, None, f"blue/green switch (CPT) under {CLIENTS} concurrent clients")
+
+
+@pytest.mark.gpu
+@pytest.mark.faults
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (run it on a GPU machine)")
+@pytest.mark.skipif(
+    not os.environ.get(PYTHON_ENV), reason="set NEMOFLOW_VLLM_PYTHON to vLLM's environment (a GPU node's install)"
+)
+def test_vllm_switches_on_one_gpu_under_eight_concurrent_clients_fail_no_request(
+    prefect_server, work_dir, tmp_path, mixtral_tokenizer_model
+):
+    """The same switch with vLLM serving on one GPU: the next vLLM starts beside the serving one on the same
+    GPU (each takes the engine's default share of its memory), then takes the port. A model whose attention
+    heads vLLM's kernels take (head size 64); ``--enforce-eager`` starts each server without compiling (what is
+    measured here is the switch, not the engine's speed)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from infra.jobs import Resources
+    from tests.support.tiny_models import save_tiny
+    from workloads.serve_engines import Vllm
+
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    checkpoint = save_tiny(tmp_path / "llama-h256", mixtral_tokenizer_model, config, LlamaForCausalLM, 1234)
+    engine = Vllm(engine_args=["--enforce-eager", "--max-model-len=512"], resources=Resources(gpus_per_node=1))
+    switch_twice_under_load(checkpoint, engine, f"blue/green switch (CPT), vLLM on one GPU, {CLIENTS} clients")
+
+
+def switch_twice_under_load(checkpoint_dir, engine, row_name: str) -> None:
     from tasks.promote import switch_serving
     from tasks.refs import CheckpointRef
 
     port = free_port()
-    checkpoint = CheckpointRef(uri=str(tiny_checkpoint), step=0)
-    row = fault_ledger.open_row(f"blue/green switch (CPT) under {CLIENTS} concurrent clients")
-    serving = switch_serving.fn(checkpoint, "m-blue-0", None, port, MODEL_NAME)
+    checkpoint = CheckpointRef(uri=str(checkpoint_dir), step=0)
+    row = fault_ledger.open_row(row_name)
+    serving = switch_serving.fn(checkpoint, "m-blue-0", None, port, MODEL_NAME, engine=engine)
     clients = [Client(serving.url, i) for i in range(CLIENTS)]
     windows = []
     try:
@@ -77,7 +120,7 @@ def test_switches_under_eight_concurrent_clients_fail_no_request(prefect_server,
         for generation in (1, 2):  # the first server is replaced, then the one that replaced it (a relay)
             old = services.get_service(serving.service)
             started = time.monotonic()
-            serving = switch_serving.fn(checkpoint, f"m-green-{generation}", serving, port, MODEL_NAME)
+            serving = switch_serving.fn(checkpoint, f"m-green-{generation}", serving, port, MODEL_NAME, engine=engine)
             windows.append((started, time.monotonic()))
             assert services.get_service(old.name) is None
             row.injected += not processes.pid_alive(old.pid)  # the old server is gone: the switch happened

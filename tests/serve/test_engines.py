@@ -22,7 +22,7 @@ from tests.support import fault_ledger
 from workloads.serve_engines.base import visible_gpus
 from workloads.serve_engines.hf_tokenizer import tokenizer_dir
 from workloads.serve_engines.triton import triton_argv, triton_cwd
-from workloads.serve_engines.vllm import vllm_argv, vllm_env
+from workloads.serve_engines.vllm import SWITCH_MEMORY_SHARE, vllm_argv, vllm_env, vllm_target
 
 REPO = Path(__file__).resolve().parents[2]
 STANDINS = Path(__file__).with_name("engine_standins.py")
@@ -59,6 +59,26 @@ def test_vllm_command_line():
         "--gpu-memory-utilization=0.85",
     ]
     assert "--max-model-len" not in vllm_argv("/c", model_name="m", port=1, tensor_parallel_size=1)
+
+
+def test_vllm_leaves_room_on_its_gpus_for_the_next_server_of_a_switch():
+    """vLLM's own default takes 0.9 of each GPU and refuses to start where less is free, so the second server
+    of a blue/green switch on the same GPUs could never start: nemoflow's default is a share two servers fit
+    in, and a user's own --gpu-memory-utilization (either spelling) replaces it."""
+    from workloads.serve import parse_args
+
+    def engine_argv(*extra: str) -> list[str]:
+        args = parse_args(["--checkpoint", "/c", "--engine", "vllm", "--engine-arg=--tokenizer=/t", *extra])
+        return vllm_target(args, Path("/c"), "m", None).argv
+
+    default = engine_argv()
+    at = default.index("--gpu-memory-utilization")
+    assert 2 * float(default[at + 1]) < 0.95  # two servers fit, with vLLM's own margin
+    assert default.count("--gpu-memory-utilization") == 1
+    argv = engine_argv("--engine-arg=--gpu-memory-utilization=0.85")
+    assert [a for a in argv if a.startswith("--gpu-memory-utilization")] == ["--gpu-memory-utilization=0.85"]
+    argv = engine_argv("--engine-arg=--gpu-memory-utilization", "--engine-arg=0.85")
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.85" and argv.count("--gpu-memory-utilization") == 1
 
 
 def test_vllm_gets_the_key_in_its_environment_only():
@@ -277,7 +297,7 @@ def test_vllm_engine_behind_the_proxy(tmp_path, tiny_checkpoint, vllm_bin):
                 port=engine_port,
                 tensor_parallel_size=2,
                 tokenizer=str(tokenizer_dir(tiny_checkpoint)),  # ids = sentencepiece's (test_hf_tokenizer.py)
-                extra=["--max-num-seqs=8"],
+                extra=["--gpu-memory-utilization", str(SWITCH_MEMORY_SHARE), "--max-num-seqs=8"],
                 executable=str(vllm_bin),
             )[1:]
         )

@@ -15,6 +15,11 @@ from pydantic import Field
 from workloads.serve_engines.base import ENGINE_HOST, ServeEngine, visible_gpus
 
 PYTHON_ENV = "NEMOFLOW_VLLM_PYTHON"  # vLLM's own environment (its pins differ from nemoflow's venv)
+# vLLM takes 0.9 of each GPU's memory unless told otherwise, and refuses to start where less is free: the
+# blue/green switch of a CPT refresh starts the next server beside the serving one on the same GPUs, so
+# nemoflow starts vLLM at a share that leaves room for the next one (--engine-arg=--gpu-memory-utilization=X
+# overrides it, for a server that is never switched on its own GPUs).
+SWITCH_MEMORY_SHARE = 0.45
 
 
 class Vllm(ServeEngine):
@@ -147,6 +152,9 @@ def vllm_target(args: argparse.Namespace, checkpoint: Path, model_name: str, api
         # the export carries tokenizer.model only: vLLM gets a tokenizer.json whose ids are sentencepiece's
         made = tokenizer_dir(checkpoint)
         tokenizer = str(made) if made else None
+    extra = list(args.engine_arg)
+    if not any(a.split("=", 1)[0] == "--gpu-memory-utilization" for a in extra):
+        extra = ["--gpu-memory-utilization", str(SWITCH_MEMORY_SHARE), *extra]
     argv = vllm_argv(
         str(checkpoint),
         model_name=model_name,
@@ -154,7 +162,7 @@ def vllm_target(args: argparse.Namespace, checkpoint: Path, model_name: str, api
         tensor_parallel_size=args.tensor_parallel_size or max(1, visible_gpus()),
         max_model_len=max_model_len,
         tokenizer=tokenizer,
-        extra=args.engine_arg,
+        extra=extra,
         executable=command,
     )
     return EngineTarget(
