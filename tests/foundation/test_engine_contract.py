@@ -39,17 +39,8 @@ def test_stages_flows_and_the_server_never_branch_on_an_engine():
     assert not offenders, "\n".join(offenders)
 
 
-# Modules another change of this session rewrites (the serving engines across the job boundary, issue 33).
-NOT_YET = {"nemoflow/commands/serve.py"}
-
-
 def test_the_command_line_infra_and_dev_tools_never_branch_on_an_engine():
-    paths = [
-        path
-        for folder in ("nemoflow", "infra", "devtools")
-        for path in sorted((REPO / folder).rglob("*.py"))
-        if str(path.relative_to(REPO)) not in NOT_YET
-    ]
+    paths = [path for folder in ("nemoflow", "infra", "devtools") for path in sorted((REPO / folder).rglob("*.py"))]
     offenders = _offenders(paths)
     assert not offenders, "\n".join(offenders)
 

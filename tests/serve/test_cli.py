@@ -60,6 +60,14 @@ def test_unloadable_checkpoint_fails_with_the_reason(work_dir, cleanup, tiny_che
     assert "lacks tokenizer.model" in capsys.readouterr().err
 
 
+def test_an_option_the_engine_does_not_have_is_refused_by_name(work_dir, tiny_checkpoint, capsys):
+    """The engine is a value: its options are its model's fields, the built-in engine's load limits are not vLLM's."""
+    start = ["serve", "start", "--checkpoint", str(tiny_checkpoint), "--port", str(free_port())]
+    assert main([*start, "--engine", "vllm", "--max-concurrency", "4"]) == 2
+    assert "--max-concurrency is not an option of the vllm engine" in capsys.readouterr().err
+    assert services.list_services() == []
+
+
 def test_help_explains(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "start", "--help"])
