@@ -80,25 +80,12 @@ def test_vllm_switches_on_one_gpu_under_eight_concurrent_clients_fail_no_request
     GPU (each takes the engine's default share of its memory), then takes the port. A model whose attention
     heads vLLM's kernels take (head size 64); ``--enforce-eager`` starts each server without compiling (what is
     measured here is the switch, not the engine's speed)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from infra.jobs import Resources
-    from tests.support.tiny_models import save_tiny
+    from tests.support.tiny_models import tiny_llama
     from workloads.serve_engines import Vllm
 
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    checkpoint = save_tiny(tmp_path / "llama-h256", mixtral_tokenizer_model, config, LlamaForCausalLM, 1234)
+    wide = dict(hidden_size=256, intermediate_size=512, max_position_embeddings=512)  # head size 64
+    checkpoint = tiny_llama(tmp_path / "llama-h256", mixtral_tokenizer_model, 1234, **wide)
     engine = Vllm(engine_args=["--enforce-eager", "--max-model-len=512"], resources=Resources(gpus_per_node=1))
     switch_twice_under_load(checkpoint, engine, f"blue/green switch (CPT), vLLM on one GPU, {CLIENTS} clients")
 

@@ -17,11 +17,12 @@ def save_tiny(dest: Path, tokenizer_model: Path, config, model_class, seed: int)
     return dest
 
 
-def tiny_llama(dest: Path, tokenizer_model: Path, seed: int) -> Path:
-    """A 4M-parameter Llama (vocab 32000, untied embeddings) in the trainer's layout."""
+def tiny_llama(dest: Path, tokenizer_model: Path, seed: int, **overrides) -> Path:
+    """A 4M-parameter Llama (vocab 32000, untied embeddings) in the trainer's layout; ``overrides``: other
+    config values (a wider one whose attention heads GPU kernels take, ...)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    values = dict(
         vocab_size=32000,
         hidden_size=64,
         intermediate_size=128,
@@ -33,6 +34,7 @@ def tiny_llama(dest: Path, tokenizer_model: Path, seed: int) -> Path:
         eos_token_id=2,
         tie_word_embeddings=False,
     )
+    config = LlamaConfig(**{**values, **overrides})
     return save_tiny(dest, tokenizer_model, config, LlamaForCausalLM, seed)
 
 
