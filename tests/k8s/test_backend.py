@@ -312,7 +312,8 @@ async def test_interrupted_run_deletes_job_and_pods(ready):
             seen += chunk
     assert len(ready.live("v1/pods")) == 2
     proc.send_signal(signal.SIGINT)
-    async with asyncio.timeout(30):
+    # the clean-up is what is asserted, not its speed: 30 s ran out once on the 2-core CI machine under load
+    async with asyncio.timeout(90):
         await proc.communicate()
     assert ready.live("batch/v1/jobs") == [] and ready.live("v1/pods") == []
     job_deletes = [r for r in ready.kmock if r.method == "DELETE" and "/jobs/" in r.url.path]
