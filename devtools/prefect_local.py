@@ -296,10 +296,18 @@ def stop_all(echo=print) -> list[str]:
                 echo(f"note: could not mark the stopped workers' runs Crashed: {exc}")
         pid = processes.read_pidfile(pidfile)
         if pid is not None:
+            # A process worker starts each flow run in a session of its own (out of reach of a signal to the
+            # worker's group) and stops them while it drains; one SIGKILLed before it finished left them
+            # running under init for good. Its children are noted first and stopped when it is gone.
+            flow_runs = processes.children(pid)
             # Prefect workers ignore the first SIGTERM (they drain); the second stops them.
             processes.stop(pid, group=True, grace_s=5, terms=2)
             echo(f"stopped {pidfile.stem} (pid {pid})")
             stopped.append(pidfile.stem)
+            for child, started in flow_runs:
+                if processes.pid_alive(child, started):
+                    processes.stop(child, group=True, grace_s=5)
+                    echo(f"stopped the flow-run process {child} that {pidfile.stem} left running")
         pidfile.unlink()
     _server_record().unlink(missing_ok=True)
     if "server" in stopped:

@@ -62,6 +62,17 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def children(pid: int) -> list[tuple[int, int]]:
+    """(pid, start time) of each live child of ``pid``: who to look for once ``pid`` is gone."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(int(entry))
+            if fields and int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                found.append((int(entry), int(fields[19])))
+    return found
+
+
 def command_name(pid: int, settle_s: float = 1.0) -> str | None:
     """The executable's base name from ``/proc/PID/cmdline`` (None when the process is gone).
 
