@@ -174,7 +174,8 @@ def checks(report: dict) -> list[dict]:
             must(f"{part}_ran", f"the {part} benchmarks ran", sorted(results), bool(results) and not errors)
     values = {
         "demo_cold_s": (demo.get("whole_s") or [None])[0],
-        "demo_pretrain_s": first.get("pretrain", {}).get("seconds"),
+        # the stage is named with its model ("pretrain llama"): the first run's stage whose name starts so
+        "demo_pretrain_s": next((s["seconds"] for n, s in first.items() if n.split()[0] == "pretrain"), None),
         "demo_mfu": training.get("mfu"),
         "smoke_s": runs[0]["latency_s"] if runs else None,
         **train_values(report.get("train") or {}),

@@ -50,11 +50,12 @@ def _parts(tmp_path: Path, demo_states=("Cached",), tests_line="3 passed in 140.
     parts = tmp_path / "parts"
     demo = parts / "demo"
     demo.mkdir(parents=True)
-    stages = [{"stage": "pretrain", "seconds": 35.0, "state": "Completed"}]
+    # the stage names the demo's runs show (gpu_report: the task run's name, with its model)
+    stages = [{"stage": "pretrain llama", "seconds": 35.0, "state": "Completed"}]
     runs = [
         {"stages": stages, "val_loss": 4.5, "untrained_loss": 10.5, "answer": ", and God", "latency_s": 1.5},
         {
-            "stages": [{"stage": "pretrain", "seconds": 0.3, "state": s} for s in demo_states],
+            "stages": [{"stage": "pretrain llama", "seconds": 0.3, "state": s} for s in demo_states],
             "val_loss": 4.5,
             "untrained_loss": 10.5,
             "answer": ", and God",
@@ -104,6 +105,7 @@ def test_a_complete_run_passes_and_each_target_is_judged(tmp_path):
     report = acceptance.collect(_parts(tmp_path), "abc1234")
     assert report["passed"], [c for c in report["checks"] if c["passed"] is False]
     assert _check(report, "demo_cold_s")["passed"] is True  # 110 <= 120
+    assert _check(report, "demo_pretrain_s")["value"] == 35.0  # the stage is named with its model
     assert _check(report, "ckpt10_ratio")["passed"] is False  # 0.8 < 0.9: a missed target, not a failed run
     assert _check(report, "mixtral_2l_mb2_mfu")["passed"] is False and _check(report, "moe_mb4_mfu")["passed"]
     text = acceptance.render(report)
