@@ -12,9 +12,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from devtools import prefect_local as pl
 from infra import processes
 from tests.conftest import wait_for
+from tests.support import fault_ledger
 
 WORKER = r"""
 import signal, subprocess, sys, time
@@ -26,8 +29,10 @@ time.sleep(600)
 """
 
 
+@pytest.mark.faults
 def test_a_worker_killed_before_it_stopped_its_flow_runs_leaves_none_running(tmp_path, monkeypatch):
     monkeypatch.setenv("NEMOFLOW_HOME", str(tmp_path))
+    row = fault_ledger.open_row("process worker SIGKILLed before it stopped its flow run (`demo --down`)")
     run_file = tmp_path / "flow-run.pid"
     worker = subprocess.Popen([sys.executable, "-c", WORKER, str(run_file)], start_new_session=True)
     try:
@@ -37,6 +42,7 @@ def test_a_worker_killed_before_it_stopped_its_flow_runs_leaves_none_running(tmp
         lines: list[str] = []
         assert pl.stop_all(echo=lines.append) == ["worker-demo"]
         assert not processes.pid_alive(worker.pid)  # it never drained: SIGKILLed, as a slow worker is
+        row.injected += 1
         wait_for(lambda: not processes.pid_alive(flow_run), 30, f"the end of the flow-run process {flow_run}")
         assert any(f"flow-run process {flow_run}" in line for line in lines), lines
     finally:
