@@ -7,6 +7,7 @@ controller plays Job controller, scheduler and kubelet.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -277,7 +278,8 @@ async def test_unschedulable_service_fails_with_scheduler_message(ready, make_ba
 
 CANCEL_SCRIPT = textwrap.dedent(
     """
-    import sys
+    import faulthandler, signal, sys
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack if it hangs
     from infra.backends.k8s import KubernetesBackend
     from infra.jobs import JobSpec
     from infra.k8s.config import api_client_for_url
@@ -314,8 +316,16 @@ async def test_interrupted_run_deletes_job_and_pods(ready):
     proc.send_signal(signal.SIGINT)
     # the clean-up is what is asserted, not its speed: 30 s ran out once in a full run on the 2-core machine
     # (slow or hung: the run kept no more; a hang still fails here)
-    async with asyncio.timeout(90):
-        await proc.communicate()
+    try:
+        async with asyncio.timeout(90):
+            await proc.communicate()
+    except TimeoutError:  # it hung: its threads' stacks say where (it passed alone, hung twice in full runs)
+        proc.send_signal(signal.SIGUSR1)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5):
+                seen += await proc.stdout.read(200_000)
+        proc.kill()
+        pytest.fail("the run did not end within 90 s of its SIGINT; its output and stacks:\n" + seen.decode()[-8000:])
     assert ready.live("batch/v1/jobs") == [] and ready.live("v1/pods") == []
     job_deletes = [r for r in ready.kmock if r.method == "DELETE" and "/jobs/" in r.url.path]
     assert job_deletes and job_deletes[0].data["propagationPolicy"] == "Foreground"
