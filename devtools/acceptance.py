@@ -32,12 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- gpu-report:begin -->", "<!-- gpu-report:end -->"
 PARTS = ("demo", "tests", "train", "moe", "serve")
-REQUIRED = (
-    "demo",
-    "tests",
-    "train",
-    "moe",
-)  # issue 31's acceptance; `serve` (vLLM's benchmark) is reported when it ran
+# issue 31's acceptance; `serve` (vLLM's benchmark) is reported when it ran
+REQUIRED = ("demo", "tests", "train", "moe")
 
 # (name, kind, description, target, comparison) — the value each check reads is computed in `checks()`.
 TARGETS = {

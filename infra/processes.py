@@ -51,26 +51,23 @@ def pid_alive(pid: int, proc_start: int | None = None) -> bool:
     return proc_start is None or int(fields[19]) == proc_start
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group ``pgid``."""
-    members = []
+def _live_processes():
+    """(pid, /proc/PID/stat fields) of every live (non-zombie) process."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             fields = _stat_fields(int(entry))
-            if fields and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                members.append(int(entry))
-    return members
+            if fields and fields[0] not in ("Z", "X"):
+                yield int(entry), fields
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``."""
+    return [pid for pid, fields in _live_processes() if int(fields[2]) == pgid]
 
 
 def children(pid: int) -> list[tuple[int, int]]:
     """(pid, start time) of each live child of ``pid``: who to look for once ``pid`` is gone."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat_fields(int(entry))
-            if fields and int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-                found.append((int(entry), int(fields[19])))
-    return found
+    return [(child, int(fields[19])) for child, fields in _live_processes() if int(fields[1]) == pid]
 
 
 def command_name(pid: int, settle_s: float = 1.0) -> str | None:

@@ -126,7 +126,7 @@ def run_start(args) -> int:
     model_name = args.model_name or storage.basename(args.checkpoint)  # not the cache dir of a gs:// copy
     name = service_name(args.name or model_name)
     command = [sys.executable, "-m", "workloads.serve", *serve_args(directory, args.port, model_name, args.host)]
-    command += server_flags(args, UserError)
+    command += server_flags(args)
     if args.api_key_env and not os.environ.get(args.api_key_env, "").strip():
         raise UserError(f"--api-key-env {args.api_key_env}: the environment variable {args.api_key_env} is not set")
     spec = ServiceSpec(name=name, command=command, port=args.port)
@@ -147,9 +147,10 @@ def run_start(args) -> int:
     return 0
 
 
-def server_flags(args, error=ValueError) -> list[str]:
+def server_flags(args) -> list[str]:
     """The ``python -m workloads.serve`` flags for the start options (the key by variable name only): the
     engine is a value (``--engine`` names it; its options are its model's fields), its flags its own."""
+    from nemoflow.cli import UserError
     from workloads.serve_engines import ENGINES
 
     flags: list[str] = []
@@ -163,7 +164,7 @@ def server_flags(args, error=ValueError) -> list[str]:
     options = {name: value for name in ("max_concurrency", "max_queue") if (value := getattr(args, name)) is not None}
     for name in options:
         if name not in engine.model_fields:
-            raise error(f"--{name.replace('_', '-')} is not an option of the {args.engine} engine")
+            raise UserError(f"--{name.replace('_', '-')} is not an option of the {args.engine} engine")
     return flags + engine(**options).server_args()
 
 

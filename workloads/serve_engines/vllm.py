@@ -146,14 +146,14 @@ def vllm_target(args: argparse.Namespace, checkpoint: Path, model_name: str, api
     command = vllm_command(getattr(args, "vllm_python", None), args.vllm_executable)
     max_model_len = args.max_input_len + args.max_output_len if args.max_input_len and args.max_output_len else None
     tokenizer = None
-    if not any(a == "--tokenizer" or a.startswith("--tokenizer=") for a in args.engine_arg):
+    if not _given("--tokenizer", args.engine_arg):
         from workloads.serve_engines.hf_tokenizer import tokenizer_dir
 
         # the export carries tokenizer.model only: vLLM gets a tokenizer.json whose ids are sentencepiece's
         made = tokenizer_dir(checkpoint)
         tokenizer = str(made) if made else None
     extra = list(args.engine_arg)
-    if not any(a.split("=", 1)[0] == "--gpu-memory-utilization" for a in extra):
+    if not _given("--gpu-memory-utilization", extra):
         extra = ["--gpu-memory-utilization", str(SWITCH_MEMORY_SHARE), *extra]
     argv = vllm_argv(
         str(checkpoint),
@@ -176,6 +176,11 @@ def vllm_target(args: argparse.Namespace, checkpoint: Path, model_name: str, api
         openai=True,
         api_key=api_key,
     )
+
+
+def _given(flag: str, engine_args: list[str]) -> bool:
+    """Whether the user's engine arguments set ``flag`` (``--flag VALUE`` or ``--flag=VALUE``)."""
+    return any(a.split("=", 1)[0] == flag for a in engine_args)
 
 
 async def nemo_completion(client, target, prompt: str, sampling) -> str:
