@@ -154,7 +154,10 @@ def run_vllm(args, report, save, serve, env, vllm, tokenizer, out, key) -> None:
         report["seed_request_output_chars"] = len(r.json()["output"])
         save()
         for c in args.concurrency:
-            for label, url in (("proxy", f"http://127.0.0.1:{port}"), ("vllm", f"http://127.0.0.1:{engine_port}")):
+            targets = [("proxy", f"http://127.0.0.1:{port}"), ("vllm", f"http://127.0.0.1:{engine_port}")]
+            if args.direct_concurrency is not None and c not in args.direct_concurrency:
+                targets = targets[:1]  # the proxy's cost is measured at the other levels
+            for label, url in targets:
                 row = bench(vllm, url, tokenizer, c, max(args.requests, c), out, label, key)
                 report["levels"].setdefault(label, {})[str(c)] = row
                 print(label, c, json.dumps(row), flush=True)
@@ -178,6 +181,12 @@ def main() -> int:
         help="levels, in order (the targets first: a run cut short keeps them)",
     )
     p.add_argument("--requests", type=int, default=200)
+    p.add_argument(
+        "--direct-concurrency",
+        type=int,
+        nargs="*",
+        help="the levels at which vLLM's own port is measured too (default: every level)",
+    )
     p.add_argument("--builtin-concurrency", type=int, nargs="*", default=[1, 16])
     p.add_argument("--builtin-requests", type=int, default=4, help="per level (at least the concurrency)")
     p.add_argument("--engine-arg", action="append", default=[], help="one more vllm serve argument (repeat)")
@@ -186,6 +195,9 @@ def main() -> int:
     p.add_argument("--builtin-device", default="cuda", help="the built-in engine's --device (default cuda)")
     p.add_argument("--model-dir", type=Path, help="where the random-weight model is made (default: under --out)")
     args = p.parse_args()
+    # A time limit's SIGTERM (gpu_node.sh's acceptance bounds this part) ends the run through the `finally`s:
+    # the servers stop and the levels measured so far stay in the JSON.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = args.out.absolute()
     out.mkdir(parents=True, exist_ok=True)
     ckpt = (args.checkpoint or make_model((args.model_dir or out / "model-0.25b-random").absolute())).absolute()

@@ -213,6 +213,9 @@ def run_nemoflow(args, prefix: str, out: Path, moe_impl: str | None = None, ckpt
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}"]
     command += ["-m", "workloads.train", "--config", str(run_dir / "bench.json")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    # torch.compile's caches where the pipeline puts them (tasks/train_engines/automodel.py compile_cache_env: the
+    # work dir), here under --out: the second run of a shape (--compare-no-saves) shows what the cache saves
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(out / "cache" / "torch-compile"))
     start = time.perf_counter()
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -237,6 +240,8 @@ def run_nemoflow(args, prefix: str, out: Path, moe_impl: str | None = None, ckpt
         "ckpt_every": ckpt_every,
         **stats,
         "final_loss": [r for r in records if "loss" in r][-1]["loss"],
+        # the trainer's own phase seconds (infra/phases.py: imports, build and compile, data, steps, saves)
+        "phase_s": next((r["phase_s"] for r in reversed(records) if "phase_s" in r), None),
         "wall_s": wall,
         "latest_checkpoint": str(latest.path) if latest else None,
         "checkpoint_bytes": sum(

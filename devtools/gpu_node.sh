@@ -16,8 +16,9 @@
 #   devtools/gpu_node.sh vllm-install DIR        # one chunk of `wheelhouse.sh build --engine vllm==...` per call;
 #                                                # the last one checks it (imports vllm and its CUDA kernels)
 #   devtools/gpu_node.sh vllm-check OUT          # the engine venv's import check again, its freeze, vllm --version
-#   devtools/gpu_node.sh vllm-bench OUT [ARGS]   # benchmarks/bench_serve_vllm.py: vLLM behind the proxy and direct
-#   devtools/gpu_node.sh vllm-bench-builtin OUT  # the same client against the built-in engine, same checkpoint
+#   devtools/gpu_node.sh vllm-bench OUT [ARGS]   # benchmarks/bench_serve_vllm.py: vLLM behind the proxy and direct,
+#                                                # then the built-in engine on the same checkpoint
+#   devtools/gpu_node.sh vllm-bench-builtin OUT  # the built-in engine alone, same client and checkpoint
 #   devtools/gpu_node.sh acceptance OUT PART [COMMIT [ARGS]]  # THE acceptance run, one PART a call (each fits a 10-minute
 #       call): demo (`nemoflow demo` twice), tests (the tests marked gpu), train (1.1B with a save every 10 steps against
 #       none), moe (moe-0.9b and the Mixtral-8x7B 2-layer slice, grouped), serve (the serving benchmark, when its
@@ -141,7 +142,7 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
     export NEMOFLOW_VLLM_PYTHON=$ROOT/vllm-venv/bin/python
     # the GPU demo's checkpoint when a demo ran on this machine, else its architecture with random weights
     ckpt=$(find "$NEMOFLOW_WORK_DIR" -type d -name consolidated -path '*model*' 2>/dev/null | sort | tail -1 || true)
-    which=(--skip-builtin); [ "$cmd" = vllm-bench-builtin ] && which=(--skip-vllm)
+    which=(); [ "$cmd" = vllm-bench-builtin ] && which=(--skip-vllm)
     "$VENV/bin/python" benchmarks/bench_serve_vllm.py --out "$out" --model-dir "$ROOT/bench-model" \
       ${ckpt:+--checkpoint "$ckpt"} "${which[@]}" "$@" 2>&1 | tee "$out/bench.log"
     ;;
@@ -176,7 +177,9 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
           tail -3 "$dir/$model-mb$mb.log"
         done ;;
       serve)
-        "$0" vllm-bench "$dir" "$@" || rc=$? ;;
+        # bounded, so that the report is collected inside one 10-minute call: the benchmark stops its servers on
+        # the SIGTERM and keeps the levels it measured (vLLM's targets first, the built-in engine last)
+        timeout -k 20 "${NEMOFLOW_SERVE_PART_S:-540}" "$0" vllm-bench "$dir" "$@" || rc=$? ;;
       *) echo "acceptance: unknown part $part (demo, tests, train, moe, serve)" >&2; exit 2 ;;
     esac
     echo "{\"exit\": $rc, \"wall_s\": $(( $(date +%s) - start ))}" > "$dir/status.json"
