@@ -542,16 +542,6 @@ def _as_api(api: PrefectApi | str) -> PrefectApi:
     return PrefectApi(api, get_current_settings().api.auth_string)
 
 
-# The work pools prefect.yaml deploys to: name -> (worker type, base job template).
-# `prefect --no-prompt deploy --all` refuses deployments whose pool does not exist,
-# so `nemoflow deploy` creates them first (creating a pool starts nothing).
-POOLS = {
-    "local": ("process", None),
-    "gpu-cluster": ("slurm", "deployments/slurm/base-job-template.json"),
-    "nemoflow-k8s": ("kubernetes", "deployments/k8s/base-job-template.json"),
-}
-
-
 def _existing_pools(api: PrefectApi) -> set[str]:
     """Pool names on the server, read in-process (a `prefect work-pool inspect` costs ~2 s each)."""
     from prefect.client.orchestration import get_client
@@ -561,11 +551,15 @@ def _existing_pools(api: PrefectApi) -> set[str]:
 
 
 def ensure_pools(api: PrefectApi | str, echo=print) -> None:
+    """Create the work pools prefect.yaml deploys to, one per backend (its executor's ``work_pool``):
+    `prefect --no-prompt deploy --all` refuses deployments whose pool does not exist (creating one starts nothing)."""
+    from infra.executors import work_pools
+
     api = _as_api(api)
     existing = _existing_pools(api)
-    for name, (pool_type, template) in POOLS.items():
-        if name not in existing and ensure_work_pool(name, pool_type, api, template):
-            echo(f"created work pool {name!r} ({pool_type})")
+    for pool in work_pools():
+        if pool.name not in existing and ensure_work_pool(pool.name, pool.worker_type, api, pool.base_job_template):
+            echo(f"created work pool {pool.name!r} ({pool.worker_type})")
 
 
 def ensure_work_pool(name: str, pool_type: str, api: PrefectApi | str, base_job_template: str | None = None) -> bool:

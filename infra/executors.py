@@ -14,15 +14,17 @@ site's settings apply to every deployment; ``nemoflow settings`` shows the resul
 
 A fourth backend is one module in infra/backends/ plus one executor class here, added to
 ``EXECUTOR_TYPES`` (the one list: the union, ``EXECUTORS``, the settings' choices and every
-command's ``--backend`` choices come from it). What the command line does differently per
-backend (the extra files ``nemoflow render`` writes, interactive sessions) is a method of the
-executor (:class:`ExecutorBase`), so no command asks which backend it holds.
+command's ``--backend`` choices come from it). What the command line and the dev tools do
+differently per backend (the extra files ``nemoflow render`` writes, interactive sessions, the
+Prefect work pool, how ``nemoflow demo`` runs, finds and stops its endpoint) is a method or
+attribute of the executor (:class:`ExecutorBase`), so no command asks which backend it holds.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any, Literal, Union
+import shutil
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Union
 
 from pydantic import BaseModel, BeforeValidator, Field
 
@@ -31,14 +33,54 @@ from infra.k8s.options import K8sOptions
 from infra.slurm.options import SlurmOptions
 
 
+class WorkPool(NamedTuple):
+    """The Prefect work pool prefect.yaml's deployments of a backend run in (``nemoflow deploy`` creates it)."""
+
+    name: str
+    worker_type: str
+    base_job_template: str | None = None  # relative to the repository root
+
+
+class Demo(NamedTuple):
+    """How ``nemoflow demo --backend KIND`` runs on a backend (its deployment is ``end-to-end/KIND``)."""
+
+    port: int  # the endpoint's port: each backend its own, so a demo of each can run at once
+    setup: tuple[str, ...] = ()  # `nemoflow` arguments that bring the backend up on this machine first
+
+
 class ExecutorBase:
     """What every executor offers besides its backend: the command line's backend-specific parts.
 
     Defaults suit a backend that needs nothing extra; an executor overrides what differs.
     """
 
+    kind: str
+    work_pool: ClassVar[WorkPool]
+    demo: ClassVar[Demo | None] = None  # None: `nemoflow demo` does not run on this backend
+    # Its jobs and services run on the machine that runs the flow (so they may use its GPUs and ports).
+    on_this_machine: ClassVar[bool] = False
+
     def backend(self) -> Backend:
         raise NotImplementedError
+
+    def available_here(self) -> bool:
+        """Whether this machine can reach the backend at all (its client tools are installed)."""
+        return True
+
+    def find_service(self, name: str, port: int, listener: int | None) -> str | None:
+        """Who this backend's service ``name`` is, when it is what serves on ``port`` of this machine
+        (``listener``: the pid listening there, None when this user cannot see it); None when it is not."""
+        info = self.backend().service(name)
+        if info is not None and info.url.endswith(f":{port}"):
+            return f"{name} ({self.kind} job, {info.url})"
+        return None
+
+    def stop_services(self, name: str) -> tuple[list[str], list[str], set[int]]:
+        """Stop this backend's service ``name``: (what was stopped, what could not be, the ports of this machine
+        they served on). Raises when the backend cannot be reached."""
+        if self.backend().stop_service(name):
+            return [f"cancelled the inference server's {self.kind} job {name}"], [], set()
+        return [], [], set()
 
     def render_setup(self) -> dict[str, str]:
         """Files ``nemoflow render`` writes besides the jobs' own (objects applied once, such as a volume)."""
@@ -67,10 +109,45 @@ class LocalExecutor(ExecutorBase, BaseModel):
     kind: Literal["local"] = "local"
     max_parallel: int | None = Field(None, ge=1, description="processes at once (default: one per CPU core)")
 
+    work_pool: ClassVar[WorkPool] = WorkPool("local", "process")
+    demo: ClassVar[Demo | None] = Demo(port=8000)
+    on_this_machine: ClassVar[bool] = True
+
     def backend(self) -> Backend:
         from infra.backends.local import LocalBackend
 
         return LocalBackend(max_parallel=self.max_parallel)
+
+    # Local services live in the work dir's service table; a switched-in server is named ``NAME-...``.
+    def find_service(self, name: str, port: int, listener: int | None) -> str | None:
+        from infra import processes, services
+
+        if listener is None:
+            return None
+        for handle in services.list_services():
+            if handle.name.startswith(name) and handle.port == port:
+                if listener in processes.group_members(handle.pid) or _descends_from(listener, handle.pid):
+                    return f"{handle.name} (pid {handle.pid}, {handle.url})"
+        return None
+
+    def stop_services(self, name: str) -> tuple[list[str], list[str], set[int]]:
+        from infra import services
+        from infra.settings import get_settings
+
+        work_dir = get_settings().work_dir
+        try:
+            handles = [h for h in services.list_services() if h.name.startswith(name)]
+        except Exception as exc:  # noqa: BLE001 - a table we cannot read: say which
+            return [], [f"could not read the service table of work dir {work_dir}: {exc}"], set()
+        stopped: list[str] = []
+        problems: list[str] = []
+        for handle in handles:
+            try:
+                services.stop_service(handle.name)
+                stopped.append(f"stopped the inference server {handle.name} ({handle.url}, work dir {work_dir})")
+            except Exception as exc:  # noqa: BLE001 - name it and go on with the rest
+                problems.append(f"could not stop the inference server {handle.name} ({handle.url}): {exc}")
+        return stopped, problems, {h.port for h in handles}
 
 
 class SlurmExecutor(ExecutorBase, SlurmOptions):
@@ -78,10 +155,18 @@ class SlurmExecutor(ExecutorBase, SlurmOptions):
 
     kind: Literal["slurm"] = "slurm"
 
+    work_pool: ClassVar[WorkPool] = WorkPool("gpu-cluster", "slurm", "deployments/slurm/base-job-template.json")
+    # The one-machine Slurm (`nemoflow local-slurm up`), whose node is this machine: a port of its own lets
+    # the Slurm demo serve beside a local demo left running (the README's order).
+    demo: ClassVar[Demo | None] = Demo(port=8001, setup=("local-slurm", "up"))
+
     def backend(self) -> Backend:
         from infra.backends.slurm import SlurmBackend
 
         return SlurmBackend(self)
+
+    def available_here(self) -> bool:
+        return shutil.which("squeue") is not None
 
     def interactive(self, preset: str | None = None, kubeconfig: str | None = None) -> Any:
         from infra.sessions import SlurmSessions
@@ -93,6 +178,8 @@ class K8sExecutor(ExecutorBase, K8sOptions):
     """Kubernetes Jobs and Deployments on a shared workspace PVC (Run:ai, DGX Cloud, any cluster)."""
 
     kind: Literal["k8s"] = "k8s"
+
+    work_pool: ClassVar[WorkPool] = WorkPool("nemoflow-k8s", "kubernetes", "deployments/k8s/base-job-template.json")
 
     def backend(self) -> Backend:
         from infra.backends.k8s import KubernetesBackend
@@ -145,6 +232,33 @@ class K8sExecutor(ExecutorBase, K8sOptions):
 EXECUTOR_TYPES: tuple[type[ExecutorBase], ...] = (LocalExecutor, SlurmExecutor, K8sExecutor)
 EXECUTORS: dict[str, type[ExecutorBase]] = {cls.model_fields["kind"].default: cls for cls in EXECUTOR_TYPES}
 AnyExecutor = Union[EXECUTOR_TYPES]  # noqa: UP007 - a union built from the tuple
+
+
+def demo_kinds() -> list[str]:
+    """The executors ``nemoflow demo`` runs on (those with a :class:`Demo`)."""
+    return [kind for kind, cls in EXECUTORS.items() if cls.demo is not None]
+
+
+def work_pools() -> list[WorkPool]:
+    """The work pools of every backend's deployments (prefect.yaml's)."""
+    return [cls.work_pool for cls in EXECUTOR_TYPES]
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """Whether ``pid`` is ``ancestor`` or one of its descendants (/proc's parent links): a server's child that
+    left its process group still belongs to it."""
+    for _ in range(64):
+        if pid == ancestor:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return False
+        pid = int(fields[1])
+        if pid <= 1:
+            return False
+    return False
 
 
 def interactive_kinds() -> list[str]:

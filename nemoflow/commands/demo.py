@@ -9,19 +9,37 @@ import subprocess
 import sys
 import time
 
-POOLS = {
-    # backend: (work pool, worker type, deployment)
-    "local": ("local", "process", "end-to-end/local"),
-    "slurm": ("gpu-cluster", "slurm", "end-to-end/slurm"),
-}
+
+def pools() -> dict[str, tuple[str, str, str]]:
+    """backend: (work pool, worker type, deployment), for every backend the demo runs on (infra/executors.py's
+    ``Demo``)."""
+    from infra.executors import EXECUTORS, demo_kinds
+
+    return {
+        kind: (EXECUTORS[kind].work_pool.name, EXECUTORS[kind].work_pool.worker_type, f"end-to-end/{kind}")
+        for kind in demo_kinds()
+    }
 
 
-# Where `demo --backend slurm` keeps the endpoint key it generates (the server binds every interface there).
+def endpoint_ports() -> dict[str, int]:
+    """The endpoint's port per backend: each its own, so demos on two backends run side by side."""
+    from infra.executors import EXECUTORS, demo_kinds
+
+    return {kind: EXECUTORS[kind].demo.port for kind in demo_kinds()}
+
+
+def __getattr__(name: str):
+    # POOLS and ENDPOINT_PORTS as module constants, read from infra/executors.py when first used: importing it
+    # at module level would cost every `nemoflow` command ~0.7 s.
+    if name == "POOLS":
+        return pools()
+    if name == "ENDPOINT_PORTS":
+        return endpoint_ports()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# Where the demo keeps the endpoint key it generates for a backend whose server binds every interface.
 ENDPOINT_KEY_FILE = "serve-api-key"
-
-# The endpoint's port per backend. `--backend slurm` runs on the one-machine Slurm (`local-slurm up`), whose
-# node is this machine: a port of its own lets it serve beside a local demo left running (the README's order).
-ENDPOINT_PORTS = {"local": 8000, "slurm": 8001}
 ENDPOINT_NAME = "nemoflow-demo"  # prefect.yaml's serve.model_name, the service's name on every backend
 # Where each demo's endpoint lives, so `--down` finds it whatever the environment it runs in
 # (the local service table is under the work dir: NEMOFLOW_WORK_DIR may differ between the two commands).
@@ -64,8 +82,13 @@ key: NEMOFLOW_SERVE_API_KEY if set, else one generated into ~/.nemoflow/serve-ap
 and reused; clients send it as `Authorization: Bearer KEY`.""",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.defer(_options)  # the backends' names come from infra/executors.py, imported when `demo` runs
+    parser.set_defaults(func=run)
+
+
+def _options(parser) -> None:
     parser.add_argument(
-        "--backend", choices=sorted(POOLS), default="local", help="work pool to run on (default: local)"
+        "--backend", choices=sorted(pools()), default="local", help="work pool to run on (default: local)"
     )
     parser.add_argument("--port", type=int, default=4200, help="port of the local Prefect server if one is started")
     parser.add_argument(
@@ -94,7 +117,6 @@ and reused; clients send it as `Authorization: Bearer KEY`.""",
         help=f"CPU demo: train N steps instead of {DEMO_STEPS} (a quicker look at the pipeline; the model learns "
         f"less, 20 still passes the validation gate); default ${STEPS_ENV} if set",
     )
-    parser.set_defaults(func=run)
 
 
 DEMO_STEPS = 40  # flows/end_to_end.py:demo_train_config
@@ -170,13 +192,16 @@ def check_endpoint_port(port: int, backend: str) -> None:
     passes: the deploy stage reuses or replaces it. Raises ValueError."""
     import socket
 
+    from infra.executors import as_executor
+
     if not 1 <= port <= 65535:
         raise ValueError(f"--serve-port {port}: a TCP port is between 1 and 65535")
     with socket.socket() as sock:
-        # The Slurm demo's server binds every interface, the local one loopback; probe like uvicorn does.
+        # Where the backend's server binds (a cluster node's every interface, the local one loopback); probe
+        # like uvicorn does.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("0.0.0.0" if backend == "slurm" else "127.0.0.1", port))
+            sock.bind((as_executor(backend).backend().bind_host, port))
             return
         except OSError:
             pass
@@ -204,42 +229,30 @@ def check_endpoint_port(port: int, backend: str) -> None:
 
 def _demo_endpoint_holding(port: int, owner: int | None) -> tuple[str, str] | None:
     """(backend, description) of a demo endpoint that serves on ``port``, if one does."""
-    from infra import processes, services
-    from infra.settings import get_settings
+    from infra.executors import as_executor
 
-    # The recorded demos' service tables and this shell's (a demo recorded before endpoints were).
-    work_dirs = [r.get("work_dir") for r in read_records() if r.get("backend") == "local"]
-    for work_dir in dict.fromkeys([*work_dirs, get_settings().work_dir]) if owner is not None else ():
+    for kind, work_dir in _endpoint_places(read_records()):
+        executor = as_executor(kind)
+        if not executor.available_here():
+            continue
         with _work_dir(work_dir), contextlib.suppress(Exception):
-            for handle in services.list_services():
-                if handle.name.startswith(ENDPOINT_NAME) and handle.port == port:
-                    if owner in processes.group_members(handle.pid) or _descends_from(owner, handle.pid):
-                        return "local", f"{handle.name} (pid {handle.pid}, {handle.url})"
-    import shutil
-
-    if shutil.which("squeue"):
-        with contextlib.suppress(Exception):
-            from infra.executors import get_backend
-
-            info = get_backend("slurm").service(ENDPOINT_NAME)
-            if info is not None and info.url.endswith(f":{port}"):
-                return "slurm", f"{ENDPOINT_NAME} (Slurm job, {info.url})"
+            found = executor.find_service(ENDPOINT_NAME, port, owner)
+            if found is not None:
+                return kind, found
     return None
 
 
-def _descends_from(pid: int, ancestor: int) -> bool:
-    """Whether ``pid`` is ``ancestor`` or one of its descendants (/proc's parent links)."""
-    for _ in range(64):
-        if pid == ancestor:
-            return True
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            return False
-        pid = int(fields[1])
-        if pid <= 1:
-            return False
-    return False
+def _endpoint_places(records: list[dict]) -> list[tuple[str, str]]:
+    """(backend, work dir) pairs where this home's demo endpoints may be: each recorded demo's backend in its
+    recorded work dirs and this shell's (every demo backend when nothing is recorded: a demo from before
+    endpoints were recorded)."""
+    from infra.executors import demo_kinds
+    from infra.settings import get_settings
+
+    recorded = [(r.get("backend"), r.get("work_dir")) for r in records if r.get("backend") in endpoint_ports()]
+    kinds = dict.fromkeys(kind for kind, _ in recorded) or dict.fromkeys(demo_kinds())
+    here = get_settings().work_dir
+    return list(dict.fromkeys([*recorded, *((kind, here) for kind in kinds)]))
 
 
 def _command_line(pid: int) -> str:
@@ -327,12 +340,14 @@ def demo_gpus(choice: str, backend: str) -> int:
     GPU); a number is checked. GPUs the driver lists but torch cannot use stop the demo with the fix
     (infra/gpus.py), rather than a CPU demo on a GPU machine."""
     from infra import gpus
+    from infra.executors import EXECUTORS, as_executor, demo_kinds
 
     if choice != "auto" and not choice.isdigit():
         raise ValueError(f"--gpus {choice!r}: give auto, 0 or a number of GPUs")
-    if backend != "local":
+    if not as_executor(backend).on_this_machine:  # its jobs run elsewhere: the demo's CPU configuration
         if choice not in ("auto", "0"):
-            raise ValueError(f"--gpus {choice} is for --backend local (the Slurm demo runs its CPU configuration)")
+            here = " or ".join(kind for kind in demo_kinds() if EXECUTORS[kind].on_this_machine)
+            raise ValueError(f"--gpus {choice} is for --backend {here} (the {backend} demo runs its CPU configuration)")
         return 0
     if choice == "0":
         return 0
@@ -371,43 +386,34 @@ def training_speed(checkpoint: str) -> str | None:
 def _stop_endpoint() -> list[str]:
     """Stop the demo endpoints recorded by ``nemoflow demo`` (and those of this shell's work dir); one line per
     endpoint it could not stop. Names of the problems (empty when all is stopped)."""
-    from infra import processes, services
-    from infra.settings import get_settings
+    from infra import processes
+    from infra.executors import as_executor
 
     records = read_records()
-    work_dirs = [r.get("work_dir") for r in records if r.get("backend") == "local"]
-    work_dirs = list(dict.fromkeys([*work_dirs, get_settings().work_dir]))
     problems: list[str] = []
     ports: set[int] = set()
-    for work_dir in work_dirs:
+    for kind, work_dir in _endpoint_places(records):
+        executor = as_executor(kind)
+        if not executor.available_here():
+            continue
         with _work_dir(work_dir):
             try:
-                handles = [h for h in services.list_services() if h.name.startswith(ENDPOINT_NAME)]
-            except Exception as exc:  # noqa: BLE001 - a table we cannot read: say which
-                problems.append(f"could not read the service table of work dir {work_dir}: {exc}")
+                stopped, failed, served = executor.stop_services(ENDPOINT_NAME)
+            except Exception as exc:  # noqa: BLE001 - no cluster running: nothing to stop
+                print(f"note: could not reach the {kind} backend to stop {ENDPOINT_NAME}: {exc}", file=sys.stderr)
                 continue
-            for handle in handles:
-                ports.add(handle.port)
-                try:
-                    services.stop_service(handle.name)
-                    print(f"stopped the inference server {handle.name} ({handle.url}, work dir {work_dir})")
-                except Exception as exc:  # noqa: BLE001 - name it and go on with the rest
-                    problems.append(f"could not stop the inference server {handle.name} ({handle.url}): {exc}")
-    import shutil
-
-    # The Slurm demo's endpoint is a Slurm job: cancel it when this home's demo started one (or, for a demo
-    # recorded before endpoints were, when nothing is recorded at all).
-    slurm = any(r.get("backend") == "slurm" for r in records) or not records
-    if slurm and shutil.which("scancel"):
-        try:
-            from infra.executors import get_backend
-
-            if get_backend("slurm").stop_service(ENDPOINT_NAME):
-                print(f"cancelled the inference server's Slurm job {ENDPOINT_NAME}")
-        except Exception as exc:  # noqa: BLE001 - no cluster running: nothing to stop
-            print(f"note: could not reach Slurm to stop {ENDPOINT_NAME}: {exc}", file=sys.stderr)
-    # Whatever still serves on a local demo endpoint's port is named, not left unsaid.
-    ports |= {int(r["port"]) for r in records if r.get("backend") == "local" and str(r.get("port", "")).isdigit()}
+        for line in stopped:
+            print(line)
+        problems += failed
+        ports |= served
+    # Whatever still serves on the port of an endpoint on this machine is named, not left unsaid.
+    ports |= {
+        int(r["port"])
+        for r in records
+        if r.get("backend") in endpoint_ports()
+        and as_executor(r["backend"]).on_this_machine
+        and str(r.get("port", "")).isdigit()
+    }
     for port in sorted(ports):
         owner = processes.port_owner(port)
         if owner is not None:
@@ -459,6 +465,7 @@ def _display(path: str) -> str:
 
 def run(args) -> int:
     from devtools import prefect_local as pl
+    from infra.executors import as_executor
     from infra.settings import get_settings
 
     if args.down:
@@ -472,7 +479,7 @@ def run(args) -> int:
         return 1 if problems else 0
 
     started = time.monotonic()
-    pool, worker_type, deployment = POOLS[args.backend]
+    pool, worker_type, deployment = pools()[args.backend]
     try:
         n_gpus = demo_gpus(str(args.gpus), args.backend)
     except ValueError as exc:
@@ -490,7 +497,7 @@ def run(args) -> int:
         from nemoflow.cli import UserError
 
         raise UserError("--steps is for the CPU demo (the GPU demo trains on a token budget): add --gpus 0")
-    serve_port = args.serve_port or ENDPOINT_PORTS[args.backend]
+    serve_port = args.serve_port or endpoint_ports()[args.backend]
     try:
         check_endpoint_port(serve_port, args.backend)
     except ValueError as exc:
@@ -511,8 +518,9 @@ def run(args) -> int:
 
         params = ["--params", json.dumps(run_parameters)]
     record_endpoint(args.backend, serve_port)
-    if args.backend == "slurm":
-        subprocess.run([sys.executable, "-m", "nemoflow.cli", "local-slurm", "up"], check=True)
+    executor = as_executor(args.backend)
+    if executor.demo.setup:  # the backend on this machine (the one-machine Slurm)
+        subprocess.run([sys.executable, "-m", "nemoflow.cli", *executor.demo.setup], check=True)
     try:
         api = pl.ensure_server(args.port, auth=args.auth)
     except pl.ControlPlaneError as exc:
@@ -525,7 +533,11 @@ def run(args) -> int:
     pl.ensure_zombie_automation(api)
     if not pl.deploy_if_changed(api):
         print("prefect.yaml is already deployed (unchanged)")
-    worker_env, key_where, key_shell = endpoint_key() if args.backend == "slurm" else ({}, None, None)
+    # A server bound beyond loopback (a cluster node's) refuses to start without a key (tasks/serve.py)
+    from tasks.serve import LOOPBACK
+
+    public = executor.backend().bind_host not in LOOPBACK
+    worker_env, key_where, key_shell = endpoint_key() if public else ({}, None, None)
     pl.ensure_worker(pool, worker_type, api, extra_env=worker_env)
 
     print(

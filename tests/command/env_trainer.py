@@ -1,6 +1,7 @@
 """A user's own training script, as the command engine runs it: it reads ONLY nemoflow's contract variables
 (NEMOFLOW_DATA_PREFIX, NEMOFLOW_TOKENIZER_MODEL, NEMOFLOW_CHECKPOINT_DIR, NEMOFLOW_SEQ_LENGTH, NPROC_PER_NODE,
-MASTER_PORT, W&B settings) and trains with the installed engine (NeMo AutoModel through workloads.train)."""
+MASTER_PORT, W&B settings) and trains with the installed engine (NeMo AutoModel through workloads.train). In a
+CPT refresh NEMOFLOW_INIT_FROM names the promoted model: the script continues it (the same shape: it trained it)."""
 
 import json
 import os
@@ -31,6 +32,8 @@ config = {
     "run_dir": run_dir,
     "nproc_per_node": int(env["NPROC_PER_NODE"]),
 }
+if env.get("NEMOFLOW_INIT_FROM"):
+    config["init_from"] = env["NEMOFLOW_INIT_FROM"]
 path = os.path.join(env["NEMOFLOW_RUN_DIR"], "my_config.json")
 with open(path, "w") as fh:
     json.dump(config, fh)

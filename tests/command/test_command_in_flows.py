@@ -1,6 +1,8 @@
 """``engine: command`` from the flows: the README's YAML as printed is the ``train`` section of end-to-end,
-cpt-refresh and sft (and of an included SFT stage), and end-to-end trains, validates, serves and registers a
-model with a user's script (tests/command/env_trainer.py) on the local executor with a real Prefect server."""
+cpt-refresh and sft (and of an included SFT stage); end-to-end trains, validates, serves and registers a model
+with a user's script (tests/command/env_trainer.py) on the local executor with a real Prefect server, and a
+cpt-refresh then continues that model with the same script, compares, promotes and switches the server; the sft
+flow fine-tunes with another script (tests/command/sft_trainer.py)."""
 
 from __future__ import annotations
 
@@ -70,22 +72,24 @@ def test_the_readmes_command_section_is_the_train_section_of_every_training_flow
 
 @pytest.mark.slow
 @pytest.mark.prefect
-def test_end_to_end_trains_with_a_users_command(prefect_server, work_dir, local_state):
+def test_end_to_end_then_cpt_refresh_train_with_a_users_command(prefect_server, work_dir, local_state, kjv_chapters):
+    """Both pretraining flows with ``engine: command``, one lifecycle: end-to-end pretrains, serves and registers
+    the script's model; a cpt-refresh continues it with the same script (NEMOFLOW_INIT_FROM), validates and
+    compares the candidate on the registry's held-out set, promotes it and switches the server on its port."""
+    from flows.cpt_refresh import CptRefreshConfig, cpt_refresh
     from flows.end_to_end import EndToEndConfig, end_to_end
     from infra import registry as reg
+    from tests.cpt.conftest import completion_ok, write_shard
 
-    config = EndToEndConfig.model_validate(
-        {
-            "train": {
-                "engine": "command",
-                "command": [sys.executable, str(HERE / "env_trainer.py")],
-                "seq_length": 64,
-                "cpus_per_task": 1,
-            },
-            "serve": {"port": free_port(), "model_name": "e2e-command"},
-            "validation_threshold": 10.2,  # 6 steps of a 64-wide model: below the untrained 10.4 is the point
-        }
-    )
+    train = {
+        "engine": "command",
+        "command": [sys.executable, str(HERE / "env_trainer.py")],
+        "seq_length": 64,
+        "cpus_per_task": 1,
+    }
+    serve = {"port": free_port(), "model_name": "e2e-command"}
+    # 6 steps of a 64-wide model: below the untrained 10.4 is the point
+    config = EndToEndConfig.model_validate({"train": train, "serve": serve, "validation_threshold": 10.2})
     summary = end_to_end(config)
 
     checkpoint = Path(summary["checkpoint"])
@@ -98,6 +102,28 @@ def test_end_to_end_trains_with_a_users_command(prefect_server, work_dir, local_
     record = state.models[summary["registered_model"]]
     assert state.promoted == record.id and record.checkpoint == str(checkpoint)
     assert state.held_out.seq_length == 64  # as the command trained it (its checkpoint's meta.json)
+
+    # cpt-refresh on a new shard: the same command continues the promoted model. A generous tolerance makes the
+    # promotion certain (whether a candidate is better is tests/cpt/test_refresh.py's question), so the switch runs.
+    write_shard(work_dir / "incoming" / "day1.jsonl.zst", kjv_chapters[:120])
+    refresh = cpt_refresh(
+        CptRefreshConfig.model_validate(
+            {"train": train, "serve": serve, "validation_threshold": 10.2, "tolerance": 1.0}
+        )
+    )
+    assert refresh["decision"] == "promoted", refresh
+    assert refresh["new_sources"] == [str(work_dir / "incoming" / "day1.jsonl.zst")]
+    state = reg.ModelRegistry(str(work_dir / "registry")).read()
+    candidate = state.models[refresh["candidate"]]
+    assert state.promoted == candidate.id and candidate.parent == record.id
+    assert candidate.metrics["held_out_loss"] == refresh["candidate_loss"]  # compared on the held-out set
+    cpt_run = Path(candidate.checkpoint).parents[3]
+    assert cpt_run.parent == work_dir / "runs" and cpt_run.name.startswith("cmd-") and cpt_run != run_dir
+    continued = json.loads((cpt_run / "my_config.json").read_text())  # the script saw the promoted model
+    assert continued["init_from"] == str(checkpoint) and "init_from" not in mine
+    assert continued["data_prefix"] != mine["data_prefix"]  # the new shard's dataset, not the first one
+    assert state.serving.model == candidate.id and state.serving.port == serve["port"]  # switched, same port
+    assert refresh["endpoint"] == summary["endpoint"] and completion_ok(refresh["endpoint"], serve["model_name"])
 
 
 @pytest.mark.slow

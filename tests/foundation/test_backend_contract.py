@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.executors import EXECUTORS, as_executor, get_backend
+from infra.executors import EXECUTORS, as_executor, demo_kinds, get_backend, work_pools
 from infra.jobs import IMAGE_KINDS, Backend, ImageRef, JobState, Resources, workload_job
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,8 +37,6 @@ BACKEND_BRANCH = re.compile(
 )
 # The backends' own packages name themselves; they are where backend-specific code belongs.
 OWN = ("infra/backends/", "infra/slurm/", "infra/k8s/")
-# Modules other changes of this session rewrite; their branches are removed after those land (issue 33).
-NOT_YET = {"nemoflow/commands/demo.py", "devtools/prefect_local.py"}
 
 
 def backend_branches(folders=("tasks", "flows", "nemoflow", "infra", "devtools")) -> list[str]:
@@ -46,7 +44,7 @@ def backend_branches(folders=("tasks", "flows", "nemoflow", "infra", "devtools")
     for folder in folders:
         for path in sorted((REPO / folder).rglob("*.py")):
             where = str(path.relative_to(REPO))
-            if where.startswith(OWN) or where in NOT_YET:
+            if where.startswith(OWN):
                 continue
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 if BACKEND_BRANCH.search(line):
@@ -74,6 +72,19 @@ def test_no_code_outside_the_backends_branches_on_the_backend():
     methods; the names of the backends come from infra/executors.py."""
     offenders = backend_branches()
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_executors_work_pools_are_the_pools_prefect_yaml_deploys_to():
+    """`nemoflow deploy` creates each executor's work pool; the demo runs end-to-end/KIND in KIND's pool."""
+    import yaml
+
+    deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    pools = {pool.name: pool for pool in work_pools()}
+    assert {d["work_pool"]["name"] for d in deployments} == set(pools)
+    for pool in pools.values():
+        assert pool.base_job_template is None or (REPO / pool.base_job_template).is_file(), pool
+    e2e = {d["name"]: d["work_pool"]["name"] for d in deployments if d["entrypoint"].endswith(":end_to_end")}
+    assert demo_kinds() and all(e2e[kind] == EXECUTORS[kind].work_pool.name for kind in demo_kinds())
 
 
 def test_an_executor_is_a_name_or_options_and_only_known_kinds():
