@@ -13,7 +13,7 @@ Three ways to say which image a run uses:
 ``<region>`` in a source (``gs://vmds-containers-<region>/...``) becomes the
 ``region`` setting (us, europe or asia).
 
-Bytes move through the one transfer stack (infra/transfer.py: probe, resumable
+Bytes move through the one transfer stack (infra/transfer/: probe, resumable
 copy, retries through infra/retry.py policies, redaction); this module adds what
 is specific to images. A copy is verified three times: against the checksum the
 source states (GCS object md5/crc32c; HTTP ``x-goog-hash``, ``Content-MD5`` or an
