@@ -8,7 +8,7 @@
 
 Sources: ``https://`` / ``http://`` (requests, streamed), ``gs://`` (gcsfs, one range request per
 block), ``file://`` or a plain path. infra/fetch.py (dataset shards, with sidecars and resume across
-calls) and infra/images.py (container images, with squashfs checks) are thin layers over this.
+calls) and infra/images/ (container images, with squashfs checks) are thin layers over this.
 
 What it does, and why here once:
 
