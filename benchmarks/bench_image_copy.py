@@ -82,6 +82,7 @@ def main() -> int:
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     from infra import images
+    from infra.images import staged
 
     image = make_image(args.mb)
     size = image.stat().st_size
@@ -103,7 +104,7 @@ def main() -> int:
         subprocess.run(["sha256sum", str(image), str(d / image.name)], check=True, capture_output=True)
 
     contenders = {
-        "path: nemoflow": lambda: (images._local_sha256_memo.clear(), images.copy_image(str(image), str(fresh("nf")))),
+        "path: nemoflow": lambda: (staged._local_sha256_memo.clear(), images.copy_image(str(image), str(fresh("nf")))),
         "path: cp": lambda: subprocess.run(["cp", str(image), str(fresh("cp") / image.name)], check=True),
         "path: cp+sha256sum": cp_sha,
         "http: nemoflow": lambda: images.copy_image(url, str(fresh("nfhttp"))),

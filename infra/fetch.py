@@ -5,7 +5,7 @@
                       "gs://bucket/raw/chunk1/example_train_0.jsonl.zst", log=print)
 
 Sources: ``https://`` / ``http://``, ``gs://``, ``file://`` or a plain path, read by the one
-transfer stack (infra/transfer.py: probe, resumable verified copy, retries through infra/retry.py
+transfer stack (infra/transfer/: probe, resumable verified copy, retries through infra/retry.py
 policies, redaction). Destinations: a local path or any URI infra.storage writes (``gs://``: the
 file is staged locally, verified, then uploaded). What this module adds for dataset shards:
 

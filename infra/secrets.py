@@ -7,7 +7,7 @@
 Prefect stores every flow run's parameters in its database and shows them in the UI, so a
 signed URL or a ``user:password@`` given as a parameter would sit there in clear for as long as
 the run is kept. Here a parameter carries a *reference* instead, and only the code that makes
-the request (infra/transfer.py) replaces it with the value, in memory, for that request:
+the request (infra/transfer/http_source.py) replaces it with the value, in memory, for that request:
 
 * ``<secret:NAME>``: the value of the Prefect Secret block ``NAME``
   (``prefect block create secret`` in the UI, or ``Secret(value=...).save("NAME")``). Prefect keeps

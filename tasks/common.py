@@ -21,6 +21,7 @@ import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from prefect.cache_policies import INPUTS, CachePolicy
@@ -42,10 +43,19 @@ class CodeVersion(CachePolicy):
 
 
 def code_fingerprint(*modules: str) -> str:
+    """A hash of the source of ``modules``; a package counts with every module under it, so code moved from a
+    package's ``__init__`` into one of its modules is still part of the key."""
     digest = hashlib.sha256()
     for name in sorted(modules):
+        module = importlib.import_module(name)
         digest.update(name.encode())
-        digest.update(inspect.getsource(importlib.import_module(name)).encode())
+        digest.update(inspect.getsource(module).encode())
+        if hasattr(module, "__path__"):  # a package: its __init__ (above) and every module under it
+            init = Path(module.__file__)
+            for path in sorted(init.parent.rglob("*.py")):
+                if path != init:
+                    digest.update(str(path.relative_to(init.parent)).encode())
+                    digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 

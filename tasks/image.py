@@ -15,7 +15,7 @@ What staging means is the backend's (:meth:`infra.jobs.Backend.stage_image`):
 * ``slurm``: a ``.sqsh`` source is copied (streamed, checksum- and
   superblock-verified, cached by the source's checksum) into ``dest``, a
   shared path the nodes see; a ``docker://`` source with ``convert=True`` is
-  imported by ``enroot import`` in a Slurm job (see infra/images.py);
+  imported by ``enroot import`` in a Slurm job (see infra/images/conversion.py);
 * ``k8s``: the registry reference is validated and recorded (nodes pull it);
   without a SOURCE, the executor's ``image`` (the nemoflow image);
 * ``local``: no container; the interpreter and a hash of ``pip freeze`` (a

@@ -1,6 +1,6 @@
 """One task of the data stage's download + extract job array: ``python -m workloads.fetch_array --plan PLAN.json``.
 
-The data stage (tasks/data.py) writes a :class:`FetchPlan` and one item file per array task
+The data stage (tasks/data/fetching.py) writes a :class:`FetchPlan` and one item file per array task
 (``<items_prefix>NNNNN.jsonl``, one :class:`FetchItem` per line: the shards of that task),
 then submits ONE array job (N local processes, a Slurm job array, an Indexed Kubernetes
 Job). Each task picks its file by ``NEMOFLOW_ARRAY_INDEX`` and, for each of its shards,

@@ -1,6 +1,6 @@
 """One task of the dataset stage's tokenize job array: ``python -m workloads.tokenize_array --plan PLAN.json``.
 
-The data stage (tasks/data.py) writes a :class:`TokenizePlan` listing the parts
+The data stage (tasks/data/tokenizing.py) writes a :class:`TokenizePlan` listing the parts
 still to tokenize and submits ONE array job (N local processes, a Slurm job
 array, an Indexed Kubernetes Job); each array task picks its item by
 ``NEMOFLOW_ARRAY_INDEX``, concatenates the part's extracted shards into its

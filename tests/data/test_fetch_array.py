@@ -313,7 +313,7 @@ def test_a_429_in_the_download_reaches_the_shared_cooldown(tmp_path, monkeypatch
 def test_requests_per_second_is_shared_by_the_tasks(tmp_path, monkeypatch):
     import time
 
-    monkeypatch.setattr("tasks.data.MIN_SHARDS_PER_FETCH_TASK", 1)
+    monkeypatch.setattr("tasks.data.fetching.MIN_SHARDS_PER_FETCH_TASK", 1)
     template = _layout(tmp_path / "site", chunks=1, shards=12)
     started: dict[str, float] = {}
     with FaultServer(tmp_path / "site") as server:
@@ -388,10 +388,10 @@ def test_gcs_sources_are_identified_by_one_listing_per_folder(tmp_path, gcs_buck
     spec = f"{gcs_bucket}/raw/chunk{{chunk}}/example_train_{{shard}}.jsonl.zst"
     sources = expand_sources(spec, chunks="1", shards="0-2")
     listings = []
-    import tasks.data
+    from tasks.data import checking
 
-    original = tasks.data._folder_listing
-    monkeypatch.setattr(tasks.data, "_folder_listing", lambda folder: listings.append(folder) or original(folder))
+    original = checking._folder_listing
+    monkeypatch.setattr(checking, "_folder_listing", lambda folder: listings.append(folder) or original(folder))
     dataset = str(tmp_path / "dataset")
     check = check_shards(sources, dataset)
     assert listings == [f"{gcs_bucket}/raw/chunk1"]

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.prefect, pytest.mark.slow]
 
 
 def test_fetch_and_tokenize_run_as_slurm_job_arrays(slurm_cluster, prefect_server, work_dir, tmp_path, monkeypatch):  # noqa: F811 - fixture
-    monkeypatch.setattr("tasks.data.MIN_SHARDS_PER_FETCH_TASK", 2)  # 6 shards over 3 array tasks
+    monkeypatch.setattr("tasks.data.fetching.MIN_SHARDS_PER_FETCH_TASK", 2)  # 6 shards over 3 array tasks
     write_slimpajama_layout(tmp_path / "src", chunks=1, shards_per_chunk=6)
     template = str(tmp_path / "src" / "train" / "chunk{chunk}" / "example_train_{shard}.jsonl.zst")
     config = PrepareConfig(

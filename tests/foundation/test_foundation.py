@@ -234,3 +234,19 @@ def test_local_backend_time_limit_kills_process_group(tmp_path):
 
     time.sleep(0.5)
     assert not pid_alive(child), "the job's child process outlived the job"  # a zombie counts as dead
+
+
+def test_a_packages_code_fingerprint_covers_every_module_in_it(tmp_path, monkeypatch):
+    """A stage's cache key hashes the code that produces its output; code split out of a module into a
+    package (infra/images/) must still count, not only the package's __init__."""
+    from tasks.common import code_fingerprint
+
+    package = tmp_path / "fingerprinted"
+    package.mkdir()
+    (package / "__init__.py").write_text("from fingerprinted.part import VALUE\n")
+    (package / "part.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = code_fingerprint("fingerprinted")
+    assert code_fingerprint("fingerprinted") == before  # stable for the same code
+    (package / "part.py").write_text("VALUE = 2\n")
+    assert code_fingerprint("fingerprinted") != before

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from infra import images, storage
-from infra.images import ImageDestinationError, ImageError, ImageNotFound, ImageVerificationError, copy_image
+from infra.images import ImageDestinationError, ImageError, ImageNotFound, ImageVerificationError, copy_image, copying
 from tests.conftest import REPO
 from tests.support import fault_ledger
 from tests.support.fault_proxy import does_not_resolve, gcs_behind, unresolvable_gcs
@@ -45,8 +45,8 @@ def test_image_copy_survives_gcs_5xx_429_resets_and_timeouts(
 ):
     src = f"{gcs_bucket}/containers/nemo-test.sqsh"
     storage.put_file(str(sqsh_image), src)
-    monkeypatch.setattr(images, "RESUME_BACKOFF_S", 0.05)
-    monkeypatch.setattr(images, "TIMEOUT_S", 1.0)
+    monkeypatch.setattr(copying, "RESUME_BACKOFF_S", 0.05)
+    monkeypatch.setattr(copying, "TIMEOUT_S", 1.0)
     chunk = 512 << 10  # four range reads for the ~1.6 MiB image
     lines: list[str] = []
     row = fault_ledger.open_row("gcs 5xx/429/reset/timeout: image copy")
@@ -127,7 +127,7 @@ def test_disk_full_mid_image_copy_then_a_rerun_succeeds(sqsh_image, tmp_path, mo
     source = tmp_path / "src" / "nemo-test.sqsh"
     source.parent.mkdir()
     shutil.copyfile(sqsh_image, source)
-    monkeypatch.setattr(images, "PROGRESS_EVERY", 64 << 10)
+    monkeypatch.setattr(copying, "PROGRESS_EVERY", 64 << 10)
     row = fault_ledger.open_row("disk full (tmpfs): image copy")
     with tmpfs(tmp_path / "disk", "size=4m") as disk:
         filler = disk / "another-writer.bin"

@@ -22,6 +22,7 @@ from infra.images import (
     ImageSourceError,
     ImageVerificationError,
     copy_image,
+    copying,
     parse_docker_ref,
 )
 from tests.support import fault_ledger
@@ -170,7 +171,7 @@ def test_dropped_connections_are_resumed(served, tmp_path, sqsh_image, monkeypat
     server, _ = served
     row = fault_ledger.open_row("http stall/reset: image copy resumed")
     row.injected_from(server.injected_count)
-    monkeypatch.setattr(images, "RESUME_BACKOFF_S", 0.0)
+    monkeypatch.setattr(copying, "RESUME_BACKOFF_S", 0.0)
     # stall_at: the first 100000 bytes arrive and are read before the connection closes early,
     # so the resume point is exact (bytes that arrive together with the error are dropped by aiohttp).
     server.add_faults("/nemo-test.sqsh", Fault(stall_at=100_000, stall=0.5), Fault(reset_at=700_000))
@@ -191,13 +192,13 @@ def test_connection_that_keeps_dropping_leaves_nothing(served, tmp_path, monkeyp
     server, _ = served
     row = fault_ledger.open_row("http truncation every attempt: image copy")
     row.injected_from(server.injected_count)
-    monkeypatch.setattr(images, "RESUME_BACKOFF_S", 0.0)
-    server.add_faults("/nemo-test.sqsh", *[Fault(truncate_at=50_000) for _ in range(images.RESUME_ATTEMPTS + 1)])
+    monkeypatch.setattr(copying, "RESUME_BACKOFF_S", 0.0)
+    server.add_faults("/nemo-test.sqsh", *[Fault(truncate_at=50_000) for _ in range(copying.RESUME_ATTEMPTS + 1)])
     dest = tmp_path / "images"
     with pytest.raises(ImageSourceError, match="nemo-test.sqsh") as info:
         copy_image(server.url("nemo-test.sqsh"), str(dest))
     assert info.value.transient  # the Prefect task retries it later
-    assert server.count("/nemo-test.sqsh", "GET") == images.RESUME_ATTEMPTS + 1
+    assert server.count("/nemo-test.sqsh", "GET") == copying.RESUME_ATTEMPTS + 1
     assert leftovers(dest) == []
 
 
@@ -206,7 +207,7 @@ def test_resume_refuses_a_file_replaced_meanwhile(served, tmp_path, monkeypatch)
     server, _ = served
     row = fault_ledger.open_row("http stall, then the file replaced: image copy")
     row.injected_from(server.injected_count)
-    monkeypatch.setattr(images, "RESUME_BACKOFF_S", 0.0)
+    monkeypatch.setattr(copying, "RESUME_BACKOFF_S", 0.0)
     # The second GET sees another ETag: If-Range fails, the server sends the whole (new) file with 200.
     server.add_faults("/nemo-test.sqsh", Fault(stall_at=100_000, stall=0.5), Fault(etag="replaced"))
     dest = tmp_path / "images"
@@ -256,7 +257,7 @@ def test_wrong_file_is_refused_after_its_first_bytes(tmp_path, monkeypatch, kjv_
     source = tmp_path / "src" / "nemo.sqsh"
     source.parent.mkdir()
     source.write_text("\n".join(kjv_chapters[:200]))  # ~1 MB of text
-    monkeypatch.setattr(images, "PROGRESS_EVERY", 64 << 10)
+    monkeypatch.setattr(copying, "PROGRESS_EVERY", 64 << 10)
     reports: list[int] = []
     with pytest.raises(ImageVerificationError, match="is not a squashfs image"):
         copy_image(str(source), str(tmp_path / "images"), chunk=64 << 10, progress=lambda c, t: reports.append(c))
@@ -404,7 +405,7 @@ def test_sqsh_name_is_distinct_per_registry_and_tag():
 
 def test_progress_is_reported_during_long_copies(served, tmp_path, monkeypatch, sqsh_image):
     server, _ = served
-    monkeypatch.setattr(images, "PROGRESS_EVERY", 256 << 10)
+    monkeypatch.setattr(copying, "PROGRESS_EVERY", 256 << 10)
     reports: list[tuple[int, int | None]] = []
     copy_image(
         server.url("nemo-test.sqsh"),
@@ -462,7 +463,7 @@ def test_source_changing_during_the_copy_is_detected(sqsh_image, tmp_path, monke
     source = tmp_path / "src" / "nemo-test.sqsh"
     source.parent.mkdir()
     shutil.copyfile(sqsh_image, source)
-    monkeypatch.setattr(images, "PROGRESS_EVERY", 256 << 10)
+    monkeypatch.setattr(copying, "PROGRESS_EVERY", 256 << 10)
 
     def rewrite_source(copied, total):
         if copied < total:
@@ -498,7 +499,7 @@ def test_signed_url_credentials_stay_out_of_logs_and_records(served, tmp_path, s
     server, _ = served
     row = fault_ledger.open_row("http stall on a signed URL: image copy")
     row.injected_from(server.injected_count)
-    monkeypatch.setattr(images, "RESUME_BACKOFF_S", 0.0)
+    monkeypatch.setattr(copying, "RESUME_BACKOFF_S", 0.0)
     signature = "X-Goog-Signature=5e1f0c0ffee0ddba11"
     url = server.url("nemo-test.sqsh") + "?X-Goog-Credential=svc%40proj&" + signature
     server.add_faults("/nemo-test.sqsh", Fault(stall_at=1000, stall=0.3))  # a resume, with its log line

@@ -165,16 +165,19 @@ def test_task_retries_transient_failures_only(prefect_server, served, tmp_path, 
     from prefect.client.orchestration import get_client
 
     from infra import images
+    from infra.images import copying
     from tasks.image import stage_image
     from tests.support.fault_server import Fault
 
     server, _ = served
     row = fault_ledger.open_row("http connection dropped more often than a copy resumes: stage_image task retried")
     row.injected_from(server.injected_count)
-    monkeypatch.setattr(images, "RESUME_BACKOFF_S", 0.0)
+    monkeypatch.setattr(copying, "RESUME_BACKOFF_S", 0.0)
     quick = stage_image.with_options(retry_delay_seconds=0)
     # First attempt: the connection drops more often than one copy resumes; the retry succeeds.
-    server.add_faults("/nemo-test.sqsh", *[Fault(stall_at=1000, stall=0.05) for _ in range(images.RESUME_ATTEMPTS + 1)])
+    server.add_faults(
+        "/nemo-test.sqsh", *[Fault(stall_at=1000, stall=0.05) for _ in range(copying.RESUME_ATTEMPTS + 1)]
+    )
 
     @flow
     def stage_both():

@@ -240,7 +240,7 @@ def test_command_line_options_take_references_and_refuse_literals_in_one_line():
 
 
 def test_an_image_is_staged_from_a_signed_url_by_reference(tmp_path, monkeypatch, work_dir):
-    """infra/images.py copies through the same transfer stack: probe and copy resolve, records keep the reference."""
+    """infra/images/ copies through the same transfer stack: probe and copy resolve, records keep the reference."""
     from infra import images
     from tests.image.conftest import make_squashfs
 
