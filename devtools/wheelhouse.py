@@ -836,9 +836,7 @@ def check(venv: Path, manifest: dict, repo: Path, log=print) -> int:
         return 1
     # NeMo AutoModel compiles its Megatron dataset helper (g++ + ninja) at first use: here, not in
     # the first training job (as scripts/setup.sh does online).
-    helper = (
-        "from nemo_automodel.components.datasets.llm.megatron.megatron_utils import compile_helper; compile_helper()"
-    )
+    helper = "from workloads.automodel_shim import build_dataset_helper; build_dataset_helper()"  # the venv's ninja
     if (
         "nemo-automodel" not in left_out
         and _run([_py(venv), "-c", helper], env=env, cwd=tempfile.gettempdir()).returncode

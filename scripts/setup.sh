@@ -121,8 +121,9 @@ if [ "$TORCH_VARIANT" != cpu ]; then
   .venv/bin/python devtools/torch_build.py check || exit 1
 fi
 # NeMo AutoModel compiles its Megatron dataset helper (C++, g++ + ninja) at first use: build it once
-# here rather than inside the first training run (cached per user under /tmp; quick when cached).
-if ! .venv/bin/python -c "from nemo_automodel.components.datasets.llm.megatron.megatron_utils import compile_helper; compile_helper()" >/tmp/nemoflow-compile-helper.log 2>&1; then
+# here rather than inside the first training run (cached per user under /tmp; quick when cached), with
+# the venv's ninja as training does (a system ninja's build log made the first training rebuild it).
+if ! .venv/bin/python -c "from workloads.automodel_shim import build_dataset_helper; build_dataset_helper()" >/tmp/nemoflow-compile-helper.log 2>&1; then
   echo "warning: AutoModel's dataset helper did not compile (training will try again): see /tmp/nemoflow-compile-helper.log" >&2
 fi
 if [ -n "$extras" ] && [ -f scripts/debian-packages.txt ]; then

@@ -143,6 +143,38 @@ class _TorchWithCpuCurrentDevice:
         return getattr(torch, name)
 
 
+# ---------------------------------------------------------------------------------------- the dataset helper
+def pin_ninja() -> str | None:
+    """Put this environment's ``ninja`` (constraints.txt pins it) first on PATH; returns its path, or None.
+
+    AutoModel compiles its Megatron dataset helper with whichever ``ninja`` PATH finds, into one cache
+    directory per user and environment (``compile_helper``). Ninja versions hash command lines differently
+    in ``.ninja_log`` (1.11's and 1.13's disagree), so a build by the system's ninja (a shell without the
+    venv on PATH: ``scripts/setup.sh`` did this) and the next by the venv's rebuild the helper each time:
+    35 s or more of a CPU demo's first training. Called before AutoModel builds its datasets.
+    """
+    import os
+    import shutil
+    import sys
+
+    here = os.path.dirname(sys.executable)  # the venv's bin (sys.executable is not resolved through links)
+    ninja = os.path.join(here, "ninja")
+    if not os.access(ninja, os.X_OK):
+        return None
+    if shutil.which("ninja") != ninja:
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
+    return ninja
+
+
+def build_dataset_helper() -> None:
+    """Compile (or find cached) AutoModel's dataset helper with this environment's ninja: the install
+    (``scripts/setup.sh``, the offline install) builds it here so the first training run does not."""
+    pin_ninja()
+    from nemo_automodel.components.datasets.llm.megatron.megatron_utils import compile_helper
+
+    compile_helper()
+
+
 # ---------------------------------------------------------------------------------------- asynchronous saves
 # AutoModel functions keep_staging_buffers relies on (checked like PATCHED by tests/train/test_automodel_shim.py).
 STAGING = (

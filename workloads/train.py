@@ -1180,6 +1180,7 @@ def train(config: TrainConfig) -> int:
     phases.switch(phases.START)  # NeMo AutoModel's imports
     from workloads import automodel_shim
 
+    automodel_shim.pin_ninja()  # the helper cached by the install is the one found (no rebuild)
     if not cuda:
         automodel_shim.apply()
     async_save, why_not = async_save_fits(config, vocab_size, world_size, cuda)
