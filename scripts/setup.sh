@@ -126,6 +126,15 @@ fi
 if ! .venv/bin/python -c "from workloads.automodel_shim import build_dataset_helper; build_dataset_helper()" >/tmp/nemoflow-compile-helper.log 2>&1; then
   echo "warning: AutoModel's dataset helper did not compile (training will try again): see /tmp/nemoflow-compile-helper.log" >&2
 fi
+# Prefect migrates a new database when its server first starts (~7 s of the first `nemoflow demo`): do it here
+# for the database the demo's server will open (the default SQLite file), once, when it does not exist yet.
+prefect_db="${PREFECT_HOME:-$HOME/.prefect}/prefect.db"
+if [ -z "${PREFECT_API_URL:-}${PREFECT_SERVER_DATABASE_CONNECTION_URL:-}${PREFECT_API_DATABASE_CONNECTION_URL:-}" ] \
+  && [ ! -e "$prefect_db" ]; then
+  if ! PREFECT_SERVER_ANALYTICS_ENABLED=false .venv/bin/prefect server database upgrade -y >/tmp/nemoflow-prefect-db.log 2>&1; then
+    echo "warning: could not create Prefect's database $prefect_db (the server will): see /tmp/nemoflow-prefect-db.log" >&2
+  fi
+fi
 if [ -n "$extras" ] && [ -f scripts/debian-packages.txt ]; then
   missing=$(grep -v '^#' scripts/debian-packages.txt | xargs -r -n1 sh -c 'dpkg -s "$0" >/dev/null 2>&1 || echo "$0"')
   if [ -n "$missing" ]; then
