@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import importlib
+import importlib.util
 import inspect
+import linecache
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,19 +46,28 @@ class CodeVersion(CachePolicy):
 
 def code_fingerprint(*modules: str) -> str:
     """A hash of the source of ``modules``; a package counts with every module under it, so code moved from a
-    package's ``__init__`` into one of its modules is still part of the key."""
+    package's ``__init__`` into one of its modules is still part of the key. The files are read, not imported:
+    a cache key must not import the job's code (workloads.train imports torch: 3-18 s of the flow-run process
+    before its training stage)."""
     digest = hashlib.sha256()
     for name in sorted(modules):
-        module = importlib.import_module(name)
+        spec = importlib.util.find_spec(name)  # imports the parent packages only
         digest.update(name.encode())
-        digest.update(inspect.getsource(module).encode())
-        if hasattr(module, "__path__"):  # a package: its __init__ (above) and every module under it
-            init = Path(module.__file__)
+        digest.update(_source(name, spec).encode())
+        if spec is not None and spec.submodule_search_locations is not None and spec.origin:
+            init = Path(spec.origin)  # a package: its __init__ (above) and every module under it
             for path in sorted(init.parent.rglob("*.py")):
                 if path != init:
                     digest.update(str(path.relative_to(init.parent)).encode())
                     digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def _source(name: str, spec) -> str:
+    """The module's source text, as ``inspect.getsource(module)`` gives it (so cache keys stay the same)."""
+    if spec is None or not spec.has_location or not (spec.origin or "").endswith(".py"):
+        return inspect.getsource(importlib.import_module(name))  # no .py file to read: ask the module
+    return "".join(linecache.getlines(spec.origin))
 
 
 def cache_policy(*modules: str) -> CachePolicy:
