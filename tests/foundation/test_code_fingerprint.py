@@ -2,7 +2,7 @@
 
 The training stage's key (``tasks.train.EngineCode``) fingerprints ``workloads.train`` and the engine's other
 modules; ``code_fingerprint`` imported them to read their source, so every flow-run process imported torch (and
-the trainer) before its training stage: 3 s at a load of 2, 18 s at a load of 5 between the data stage's end and
+the trainer) before its training stage: 18 s and 3 s in two Slurm demo runs between the data stage's end and
 the training job's submit in the Slurm demo (seen with py-spy: ``code_fingerprint`` -> ``import torch``).
 """
 
