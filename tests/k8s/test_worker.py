@@ -13,6 +13,7 @@ import pytest
 
 from tests.k8s.conftest import NAMESPACE
 from tests.k8s.controller import JobScript, PodScript
+from tests.support import fault_ledger
 from tests.support.kube_worker import kubernetes_worker, log_tail, write_kubeconfig
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
@@ -58,19 +59,28 @@ async def _final_state(run_id, timeout_s: float):
             await asyncio.sleep(1)
 
 
+def _run_pods(cluster, run_id) -> list[dict]:
+    return [p for p in cluster.live("v1/pods") if (p["metadata"].get("labels") or {}).get(RUN_LABEL) == str(run_id)]
+
+
+@pytest.mark.faults
 async def test_worker_names_the_flow_run_job_itself_and_its_observer_marks_a_failed_run_crashed(
     ready, prefect_server, tmp_path
 ):
     from prefect.client.orchestration import get_client
 
+    row = fault_ledger.open_row("k8s: the flow-run pod fails before the flow starts (real worker, observer)")
     pool, deployment_id = await _deployment(prefect_server)
     # every pod of this cluster fails: the flow-run pod's container exits 1 before the flow starts
     ready.scripts[""] = JobScript(pod=lambda i: PodScript(logs=["flow-run pod: exit 1"], exit_code=1))
     async with get_client() as client:
         run = await client.create_flow_run_from_deployment(deployment_id)
+    row.watch_runs([run.id])
     log = tmp_path / "worker.log"
     with kubernetes_worker(pool, prefect_server, write_kubeconfig(tmp_path / "kubeconfig", ready.url), log):
         final = await _final_state(run.id, timeout_s=180)
+    row.injected += sum(p["status"].get("phase") == "Failed" for p in _run_pods(ready, run.id))
+    assert row.injected == 1, _run_pods(ready, run.id)
     assert final.state.is_crashed(), f"{final.state}\n{log_tail(log)}"
     assert "No active or succeeded pods found for any job" in final.state.message
 
