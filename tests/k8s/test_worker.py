@@ -98,3 +98,26 @@ async def test_worker_names_the_flow_run_job_itself_and_its_observer_marks_a_fai
     }
     assert {("/api/v1/pods", True), ("/apis/batch/v1/jobs", True)} <= selected, sorted(selected)
     assert (f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs", False) in selected, "the crash check lists the run's Jobs"
+    _valid_but_for_pod_level_completions(jobs[0])
+
+
+def _valid_but_for_pod_level_completions(job: dict) -> None:
+    """The Job the worker sent passes the Kubernetes schemas (strict) once ``completions`` and ``parallelism``
+    are taken out of its pod spec: prefect-kubernetes' own base manifest puts them there (its template
+    validation requires them), and an API server drops such unknown fields with a warning (its default
+    ``fieldValidation=Warn``); under ``fieldValidation=Strict`` the worker's create would be refused."""
+    import copy
+
+    import kubernetes_validate
+
+    from tests.k8s.test_manifests import VERSIONS
+
+    pod_spec = job["spec"]["template"]["spec"]
+    assert (pod_spec.get("completions"), pod_spec.get("parallelism")) == (1, 1), pod_spec
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(job, VERSIONS[-1], strict=True)
+    sent = copy.deepcopy(job)
+    for field in ("completions", "parallelism"):
+        del sent["spec"]["template"]["spec"][field]
+    for version in VERSIONS:
+        kubernetes_validate.validate(sent, version, strict=True)
