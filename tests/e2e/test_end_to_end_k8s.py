@@ -6,11 +6,11 @@ What runs, in order:
 
 1. ``prefect deploy --name end-to-end/k8s`` from prefect.yaml (pool ``nemoflow-k8s``, created from
    deployments/k8s/base-job-template.json), then ``prefect deployment run end-to-end/k8s``;
-2. the worker's part: the flow-run Job is rendered by prefect-kubernetes' own code
-   (``KubernetesWorkerJobConfiguration.from_template_and_values`` + ``prepare_for_flow_run``) from the
-   pool's template and the deployment's job variables, exactly as its worker renders it, and created in
-   the API. (The worker process itself is not used: it names Jobs by ``generateName`` and finds their
-   pods by label selectors, neither of which kmock implements.)
+2. the worker: prefect-kubernetes' own process, ``prefect worker start --pool nemoflow-k8s --type
+   kubernetes``, with a kubeconfig naming the API stand-in (tests/support/kube.py, kmock extended with
+   generateName, label selectors, uid/resourceVersion, garbage collection): it renders the flow-run Job
+   from the pool's template and the deployment's job variables, creates it (``generateName``), and its
+   observer watches the run's pods and Jobs by label selector;
 3. the flow-run pod runs ``prefect flow-run execute`` in the image, with the workspace PVC (a host
    directory) at /nemo-workspace, the Secret's keys by ``secretKeyRef``, and the API through the
    kubeconfig the kubelet mounts; the flow submits every stage through the k8s backend: the image
@@ -18,6 +18,9 @@ What runs, in order:
    the inference Deployment + Service (ready when its readiness probe answers from the container),
    the seed's smoke request from the flow-run pod to ``http://<svc>.<ns>.svc.cluster.local:<port>``
    (cluster DNS: the kubelet publishes Service names into running pods), and the model registry.
+
+4. the same run again: every stage Cached (the endpoint still healthy, nothing re-trained), again
+   through a flow-run Job the worker creates.
 
 Only the parameters are the test's: the tiny model, a free port, one tokenizer worker.
 """
@@ -32,17 +35,19 @@ import os
 import re
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.conftest import REPO, VENV_BIN, free_port, get_json
+from tests.e2e.test_end_to_end import _task_states
+from tests.support.kube import KubeApi
+from tests.support.kube_worker import kubernetes_worker, log_tail, write_kubeconfig
 from tests.support.require import need
 from tests.support.tiny import TINY_TRAIN
 
-pytestmark = [pytest.mark.slow, pytest.mark.prefect]
+pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.kmock(cls=KubeApi)]
 
 SERVE_KEY = "sk-k8s-e2e-SENTINEL-27182818"
 HF_TOKEN = "hf_k8sE2eSENTINEL31415926"
@@ -88,53 +93,22 @@ def _prefect(args: list[str], env: dict, timeout: float = 600) -> str:
     return proc.stdout
 
 
-async def _flow_run_job(run_id: str) -> dict:
-    """The flow-run Job as prefect-kubernetes' worker renders it (pool template + job variables + flow run)."""
-    from prefect.client.orchestration import get_client
-    from prefect.states import Pending
-    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
-
-    async with get_client() as client:
-        flow_run = await client.read_flow_run(run_id)
-        deployment = await client.read_deployment(flow_run.deployment_id)
-        pool = await client.read_work_pool(deployment.work_pool_name)
-        flow = await client.read_flow(flow_run.flow_id)
-        values = {**(deployment.job_variables or {}), **(flow_run.job_variables or {})}
-        config = await KubernetesWorkerJobConfiguration.from_template_and_values(
-            pool.base_job_template, values, client=client
-        )
-        config.prepare_for_flow_run(flow_run, deployment, flow, pool, "k8s-e2e")
-        # as the worker does before it submits: the run is Pending until its pod starts it
-        await client.set_flow_run_state(run_id, Pending())
-    job = config.job_manifest
-    # the API server's job: a name from generateName (kmock leaves it to the client)
-    job["metadata"]["name"] = job["metadata"].pop("generateName") + uuid.uuid4().hex[:5]
-    return job
-
-
-async def _submit(api_url: str, ns: str, job: dict) -> None:
-    """POST the manifest as the worker does (its kubernetes_asyncio client sends the dict as it is; the
-    sync client's models would refuse the pod-level completions/parallelism the worker's template needs)."""
-    import aiohttp
-
-    async with aiohttp.ClientSession() as session:
-        async with session.post(f"{api_url}/apis/batch/v1/namespaces/{ns}/jobs", json=job) as resp:
-            assert resp.status < 300, await resp.text()
-
-
-async def _wait_for_final_state(run_id: str, cluster, job_name: str):
+async def _wait_for_final_state(run_id: str, cluster, worker) -> tuple[object, str | None]:
+    """The run's final state (or its last one, if its Job failed, the worker died or time ran out) and
+    the name of the flow-run Job the worker created for it."""
     from prefect.client.orchestration import get_client
 
     deadline = time.monotonic() + DEADLINE_S
     async with get_client() as client:
         while True:
-            state = (await client.read_flow_run(run_id)).state
-            if state is not None and state.is_final():
-                return state
-            job = cluster.get("jobs", job_name) or {}
+            run = await client.read_flow_run(run_id)
+            job_name = run.infrastructure_pid.split(":", 1)[1] if run.infrastructure_pid else None
+            if run.state is not None and run.state.is_final():
+                return run.state, job_name
+            job = cluster.get("jobs", job_name) or {} if job_name else {}
             failed = [c for c in (job.get("status") or {}).get("conditions") or [] if c.get("type") == "Failed"]
-            if failed or time.monotonic() > deadline:
-                return state
+            if failed or worker.poll() is not None or time.monotonic() > deadline:
+                return run.state, job_name
             await asyncio.sleep(3)
 
 
@@ -144,6 +118,16 @@ def _tails(cluster, lines: int = 40) -> str:
         out.append(f"--- pod {pod}")
         out += [text for _, text in logged[-lines:]]
     return "\n".join(out)
+
+
+async def _run(env: dict, config: dict, cluster, worker) -> tuple[str, object, str | None]:
+    """``prefect deployment run end-to-end/k8s``; (run id, its final state, its flow-run Job's name)."""
+    started = await asyncio.to_thread(
+        _prefect, ["deployment", "run", "end-to-end/k8s", "--params", json.dumps({"config": config})], env
+    )
+    run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", started).group(1)
+    state, job_name = await _wait_for_final_state(run_id, cluster, worker)
+    return run_id, state, job_name
 
 
 async def test_end_to_end_k8s_as_shipped_every_pod_a_container(kmock, prefect_server, tmp_path, shipped_image):
@@ -181,16 +165,31 @@ async def test_end_to_end_k8s_as_shipped_every_pod_a_container(kmock, prefect_se
             "serve": {"port": port, "model_name": MODEL},
             "validation_threshold": 9.5,
         }
-        started = await asyncio.to_thread(
-            _prefect, ["deployment", "run", "end-to-end/k8s", "--params", json.dumps({"config": config})], env
-        )
-        run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", started).group(1)
-        job = await _flow_run_job(run_id)
-        t0 = time.monotonic()
-        await _submit(cluster.url, ns, job)
-        state = await _wait_for_final_state(run_id, cluster, job["metadata"]["name"])
-        print(f"end-to-end/k8s: {state.name if state else None} after {time.monotonic() - t0:.0f} s")
-        assert state is not None and state.is_completed(), f"{state}\n{_tails(cluster)}"
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", cluster.url)
+        worker_log = tmp_path / "worker.log"
+        with kubernetes_worker("nemoflow-k8s", prefect_server, kubeconfig, worker_log) as worker:
+            t0 = time.monotonic()
+            run_id, state, job_name = await _run(env, config, cluster, worker)
+            print(f"end-to-end/k8s: {state.name if state else None} after {time.monotonic() - t0:.0f} s")
+            assert state is not None and state.is_completed(), f"{state}\n{_tails(cluster)}\n{log_tail(worker_log)}"
+
+            # nothing changed: the same run again through the worker is all Cached, and runs no stage Job
+            t0 = time.monotonic()
+            again_id, again, again_job = await _run(env, config, cluster, worker)
+            print(f"end-to-end/k8s again: {again.name if again else None} after {time.monotonic() - t0:.0f} s")
+            assert again is not None and again.is_completed(), f"{again}\n{_tails(cluster)}\n{log_tail(worker_log)}"
+        states = await asyncio.to_thread(_task_states, again_id)
+        assert states and {n: s for n, s in states.items() if s != "Cached"} == {}, states
+        assert not [
+            j for j in cluster.live("batch/v1/jobs") if j["metadata"]["labels"].get("nemoflow.io/flow-run") == again_id
+        ], "a cached run submits no stage Job"
+
+        # the worker created each flow-run Job: named by the API from its generateName, labelled with its run
+        for run, name in ((run_id, job_name), (again_id, again_job)):
+            flow_job = cluster.get("jobs", name)
+            assert name in kmock.generated_names and flow_job["metadata"]["generateName"], name
+            assert flow_job["metadata"]["labels"]["prefect.io/flow-run-id"] == run
+            assert flow_job["metadata"]["labels"]["prefect.io/worker-name"], flow_job["metadata"]["labels"]
 
         # the run's summary and artifacts are on the PVC, under the pool's NEMOFLOW_WORK_DIR
         root = pvc / Path(work_dir).relative_to("/nemo-workspace")
@@ -218,7 +217,7 @@ async def test_end_to_end_k8s_as_shipped_every_pod_a_container(kmock, prefect_se
             pods = [p for p in kubelet.commands if p.startswith(name + "-")]
             assert len(pods) == stage_job["spec"].get("completions", 1), (name, pods)
             assert all(shipped_image in kubelet.commands[p] for p in pods)
-        flow_pods = [p for p in kubelet.commands if p.startswith(job["metadata"]["name"] + "-")]
+        flow_pods = [p for p in kubelet.commands if p.startswith(job_name + "-")]
         assert len(flow_pods) == 1 and shipped_image in kubelet.commands[flow_pods[0]], "the flow run ran in a pod"
 
         # the server: a Deployment whose pod runs the image, its key by reference, answering from the container

@@ -8,6 +8,7 @@ from infra.k8s.config import api_client_for_url
 from infra.k8s.options import K8sOptions
 from tests.image_build.fixtures import nemoflow_image  # noqa: F401 - a fixture, used by name (podman tests)
 from tests.k8s.controller import FakeCluster
+from tests.support.kube import KubeApi
 
 NAMESPACE = "team"
 # Values that must never show up in a manifest, a log line or an error.
@@ -66,3 +67,9 @@ def secret_env(monkeypatch):
     yield SECRET_VALUES
     monkeypatch.undo()
     reload_settings()
+
+
+@pytest.fixture
+def kmock_options(kmock_options):
+    """Every kmock of these tests is the API stand-in of tests/support/kube.py."""
+    return {**kmock_options, "cls": KubeApi}

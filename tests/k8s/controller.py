@@ -11,8 +11,12 @@ With ``kubelet=PodmanKubelet()`` (tests/k8s/kubelet.py) pods are not scripted: t
 containers run for real as podman containers of the pod's image, with the PVC as a host
 directory, env and Secrets resolved, readiness probes sent, exit codes as pod status,
 and Job deadlines (``activeDeadlineSeconds``) enforced.
-What it deliberately does not do: garbage-collect pods of a deleted Job, so a
-test sees whether the backend itself leaves nothing behind.
+Pods carry an ``ownerReference`` to their Job, as the Job controller sets it: on the API
+stand-in of tests/support/kube.py (``KubeApi``) deleting a Job with ``propagationPolicy``
+Background or Foreground deletes its pods through the garbage collector, and the controller
+records Events (SuccessfulCreate, Completed, BackoffLimitExceeded, DeadlineExceeded). On plain
+kmock nothing collects a deleted Job's pods, so a test there sees whether the backend itself
+leaves nothing behind. A Job being deleted (``deletionTimestamp`` set) is no longer driven.
 """
 
 from __future__ import annotations
@@ -74,7 +78,8 @@ class FakeCluster:
             "kubeflow.org/v1/pytorchjobs",
             "serving.knative.dev/v1/services",
         ):
-            kmock.resources[resource] = {}
+            if resource not in kmock.resources:  # KubeApi declares them with their kinds and verbs
+                kmock.resources[resource] = {}
         kmock["get", re.compile(r"/api/v1/namespaces/[^/]+/pods/[^/]+/log")] << self._serve_log
         # kmock parses /api/v1/namespaces/NAME as "namespace NAME" without a resource, so
         # reading a Namespace object is served here.
@@ -136,6 +141,11 @@ class FakeCluster:
             if f"{res.group}/{res.version}/{res.plural}".lstrip("/") == resource and not obj.deleted
         ]
 
+    async def settle(self) -> None:
+        """Wait for the API's garbage collector (a Job deleted in Foreground stays until its pods are gone)."""
+        if hasattr(self.kmock, "settle"):
+            await self.kmock.settle()
+
     def get(self, plural: str, name: str) -> dict | None:
         """The live object of this namespace (None if absent or deleted)."""
         for (res, ns, n), obj in list(self.kmock.objects.items()):
@@ -194,28 +204,55 @@ class FakeCluster:
             assert r.status < 300, await r.text()
 
     def _exists(self, plural: str, name: str) -> bool:
+        """Whether the object is live and not being deleted (a controller stops driving it then)."""
         for (res, ns, n), obj in self.kmock.objects.items():
             if res.plural == plural and n == name and ns == self.namespace and not obj.deleted:
-                return True
+                return not (obj.raw.get("metadata") or {}).get("deletionTimestamp")
         return False
 
+    async def event(self, involved: dict, reason: str, message: str, type_: str = "Normal") -> None:
+        """An Event, as the Job controller records one (on the KubeApi stand-in only)."""
+        if hasattr(self.kmock, "record_event"):
+            await self.kmock.record_event(involved, reason, message, type_=type_, component="job-controller")
+
     async def _make_pod(
-        self, owner: str, template: dict, index: int | None, suffix: str = "x7k2p", extra_labels: dict | None = None
+        self,
+        owner: str,
+        template: dict,
+        index: int | None,
+        suffix: str = "x7k2p",
+        extra_labels: dict | None = None,
+        owner_object: dict | None = None,
     ) -> str:
         name = f"{owner}-{index if index is not None else 0}-{suffix}"
         labels = dict(
             (template.get("metadata") or {}).get("labels") or {}, **{"job-name": owner}, **(extra_labels or {})
         )
         annotations = {INDEX_ANNOTATION: str(index)} if index is not None and not extra_labels else {}
+        metadata = {"name": name, "namespace": self.namespace, "labels": labels, "annotations": annotations}
+        owner_uid = ((owner_object or {}).get("metadata") or {}).get("uid")
+        if owner_uid:
+            metadata["ownerReferences"] = [
+                {
+                    "apiVersion": owner_object["apiVersion"],
+                    "kind": owner_object["kind"],
+                    "name": owner,
+                    "uid": owner_uid,
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ]
         pod = {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": name, "namespace": self.namespace, "labels": labels, "annotations": annotations},
+            "metadata": metadata,
             "spec": template["spec"],
             "status": {"phase": "Pending"},
         }
         async with self._session.post(f"/api/v1/namespaces/{self.namespace}/pods", json=pod) as r:
             assert r.status < 300, await r.text()
+        if owner_object is not None:
+            await self.event(owner_object, "SuccessfulCreate", f"Created pod: {name}")
         return name
 
     async def _run_pod(self, name: str, container: str, script: PodScript) -> bool:
@@ -293,7 +330,10 @@ class FakeCluster:
         indexed = spec.get("completionMode") == "Indexed"
         completions = spec.get("completions") or 1
         container = spec["template"]["spec"]["containers"][0]["name"]
-        pods = [await self._make_pod(name, spec["template"], i if indexed else None) for i in range(completions)]
+        pods = [
+            await self._make_pod(name, spec["template"], i if indexed else None, owner_object=job)
+            for i in range(completions)
+        ]
         if self.kubelet is not None:
             runs = [asyncio.create_task(self.kubelet.run_pod(self, p, job)) for p in pods]
         else:
@@ -333,6 +373,7 @@ class FakeCluster:
                         }
                     },
                 )
+                await self.event(job, "DeadlineExceeded", "Job was active longer than specified deadline", "Warning")
                 return
             if any(not t.result() for t in done):
                 for t in pending:
@@ -354,11 +395,15 @@ class FakeCluster:
                         }
                     },
                 )
+                await self.event(job, "BackoffLimitExceeded", "Job has reached the specified backoff limit", "Warning")
                 return
+        if not self._exists("jobs", name):
+            return
         await self._patch(
             path,
             {"status": {"active": 0, "succeeded": completions, "conditions": [{"type": "Complete", "status": "True"}]}},
         )
+        await self.event(job, "Completed", "Job completed")
 
     async def _drive_deployment(self, dep: dict) -> None:
         if self.kubelet is not None:

@@ -97,6 +97,7 @@ async def test_failure_reasons(ready, make_backend, pod, state, expected):
         assert text in (result.reason or ""), result.reason
     if pod.waiting or pod.unschedulable:
         # the Job would never end by itself: the backend deletes it and its pods
+        await ready.settle()  # the Foreground deletion ends when the collector removed the pods
         assert ready.live("batch/v1/jobs") == [] and ready.live("v1/pods") == []
     if pod.unschedulable:
         assert any("0/4 nodes are available" in line for line in lines), "pending reason shown while waiting"
@@ -325,6 +326,7 @@ async def test_interrupted_run_deletes_job_and_pods(ready):
                 seen += await proc.stdout.read(200_000)
         proc.kill()
         pytest.fail("the run did not end within 90 s of its SIGINT; its output and stacks:\n" + seen.decode()[-8000:])
+    await ready.settle()  # the Foreground deletion ends when the collector removed the pods
     assert ready.live("batch/v1/jobs") == [] and ready.live("v1/pods") == []
     job_deletes = [r for r in ready.kmock if r.method == "DELETE" and "/jobs/" in r.url.path]
     assert job_deletes and job_deletes[0].data["propagationPolicy"] == "Foreground"
@@ -439,6 +441,7 @@ async def test_cancel_in_flight_stops_a_run_in_another_thread(ready, make_backen
     async with asyncio.timeout(20):
         result, _ = await running
     assert result.state is JobState.CANCELLED
+    await ready.settle()  # the Foreground deletion ends when the collector removed the pods
     assert ready.live("batch/v1/jobs") == [] and ready.live("v1/pods") == []
     assert await asyncio.to_thread(cancel_in_flight) == 0
 
