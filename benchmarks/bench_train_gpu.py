@@ -221,8 +221,17 @@ def run_nemoflow(args, prefix: str, out: Path, moe_impl: str | None = None, ckpt
     wall = time.perf_counter() - start
     (out / f"nemoflow-{tag}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-4000:]
-        raise SystemExit(f"nemoflow trainer failed (exit {proc.returncode}):\n{tail}")
+        # the trainer's own warnings and errors first (a failed save says why there), then the output's tail,
+        # which torchrun's traceback fills
+        said = [
+            line
+            for line in proc.stdout.splitlines()
+            if line.split("] ", 1)[-1].startswith(("warning:", "error:", "out of memory"))  # after "[rank N] "
+        ]
+        tail = "\n".join(said[-10:]) + "\n...\n" + (proc.stdout + proc.stderr)[-2500:]
+        raise SystemExit(
+            f"nemoflow trainer failed (exit {proc.returncode}); its log: {out / f'nemoflow-{tag}.log'}\n{tail}"
+        )
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     stats = checkpoint_stats(records, args.warmup, mbs * args.gpus * args.seq)
     tps = stats["steady_tokens_per_s"]

@@ -166,7 +166,9 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
       train)
         "$VENV/bin/python" benchmarks/bench_train_gpu.py --model 1.1b --gpus 1 --steps 40 --warmup 5 --ckpt-every 10 \
           --compare-no-saves --skip-reference --out "$ROOT/bench-acc-train" 2>&1 | tee "$dir/ckpt10.log" || rc=$?
-        cp "$ROOT/bench-acc-train/bench_train_gpu-1.1b-1gpu.json" "$dir/ckpt10.json" || rc=1 ;;
+        cp "$ROOT/bench-acc-train/bench_train_gpu-1.1b-1gpu.json" "$dir/ckpt10.json" || rc=1
+        cp "$ROOT"/bench-acc-train/nemoflow-*.log "$dir/" 2>/dev/null || true
+        rm -rf "$ROOT"/bench-acc-train/run-* ;;  # 13 GB a save: the MoE part after it needs the disk
       moe)
         for spec in moe-0.9b:4 mixtral-8x7b-2l:2 mixtral-8x7b-2l:4; do
           model=${spec%:*}; mb=${spec#*:}
@@ -174,6 +176,10 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
             --gpus 1 --steps 20 --warmup 5 --ckpt-every 1000 --skip-reference --out "$ROOT/bench-acc-moe-$model-$mb" \
             > "$dir/$model-mb$mb.log" 2>&1 || rc=$?
           cp "$ROOT/bench-acc-moe-$model-$mb/bench_train_gpu-$model-1gpu.json" "$dir/$model-mb$mb.json" || rc=1
+          cp "$ROOT/bench-acc-moe-$model-$mb"/nemoflow-*.log "$dir/" 2>/dev/null || true  # the trainer's own output
+          # a run's checkpoint is no result: the Mixtral slice's final save is 38 GB (weights and AdamW state in
+          # fp32) and the node's disk is 64 GiB, so the runs before it must not keep theirs
+          rm -rf "$ROOT/bench-acc-moe-$model-$mb"/run-*
           tail -3 "$dir/$model-mb$mb.log"
         done ;;
       serve)
