@@ -146,6 +146,28 @@ class MixtralForCausalLM(MiniMaxM2ForCausalLM):
             if type(experts) is GroupedExperts:
                 experts.__class__ = AutocastGroupedExperts
 
+    def _apply(self, fn, recurse=True):
+        """Moves (``.cuda()``, ``.to(device)``, ``to_empty``) carry the rotary frequencies too, as they carry buffers.
+
+        AutoModel's RotaryEmbedding is no buffer: it computes its frequencies once on ``rotary_emb.device`` (set at
+        construction and by ``initialize_weights``) and caches them, so a model initialized on the CPU and then
+        moved to a GPU copied them from host memory in every forward, a synchronizing copy (the H200's sync check
+        at fc7500e). Where a move changes the device, the rotary embedding follows it and computes them again there.
+        """
+        moved = super()._apply(fn, recurse)
+        rotary = getattr(getattr(self, "model", None), "rotary_emb", None)
+        if rotary is not None:
+            before = torch.device(rotary.device or "cpu")
+            try:
+                after = fn(torch.empty(0, device=before)).device
+            except (RuntimeError, TypeError, ValueError, AttributeError):  # a function for parameters only (a sharding)
+                after = before
+            if after != before:
+                rotary.device = after
+                # a functools.cache on the method, shared by every instance: the others compute theirs again
+                type(rotary)._compute_concentration_and_inv_freq.cache_clear()
+        return moved
+
 
 def register() -> None:
     """Make :class:`MixtralForCausalLM` AutoModel's ``MixtralForCausalLM`` in this process (idempotent)."""

@@ -362,3 +362,19 @@ def test_on_the_gpu_a_whole_model_step_never_waits_for_the_device():
     calls = {e.key: e.count for e in prof.key_averages() if e.key in names}
     print(f"syncing calls in 3 steps of a 2-layer grouped Mixtral: {calls or 0}")
     assert not calls
+
+
+def test_the_rotary_frequencies_move_with_the_model():
+    """AutoModel's RotaryEmbedding is no buffer: it computes its frequencies once on ``rotary_emb.device`` and
+    caches them, so a model initialized on one device and then moved (``initialize_weights(cpu)`` and
+    ``.cuda()``, as the GPU sync test builds it) copied them from host memory in every forward: the one
+    synchronizing operation the H200 found in a whole grouped-Mixtral step at fc7500e (rope_utils.py,
+    ``inv_freq.to(device)``). The model's moves now carry them, as they carry buffers; "meta" stands in for
+    the GPU here (any device but the one it was initialized on)."""
+    model = _grouped_model(_config())
+    rotary = model.model.rotary_emb
+    assert rotary._compute_concentration_and_inv_freq()[1].device.type == "cpu"  # computed and cached on the CPU
+    model.to("meta")
+    assert rotary._compute_concentration_and_inv_freq()[1].device.type == "meta"
+    model.to(torch.float64)  # a dtype-only move leaves the device
+    assert rotary._compute_concentration_and_inv_freq()[1].device.type == "meta"
