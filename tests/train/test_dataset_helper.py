@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, VENV_BIN
+from tests.support.require import need
 
 # What each process does, as the install and the training job do it; prints where the helper lives.
 INSTALL = "from workloads.automodel_shim import build_dataset_helper; build_dataset_helper()"
@@ -54,9 +55,11 @@ def test_pin_ninja_puts_the_environments_ninja_first():
 
 @pytest.mark.slow
 def test_the_installs_build_is_the_one_training_finds():
-    system = _system_ninja()
-    if system is None:
-        pytest.skip("no system ninja besides the venv's here: the two build logs cannot disagree")
+    need(
+        _system_ninja(),
+        "a system ninja besides the venv's (without one the two build logs cannot disagree)",
+        "apt-get install ninja-build (scripts/setup.sh --test)",
+    )
     system_first = f"/usr/bin:/bin:{VENV_BIN}"  # scripts/setup.sh's PATH: the venv is not on it
     venv_first = f"{VENV_BIN}:/usr/bin:/bin"  # scripts/demo.sh's and the test command's PATH
 
