@@ -316,16 +316,20 @@ async def test_interrupted_run_deletes_job_and_pods(ready):
     assert len(ready.live("v1/pods")) == 2
     proc.send_signal(signal.SIGINT)
     # the clean-up is what is asserted, not its speed (30 s ran out in loaded full runs on the 2-core machine)
+    # Its output after the SIGINT is kept (the clean-up's lines), to show with the stacks if it hangs.
     try:
         async with asyncio.timeout(90):
-            await proc.communicate()
-    except TimeoutError:  # it hung: its threads' stacks say where (it passed alone, hung twice in full runs)
+            while chunk := await proc.stdout.read(65536):
+                seen += chunk
+            await proc.wait()
+    except TimeoutError:  # it hung: its threads' stacks say where (it passed alone, hung three times in full runs)
         proc.send_signal(signal.SIGUSR1)
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(TimeoutError):  # every thread's stack: all of it (one read returns a part)
             async with asyncio.timeout(5):
-                seen += await proc.stdout.read(200_000)
+                while chunk := await proc.stdout.read(65536):
+                    seen += chunk
         proc.kill()
-        pytest.fail("the run did not end within 90 s of its SIGINT; its output and stacks:\n" + seen.decode()[-8000:])
+        pytest.fail("the run did not end within 90 s of its SIGINT; its output and stacks:\n" + seen.decode()[-16000:])
     await ready.settle()  # the Foreground deletion ends when the collector removed the pods
     assert ready.live("batch/v1/jobs") == [] and ready.live("v1/pods") == []
     job_deletes = [r for r in ready.kmock if r.method == "DELETE" and "/jobs/" in r.url.path]
