@@ -407,13 +407,18 @@ class KubeApi(k8s.KubernetesEmulator):
         await self._record(request.resource, namespace, "ADDED", None, self._objects[key].raw)
         return key
 
-    async def _update(self, request: rendering.Request) -> None:
+    def _existing(self, request: rendering.Request):
+        """The request's object and its key; 404 (NotFound) when there is none, or it is being deleted."""
         key = (request.resource, request.namespace, request.name)
         obj = self._objects[key] if key in self._objects else None
         if obj is None or obj.deleted:
             raise k8s.KubernetesObjectNotFoundError(
                 message=f'{request.resource.plural} "{request.name}" not found', reason="NotFound"
             )
+        return key, obj
+
+    async def _update(self, request: rendering.Request) -> None:
+        key, obj = self._existing(request)
         if not isinstance(request.data, dict):
             raise KubernetesError(
                 status=415, reason="UnsupportedMediaType", message="only JSON merge patches are emulated"
@@ -452,12 +457,7 @@ class KubeApi(k8s.KubernetesEmulator):
         return policy
 
     async def _delete(self, request: rendering.Request) -> None:
-        key = (request.resource, request.namespace, request.name)
-        obj = self._objects[key] if key in self._objects else None
-        if obj is None or obj.deleted:
-            raise k8s.KubernetesObjectNotFoundError(
-                message=f'{request.resource.plural} "{request.name}" not found', reason="NotFound"
-            )
+        key, obj = self._existing(request)
         await self.delete_object(key, self._policy(request))
 
     async def delete_object(self, key, policy: str = "Background") -> None:
