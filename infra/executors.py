@@ -126,7 +126,7 @@ class LocalExecutor(ExecutorBase, BaseModel):
             return None
         for handle in services.list_services():
             if handle.name.startswith(name) and handle.port == port:
-                if listener in processes.group_members(handle.pid) or _descends_from(listener, handle.pid):
+                if listener in processes.group_members(handle.pid) or processes.descends_from(listener, handle.pid):
                     return f"{handle.name} (pid {handle.pid}, {handle.url})"
         return None
 
@@ -242,23 +242,6 @@ def demo_kinds() -> list[str]:
 def work_pools() -> list[WorkPool]:
     """The work pools of every backend's deployments (prefect.yaml's)."""
     return [cls.work_pool for cls in EXECUTOR_TYPES]
-
-
-def _descends_from(pid: int, ancestor: int) -> bool:
-    """Whether ``pid`` is ``ancestor`` or one of its descendants (/proc's parent links): a server's child that
-    left its process group still belongs to it."""
-    for _ in range(64):
-        if pid == ancestor:
-            return True
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return False
-        pid = int(fields[1])
-        if pid <= 1:
-            return False
-    return False
 
 
 def interactive_kinds() -> list[str]:

@@ -70,6 +70,21 @@ def children(pid: int) -> list[tuple[int, int]]:
     return [(child, int(fields[19])) for child, fields in _live_processes() if int(fields[1]) == pid]
 
 
+def descends_from(pid: int, ancestor: int) -> bool:
+    """Whether ``pid`` is ``ancestor`` or one of its descendants (/proc's parent links): a server's child that
+    left its process group still belongs to it."""
+    for _ in range(64):
+        if pid == ancestor:
+            return True
+        fields = _stat_fields(pid)
+        if fields is None:
+            return False
+        pid = int(fields[1])
+        if pid <= 1:
+            return False
+    return False
+
+
 def command_name(pid: int, settle_s: float = 1.0) -> str | None:
     """The executable's base name from ``/proc/PID/cmdline`` (None when the process is gone).
 

@@ -457,7 +457,7 @@ class KubeApi(k8s.KubernetesEmulator):
         return policy
 
     async def _delete(self, request: rendering.Request) -> None:
-        key, obj = self._existing(request)
+        key, _ = self._existing(request)
         await self.delete_object(key, self._policy(request))
 
     async def delete_object(self, key, policy: str = "Background") -> None:
