@@ -84,6 +84,9 @@ case "$cmd" in
     done
     "$VENV/bin/python" -m devtools.gpu_report "$NEMOFLOW_WORK_DIR" "$out" || true
     cp "$(ls -d "$NEMOFLOW_WORK_DIR"/runs/llama-*/metrics.jsonl | head -1)" "$out/" 2>/dev/null || true
+    # the endpoints' own output (vLLM's: where its start-up time goes), the last 2 MB of each log
+    find "$ROOT" -path '*services/logs/*' -name '*.log' -newer "$out/engine.txt" 2>/dev/null | sort \
+      | while read -r log; do echo "==> $log"; tail -c 2000000 "$log"; done > "$out/endpoint.log" || true
     nemoflow demo --down >/dev/null 2>&1 || true
     ;;
   bench-checkpoints)
@@ -185,12 +188,16 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
       serve)
         # bounded, so that the report is collected inside one 10-minute call: the benchmark stops its servers on
         # the SIGTERM and keeps the levels it measured (vLLM's targets first, the built-in engine last)
+        # default levels sized to that bound (about 450 s on the H200): vLLM's own port at 16 and 64 only (the
+        # proxy's cost), the built-in engine at 16 (the 50x target) before 1
+        [ $# -gt 0 ] || set -- --direct-concurrency 16 64 --builtin-concurrency 16 1
         timeout -k 20 "${NEMOFLOW_SERVE_PART_S:-540}" "$0" vllm-bench "$dir" "$@" || rc=$? ;;
       *) echo "acceptance: unknown part $part (demo, tests, train, moe, serve)" >&2; exit 2 ;;
     esac
     echo "{\"exit\": $rc, \"wall_s\": $(( $(date +%s) - start ))}" > "$dir/status.json"
     "$VENV/bin/python" -m devtools.acceptance collect "$parts" "$out" "$commit"
-    cp "$dir"/*.log "$out/" 2>/dev/null || true
+    # every file the part left, in one archive: the device tool brings back at most 8 files from OUT
+    tar czf "$out/$part-files.tgz" -C "$dir" . 2>/dev/null || true
     ;;
   *)
     echo "unknown command $cmd" >&2; exit 2 ;;
