@@ -128,3 +128,26 @@ def test_a_broken_or_partial_run_does_not_pass(tmp_path, kwargs, failing):
         assert _check(report, failing)["passed"] is False
     else:
         assert "train" not in report["parts_ran"] and _check(report, "ckpt10_ratio")["passed"] is None
+
+
+def test_the_serving_benchmark_is_judged_against_the_builtin_engine_and_the_proxy(tmp_path):
+    """The serve part (benchmarks/bench_serve_vllm.py's JSON): 50x the built-in engine at concurrency 16, the
+    proxy's cost, TTFT p99; a level whose client failed fails the part."""
+    parts = _parts(tmp_path)
+    serve = parts / "serve"
+    serve.mkdir()
+    levels = {
+        "proxy": {"16": {"output_throughput": 4000.0, "p99_ttft_ms": 40.0}},
+        "vllm": {"16": {"output_throughput": 4100.0, "p99_ttft_ms": 38.0}},
+        "builtin": {"16": {"output_throughput": 100.0}},
+    }
+    bench = {"levels": levels, "proxy_cost": {"16": {"output_tok_s_pct": 2.44}}, "vllm_over_builtin_c16": 40.0}
+    (serve / "bench_serve_vllm.json").write_text(json.dumps(bench))
+    (serve / "status.json").write_text('{"exit": 0, "wall_s": 400}')
+    report = acceptance.collect(parts, "abc1234")
+    assert _check(report, "serve_ran")["passed"] is True
+    assert _check(report, "vllm_over_builtin_c16")["passed"] is False  # 40x < 50x
+    assert _check(report, "proxy_cost_c16_pct")["passed"] is True and _check(report, "serve_ttft_p99_c16_ms")["passed"]
+    levels["builtin"]["1"] = {"error": "exit 1", "exit": 1}  # a client that failed at one level
+    (serve / "bench_serve_vllm.json").write_text(json.dumps(bench))
+    assert _check(acceptance.collect(parts, "abc1234"), "serve_ran")["passed"] is False
