@@ -304,6 +304,12 @@ def test_vllm_engine_behind_the_proxy(tmp_path, tiny_checkpoint, vllm_bin):
         assert record["vllm_api_key_set"] is True and key not in json.dumps(record)
         auth = {"Authorization": f"Bearer {key}"}
 
+        # ready only once warm: the proxy's /health said ok after one generation had gone through the engine
+        text = log.read_text()
+        warm = text.find("the vllm engine is warm (")
+        assert warm > 0, text[-3000:]
+        assert '"POST /v1/completions HTTP/1.1" 200' in text[:warm], text[:warm][-3000:]
+
         # the seed's request, answered by the proxy from vLLM's /tokenize + /v1/completions
         seed = {"prompt": "In the beginning", "model": MODEL_NAME, "max-tokens": 2048, "top_p": 0, "top_k": 0.9}
         answer = httpx.post(url + "/v1/chat/completions/", json={**seed, "temperature": 1.0}, headers=auth, timeout=60)

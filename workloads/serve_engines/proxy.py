@@ -29,6 +29,7 @@ when the proxy is told to stop (SIGTERM), it stops the engine.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import signal
@@ -61,6 +62,12 @@ from workloads.serve_http import (
 log = logging.getLogger("nemoflow.serve")
 
 STOP_GRACE_S = 30
+# One short greedy generation through the engine's own NeMo adapter before /health first says ok: an engine
+# that answers its health check may still initialise lazily on its first request (vLLM's first generation is
+# slower than the next), and whoever waits for ready (the deploy stage, a blue/green switch) then routes users
+# to a server whose first answer is already warm.
+WARM_UP = NemoSampling(max_tokens=8, temperature=0.0, top_k=1, top_p=1.0)
+WARM_UP_PROMPT = "Hello"
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "upgrade", "te", "trailer", "host", "content-length"}
 
 
@@ -120,6 +127,7 @@ class ProxyState:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine_alive: threading.Event = field(default_factory=threading.Event)
     created: int = field(default_factory=lambda: int(time.time()))
+    warmed: bool = False  # the warm-up generation ran (WARM_UP): /health says ok only after it
 
 
 def create_proxy_app(state: ProxyState):
@@ -144,6 +152,17 @@ def create_proxy_app(state: ProxyState):
     if state.api_key:
         app.add_middleware(ApiKeyAuth, api_key=state.api_key)
 
+    warm_up_lock = asyncio.Lock()
+
+    async def warm_up() -> None:
+        started = time.monotonic()
+        try:
+            await target.nemo(client, target, WARM_UP_PROMPT, WARM_UP)
+            log.info("the %s engine is warm (%.2f s for its first generation)", target.kind, time.monotonic() - started)
+        except (APIError, httpx.HTTPError) as exc:  # never keeps a healthy engine from serving
+            log.warning("warm-up generation failed (%s); serving anyway", exc)
+        state.warmed = True
+
     @app.get("/health")
     async def health():
         status, detail = 503, "loading"
@@ -153,6 +172,9 @@ def create_proxy_app(state: ProxyState):
             try:
                 response = await client.get(target.health_path, timeout=5)
                 if response.status_code == 200:
+                    async with warm_up_lock:
+                        if not state.warmed:
+                            await warm_up()
                     status, detail = 200, "ok"
             except httpx.HTTPError:
                 pass
