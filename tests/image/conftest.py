@@ -55,6 +55,24 @@ def served(tmp_path, sqsh_image):
 
 
 @pytest.fixture
+def fault_row(served, monkeypatch):
+    """``fault_row(name)`` -> (the server of ``served``, a fault-ledger row counting the faults it injects from now
+    on); copies resume without their backoff."""
+    from infra.images import copying
+    from tests.support import fault_ledger
+
+    monkeypatch.setattr(copying, "RESUME_BACKOFF_S", 0.0)
+
+    def open_row(name: str):
+        server, _ = served
+        row = fault_ledger.open_row(name)
+        row.injected_from(server.injected_count)
+        return server, row
+
+    return open_row
+
+
+@pytest.fixture
 def plain_served(tmp_path, sqsh_image):
     """The image over HTTP with only Content-Length and a non-md5 ETag: no checksum to compare."""
     root = tmp_path / "plain-www"
