@@ -211,16 +211,39 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, lo
     raise RuntimeError(f"{url} not ready after {timeout}s:\n{log.read_text() if log else ''}")
 
 
-def wait_for(check, timeout: float, what: str, interval: float = 0.5):
-    """``check()``'s first truthy value, asked every ``interval`` seconds; the test fails naming ``what`` when none
-    comes within ``timeout`` seconds."""
+def flow_run_artifacts(flow_run_id: str, key: str) -> list:
+    """A flow run's artifacts under ``key`` (the test fails naming them when there is none)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+            )
+        )
+    assert found, f"no {key} artifact on flow run {flow_run_id}"
+    return found
+
+
+def poll(check, timeout: float, interval: float = 0.5):
+    """``check()``'s first truthy value, asked every ``interval`` seconds; None when none comes within ``timeout``
+    seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
         time.sleep(interval)
-    pytest.fail(f"{what} not seen after {timeout:.0f}s")
+    return None
+
+
+def wait_for(check, timeout: float, what: str, interval: float = 0.5):
+    """:func:`poll`, and the test fails naming ``what`` when ``check()`` gave nothing within ``timeout`` seconds."""
+    value = poll(check, timeout, interval)
+    if not value:
+        pytest.fail(f"{what} not seen after {timeout:.0f}s")
+    return value
 
 
 def get_json(url: str, key: str | None) -> tuple[int, dict]:

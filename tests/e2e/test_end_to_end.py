@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, VENV_BIN, free_port
+from tests.conftest import REPO, VENV_BIN, flow_run_artifacts, free_port
 from tests.support.require import need
 from tests.support.tiny import TINY_TRAIN
 
@@ -206,31 +206,11 @@ def _gpu_time_adds_up(run_id: str, stage_times: dict[str, dict], work_dir: Path)
 
 
 def _artifact_markdown(flow_run_id: str, key: str) -> str:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
-
-    with get_client(sync_client=True) as client:
-        found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
-            )
-        )
-    assert found, f"no {key} artifact on flow run {flow_run_id}"
-    return found[0].data
+    return flow_run_artifacts(flow_run_id, key)[0].data
 
 
 def _artifact_table(flow_run_id: str, key: str) -> list[dict]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
-
-    with get_client(sync_client=True) as client:
-        found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
-            )
-        )
-    assert found, f"no {key} artifact on flow run {flow_run_id}"
-    data = found[0].data
+    data = flow_run_artifacts(flow_run_id, key)[0].data
     return json.loads(data) if isinstance(data, str) else data
 
 

@@ -18,7 +18,7 @@ import pytest
 from devtools import engine_env as ee
 from devtools import wheelhouse as wh
 from tests.install.nodes import make_node
-from tests.install.test_wheelhouse import bundled, make_wheel, offline_env, setup_offline
+from tests.install.test_wheelhouse import bundled, make_wheel, offline_env, pip_offline, setup_offline
 
 TORCH = md.version("torch")
 PACKAGING = md.version("packaging")
@@ -122,11 +122,7 @@ def index(tmp_path, monkeypatch):
     make_wheel(index, "optdep", "1.0", ["optdep-only"])
     make_wheel(index, "optdep-only", "1.0")
     (tmp_path / "node-freeze.txt").write_text(f"torch=={TORCH}\npackaging=={PACKAGING}\nnumbaish==0.68\n")
-    for k in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    pip_offline(monkeypatch, index)
     return tmp_path
 
 
