@@ -331,6 +331,34 @@ def prefect_server_process(port: int, env: dict[str, str], log: Path) -> subproc
     )
 
 
+# A process that starts the `local` pool's process worker (or keeps ours that runs) for the Prefect API its
+# environment names, as `nemoflow demo` does; it prints the worker's pid.
+ENSURE_LOCAL_WORKER = [
+    sys.executable,
+    "-c",
+    "from devtools import prefect_local as pl; print(pl.ensure_worker('local', 'process', pl.PrefectApi.from_settings()))",
+]
+
+
+def prefect_worker_env(api: str, work_dir: Path, home: Path, **extra: str) -> dict[str, str]:
+    """This environment for a Prefect worker (and ``prefect deploy``) of the server at ``api``, the runs' work
+    directory ``work_dir`` and NEMOFLOW_HOME ``home``; ``extra``: more variables."""
+    return dict(os.environ, PREFECT_API_URL=api, NEMOFLOW_WORK_DIR=str(work_dir), NEMOFLOW_HOME=str(home), **extra)
+
+
+def prefect_worker_process(pool: str, kind: str, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """``prefect worker start`` for ``pool`` of type ``kind`` in the repository, in a session of its own, its output in
+    ``log``."""
+    return subprocess.Popen(
+        [str(VENV_BIN / "prefect"), "worker", "start", "--pool", pool, "--type", kind],
+        cwd=REPO,
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """A real Prefect server on localhost with its own database; PREFECT_API_URL points at it."""
