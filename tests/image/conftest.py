@@ -55,21 +55,19 @@ def served(tmp_path, sqsh_image):
 
 
 @pytest.fixture
-def fault_row(served, monkeypatch):
-    """``fault_row(name)`` -> (the server of ``served``, a fault-ledger row counting the faults it injects from now
-    on); copies resume without their backoff."""
+def counted_server(served, monkeypatch):
+    """``counted_server(row)`` -> the server of ``served``, the faults it injects from now on counted in the
+    fault-ledger ``row`` (each test opens its own); copies resume without their backoff."""
     from infra.images import copying
-    from tests.support import fault_ledger
 
     monkeypatch.setattr(copying, "RESUME_BACKOFF_S", 0.0)
 
-    def open_row(name: str):
+    def count_into(row):
         server, _ = served
-        row = fault_ledger.open_row(name)
         row.injected_from(server.injected_count)
-        return server, row
+        return server
 
-    return open_row
+    return count_into
 
 
 @pytest.fixture

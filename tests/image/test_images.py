@@ -167,8 +167,9 @@ def test_changed_source_is_staged_again(served, tmp_path, sqsh_image, kjv_chapte
 
 
 @pytest.mark.faults
-def test_dropped_connections_are_resumed(tmp_path, sqsh_image, fault_row):
-    server, row = fault_row("http stall/reset: image copy resumed")
+def test_dropped_connections_are_resumed(tmp_path, sqsh_image, counted_server):
+    row = fault_ledger.open_row("http stall/reset: image copy resumed")
+    server = counted_server(row)
     # stall_at: the first 100000 bytes arrive and are read before the connection closes early,
     # so the resume point is exact (bytes that arrive together with the error are dropped by aiohttp).
     server.add_faults("/nemo-test.sqsh", Fault(stall_at=100_000, stall=0.5), Fault(reset_at=700_000))
@@ -185,8 +186,9 @@ def test_dropped_connections_are_resumed(tmp_path, sqsh_image, fault_row):
 
 
 @pytest.mark.faults
-def test_connection_that_keeps_dropping_leaves_nothing(tmp_path, fault_row):
-    server, row = fault_row("http truncation every attempt: image copy")
+def test_connection_that_keeps_dropping_leaves_nothing(tmp_path, counted_server):
+    row = fault_ledger.open_row("http truncation every attempt: image copy")
+    server = counted_server(row)
     server.add_faults("/nemo-test.sqsh", *[Fault(truncate_at=50_000) for _ in range(copying.RESUME_ATTEMPTS + 1)])
     dest = tmp_path / "images"
     with pytest.raises(ImageSourceError, match="nemo-test.sqsh") as info:
@@ -197,8 +199,9 @@ def test_connection_that_keeps_dropping_leaves_nothing(tmp_path, fault_row):
 
 
 @pytest.mark.faults
-def test_resume_refuses_a_file_replaced_meanwhile(tmp_path, fault_row):
-    server, row = fault_row("http stall, then the file replaced: image copy")
+def test_resume_refuses_a_file_replaced_meanwhile(tmp_path, counted_server):
+    row = fault_ledger.open_row("http stall, then the file replaced: image copy")
+    server = counted_server(row)
     # The second GET sees another ETag: If-Range fails, the server sends the whole (new) file with 200.
     server.add_faults("/nemo-test.sqsh", Fault(stall_at=100_000, stall=0.5), Fault(etag="replaced"))
     dest = tmp_path / "images"
@@ -486,8 +489,9 @@ def test_bucket_to_bucket_copy_is_server_side_and_verified(gcs_bucket, sqsh_imag
 
 
 @pytest.mark.faults
-def test_signed_url_credentials_stay_out_of_logs_and_records(tmp_path, sqsh_image, fault_row):
-    server, row = fault_row("http stall on a signed URL: image copy")
+def test_signed_url_credentials_stay_out_of_logs_and_records(tmp_path, sqsh_image, counted_server):
+    row = fault_ledger.open_row("http stall on a signed URL: image copy")
+    server = counted_server(row)
     signature = "X-Goog-Signature=5e1f0c0ffee0ddba11"
     url = server.url("nemo-test.sqsh") + "?X-Goog-Credential=svc%40proj&" + signature
     server.add_faults("/nemo-test.sqsh", Fault(stall_at=1000, stall=0.3))  # a resume, with its log line
