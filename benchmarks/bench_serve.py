@@ -50,17 +50,13 @@ def build_model(dest: Path) -> Path:
     if (dest / "config.json").exists():
         return dest
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    from flows.end_to_end import demo_train_config
+    from workloads.train.recipe import hf_model_config
+
+    # the demo's model as the trainer builds it (with Mixtral's 32000-token vocabulary)
+    values = hf_model_config(demo_train_config(), vocab_size=32000)
+    assert values.pop("_target_") == "transformers.LlamaConfig"
+    config = LlamaConfig(**values)
     tmp = dest.with_suffix(".tmp")
     LlamaForCausalLM(config).save_pretrained(tmp)
     shutil.copyfile(Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1", tmp / "tokenizer.model")

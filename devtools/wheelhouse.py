@@ -93,7 +93,7 @@ CHECK_IMPORTS = [
     ("flows.prepare_dataset", "nemoflow"),
     ("flows.cpt_refresh", "nemoflow"),
     ("workloads.tokenize", "nemoflow"),
-    ("workloads.train", "nemoflow"),
+    ("workloads.train.run", "nemoflow"),
     ("workloads.validate_checkpoint", "nemoflow"),
     ("workloads.serve", "nemoflow"),
     ("prefect.server.api.server", "prefect"),

@@ -211,16 +211,39 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, lo
     raise RuntimeError(f"{url} not ready after {timeout}s:\n{log.read_text() if log else ''}")
 
 
-def wait_for(check, timeout: float, what: str, interval: float = 0.5):
-    """``check()``'s first truthy value, asked every ``interval`` seconds; the test fails naming ``what`` when none
-    comes within ``timeout`` seconds."""
+def flow_run_artifacts(flow_run_id: str, key: str) -> list:
+    """A flow run's artifacts under ``key`` (the test fails naming them when there is none)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+            )
+        )
+    assert found, f"no {key} artifact on flow run {flow_run_id}"
+    return found
+
+
+def poll(check, timeout: float, interval: float = 0.5):
+    """``check()``'s first truthy value, asked every ``interval`` seconds; None when none comes within ``timeout``
+    seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
         time.sleep(interval)
-    pytest.fail(f"{what} not seen after {timeout:.0f}s")
+    return None
+
+
+def wait_for(check, timeout: float, what: str, interval: float = 0.5):
+    """:func:`poll`, and the test fails naming ``what`` when ``check()`` gave nothing within ``timeout`` seconds."""
+    value = poll(check, timeout, interval)
+    if not value:
+        pytest.fail(f"{what} not seen after {timeout:.0f}s")
+    return value
 
 
 def get_json(url: str, key: str | None) -> tuple[int, dict]:
@@ -301,6 +324,34 @@ def prefect_server_process(port: int, env: dict[str, str], log: Path) -> subproc
     """``prefect server start`` on 127.0.0.1:``port`` with ``env``, in a session of its own, its output in ``log``."""
     return subprocess.Popen(
         [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+# A process that starts the `local` pool's process worker (or keeps ours that runs) for the Prefect API its
+# environment names, as `nemoflow demo` does; it prints the worker's pid.
+ENSURE_LOCAL_WORKER = [
+    sys.executable,
+    "-c",
+    "from devtools import prefect_local as pl; print(pl.ensure_worker('local', 'process', pl.PrefectApi.from_settings()))",
+]
+
+
+def prefect_worker_env(api: str, work_dir: Path, home: Path, **extra: str) -> dict[str, str]:
+    """This environment for a Prefect worker (and ``prefect deploy``) of the server at ``api``, the runs' work
+    directory ``work_dir`` and NEMOFLOW_HOME ``home``; ``extra``: more variables."""
+    return dict(os.environ, PREFECT_API_URL=api, NEMOFLOW_WORK_DIR=str(work_dir), NEMOFLOW_HOME=str(home), **extra)
+
+
+def prefect_worker_process(pool: str, kind: str, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """``prefect worker start`` for ``pool`` of type ``kind`` in the repository, in a session of its own, its output in
+    ``log``."""
+    return subprocess.Popen(
+        [str(VENV_BIN / "prefect"), "worker", "start", "--pool", pool, "--type", kind],
+        cwd=REPO,
         env=env,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,

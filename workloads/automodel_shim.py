@@ -193,7 +193,7 @@ STAGING = (
         "ape_mod._CHECKPOINT_PROCESS = AsyncCheckpointProcess(pg_init_info=pg_init_info)",
         "5e6119962650a5ad8e59f4d8bbf09919f1c560ee7fe889802fb3eeb32d777a8e",
     ),
-    Patched(  # publish_written_save (workloads/train.py) reads the pending save and the save futures
+    Patched(  # publish_written_save (workloads/train/loop.py) reads the pending save and the save futures
         "nemo_automodel.components.checkpoint.lifecycle:CheckpointLifecycle.defer_publication",
         "self._pending_checkpoint_dir = path",
         "b1a71c4d23059aea6ffe2ba329f405d43d9c8a82367369b0ac21b4362886e57e",

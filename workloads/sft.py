@@ -6,7 +6,7 @@
 
 ``sft.json`` is an :class:`SftConfig` (infra/configs/sft.py). Training is AutoModel's fine-tuning recipe
 (``TrainFinetuneRecipeForNextTokenPrediction``, the recipe of its ``llm_finetune`` examples), driven
-as workloads/train.py drives it for pretraining: the model is loaded from ``init_from`` (a
+as workloads/train/ drives it for pretraining: the model is loaded from ``init_from`` (a
 checkpoint directory in the Hugging Face layout, the promoted model), the data is AutoModel's
 ``ChatDataset`` over the train JSONL (OpenAI ``messages``, workloads/chat_data.py), rendered with
 :data:`CHAT_TEMPLATE` and masked so that only assistant tokens carry loss (AutoModel's
@@ -69,7 +69,7 @@ def chat_tokenizer(model_path: str, chat_template: str = CHAT_TEMPLATE, **_ignor
 # ----------------------------------------------------------------------------------------------- the recipe
 def recipe_config(config: SftConfig, run_dir: Path, cuda: bool, world_size: int) -> dict:
     """SftConfig as NeMo AutoModel's fine-tuning recipe config (what its llm_finetune YAML files hold)."""
-    from workloads.train import checkpoint_section, lr_scheduler, mixed_precision_policy, step_scheduler
+    from workloads.train.recipe import checkpoint_section, lr_scheduler, mixed_precision_policy, step_scheduler
 
     weights_dtype, compute_dtype = ("float32", "float32")
     if cuda and config.precision == "bf16":
@@ -144,7 +144,7 @@ def build_recipe(config: SftConfig, run_dir: Path, cfg: dict):
     from nemo_automodel.recipes.llm.train_ft import TrainFinetuneRecipeForNextTokenPrediction
 
     from workloads import checkpoint as ckpt
-    from workloads.train import MetricsLog, _scalar
+    from workloads.train.output import MetricsLog, scalar
 
     class NemoflowFinetune(TrainFinetuneRecipeForNextTokenPrediction):
         metrics: MetricsLog | None = None
@@ -163,16 +163,16 @@ def build_recipe(config: SftConfig, run_dir: Path, cfg: dict):
                 self.metrics.log(
                     {
                         "step": done,
-                        "loss": _scalar(m["loss"]),
-                        "grad_norm": _scalar(m["grad_norm"]),
-                        "lr": _scalar(m.get("lr", 0.0)),
+                        "loss": scalar(m["loss"]),
+                        "grad_norm": scalar(m["grad_norm"]),
+                        "lr": scalar(m.get("lr", 0.0)),
                     }
                 )
             super().log_train_metrics(log_data)
 
         def log_val_metrics(self, val_name, log_data, metric_logger=None):
             if self.metrics is not None and val_name == "default":
-                self.metrics.log({"step": log_data.step + 1, "val_loss": _scalar(log_data.metrics["val_loss"])})
+                self.metrics.log({"step": log_data.step + 1, "val_loss": scalar(log_data.metrics["val_loss"])})
             super().log_val_metrics(val_name, log_data, metric_logger)
 
         def save_checkpoint(self, epoch, step, train_loss, val_loss=None, best_metric_key="default"):
@@ -184,8 +184,8 @@ def build_recipe(config: SftConfig, run_dir: Path, cfg: dict):
             val = (val_loss or {}).get("default")
             meta = {
                 "step": step + 1,
-                "val_loss": None if val is None else _scalar(val),
-                "train_loss": _scalar(train_loss),
+                "val_loss": None if val is None else scalar(val),
+                "train_loss": scalar(train_loss),
                 "kind": "sft",
                 "init_from": config.init_from,
                 "train_data": config.train_data,
@@ -227,7 +227,7 @@ def prepare_run_dir(run_dir: str | None) -> Path:
 
 
 def train(config: SftConfig) -> int:
-    from workloads.train import launch_world
+    from workloads.train.launch import launch_world
 
     rank, _, world_size = launch_world()
     check_inputs(config)
@@ -284,9 +284,9 @@ def train(config: SftConfig) -> int:
     finally:
         if recipe.metrics is not None:
             recipe.metrics.close()
-        from workloads.train import _finish_wandb
+        from workloads.train.output import finish_wandb
 
-        _finish_wandb()
+        finish_wandb()
     if recipe.step_scheduler.sigterm_flag and recipe.step_scheduler.step < config.max_steps:
         return ExitCode.PREEMPTED
     if rank == 0:
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", help="with --validate: the checkpoint (default: the run's latest)")
     parser.add_argument("--exit-zero", action="store_true", help="with --validate: exit 0 when a check failed")
     args = parser.parse_args(argv)
-    from workloads.train import prefix_output_with_rank
+    from workloads.train.output import prefix_output_with_rank
 
     prefix_output_with_rank()
     try:

@@ -1,6 +1,6 @@
 """Where a training job's W&B run went: ``<run_dir>/wandb_run.json``, for the stage's Prefect artifact.
 
-The trainers (workloads/train.py, workloads/sft.py) log to W&B through NeMo AutoModel when
+The trainers (workloads/train/, workloads/sft.py) log to W&B through NeMo AutoModel when
 ``WANDB_API_KEY`` is set; right after AutoModel started the run, rank 0 calls
 :func:`record_active_run`, which writes the run's id, project, link (online) or local directory
 (``WANDB_MODE=offline``: ``<run_dir>/wandb/offline-run-*``, uploaded later with ``wandb sync``).

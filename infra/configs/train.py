@@ -2,7 +2,7 @@
 
 Field names follow NeMo / Megatron (``global_batch_size``, ``micro_batch_size``,
 ``tensor_model_parallel_size``, ``val_check_interval``, ``ckpt_every_n_steps``...)
-so a NeMo user recognises them; workloads/train.py maps them onto NeMo AutoModel's
+so a NeMo user recognises them; workloads/train/recipe.py maps them onto NeMo AutoModel's
 pretraining recipe config. An unknown key is an error that names it (a typo such as
 ``max_step`` must not train with defaults). This module imports no torch: Prefect
 tasks import it to validate a config before they spend compute on it.

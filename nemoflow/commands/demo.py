@@ -2,12 +2,38 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import subprocess
 import sys
 import time
+
+from nemoflow.commands import add_command
+
+DESCRIPTION = """\
+Run the whole lifecycle on the embedded default and watch it:
+  1. reuse the Prefect API at PREFECT_API_URL, or start a local Prefect server, and record
+     its URL in the active Prefect profile (so `prefect ...` works in any shell);
+  2. create the work pool and `prefect --no-prompt deploy` the deployment from prefect.yaml;
+  3. start a worker for the pool (in the background; `--down` stops it); its flow runs send
+     heartbeats, and an automation marks a run Crashed when they stop (its process died), which
+     frees its concurrency slots;
+  4. `prefect deployment run end-to-end/<pool> --watch`;
+  5. print the run's UI link, the dataset and checkpoint URIs and the smoke-test answer
+     (or, when the run fails, each failed stage with its one-line cause).
+The inference server stays up after the run (`nemoflow serve stop nemoflow-demo`, or `--down`).
+A second run with nothing changed finishes with every stage Cached.
+
+On a machine with NVIDIA GPUs (--gpus auto, the default) the local demo trains a 0.25B-parameter
+Llama on all of them (torchrun, bf16-mixed, each layer compiled), validates on one and serves on
+one (the built-in engine on the GPU; vLLM where it is installed): the run's parameters say so in
+the UI. --gpus 0 runs the CPU demo anyway; --gpus N asks for N (refused in one line, before
+anything starts, when this machine cannot give them). GPUs the driver lists but torch cannot use
+(a CPU build of torch, a CUDA build newer than the driver) stop the demo with the fix.
+
+--backend slurm serves from a Slurm node, bound to every interface, so the endpoint needs an API
+key: NEMOFLOW_SERVE_API_KEY if set, else one generated into ~/.nemoflow/serve-api-key (mode 0600)
+and reused; clients send it as `Authorization: Bearer KEY`."""
 
 
 def pools() -> dict[str, tuple[str, str, str]]:
@@ -53,34 +79,11 @@ AUTH_HELP = (
 
 
 def register(sub) -> None:
-    parser = sub.add_parser(
+    parser = add_command(
+        sub,
         "demo",
-        help="run end-to-end on this machine: Prefect server, work pool, deployment, worker, watched run",
-        description="""\
-Run the whole lifecycle on the embedded default and watch it:
-  1. reuse the Prefect API at PREFECT_API_URL, or start a local Prefect server, and record
-     its URL in the active Prefect profile (so `prefect ...` works in any shell);
-  2. create the work pool and `prefect --no-prompt deploy` the deployment from prefect.yaml;
-  3. start a worker for the pool (in the background; `--down` stops it); its flow runs send
-     heartbeats, and an automation marks a run Crashed when they stop (its process died), which
-     frees its concurrency slots;
-  4. `prefect deployment run end-to-end/<pool> --watch`;
-  5. print the run's UI link, the dataset and checkpoint URIs and the smoke-test answer
-     (or, when the run fails, each failed stage with its one-line cause).
-The inference server stays up after the run (`nemoflow serve stop nemoflow-demo`, or `--down`).
-A second run with nothing changed finishes with every stage Cached.
-
-On a machine with NVIDIA GPUs (--gpus auto, the default) the local demo trains a 0.25B-parameter
-Llama on all of them (torchrun, bf16-mixed, each layer compiled), validates on one and serves on
-one (the built-in engine on the GPU; vLLM where it is installed): the run's parameters say so in
-the UI. --gpus 0 runs the CPU demo anyway; --gpus N asks for N (refused in one line, before
-anything starts, when this machine cannot give them). GPUs the driver lists but torch cannot use
-(a CPU build of torch, a CUDA build newer than the driver) stop the demo with the fix.
-
---backend slurm serves from a Slurm node, bound to every interface, so the endpoint needs an API
-key: NEMOFLOW_SERVE_API_KEY if set, else one generated into ~/.nemoflow/serve-api-key (mode 0600)
-and reused; clients send it as `Authorization: Bearer KEY`.""",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "run end-to-end on this machine: Prefect server, work pool, deployment, worker, watched run",
+        DESCRIPTION,
     )
     parser.defer(_options)  # the backends' names come from infra/executors.py, imported when `demo` runs
     parser.set_defaults(func=run)

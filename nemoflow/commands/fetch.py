@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from nemoflow.commands import add_command
 
-def register(sub) -> None:
-    parser = sub.add_parser(
-        "fetch",
-        help="list or download dataset shards (resume, retries, checksums) without running a flow",
-        description="Expand SOURCES (URIs, a glob, or a URL template with {chunk}/{shard}) and download each "
-        "file to DEST/<name>, resuming partial files and retrying transient errors. A file already "
-        "downloaded and verified is not fetched again. HF_TOKEN is sent to huggingface.co only. "
-        "`nemoflow prepare` does the same inside the full flow; use this to check a spec or pre-stage data.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="""examples:
+DESCRIPTION = (
+    "Expand SOURCES (URIs, a glob, or a URL template with {chunk}/{shard}) and download each "
+    "file to DEST/<name>, resuming partial files and retrying transient errors. A file already "
+    "downloaded and verified is not fetched again. HF_TOKEN is sent to huggingface.co only. "
+    "`nemoflow prepare` does the same inside the full flow; use this to check a spec or pre-stage data."
+)
+
+EPILOG = """examples:
   nemoflow fetch --list 'https://huggingface.co/datasets/cerebras/SlimPajama-627B/resolve/main/train/chunk{chunk}/example_train_{shard}.jsonl.zst' \\
       --chunks 1 --shards 0-9 --probe
   nemoflow fetch 'gs://my-bucket/raw/**/*.jsonl.zst' --dest /data/raw --extract
-  nemoflow fetch https://example.org/a.jsonl.zst https://example.org/b.jsonl.zst --dest gs://my-bucket/raw""",
+  nemoflow fetch https://example.org/a.jsonl.zst https://example.org/b.jsonl.zst --dest gs://my-bucket/raw"""
+
+
+def register(sub) -> None:
+    parser = add_command(
+        sub,
+        "fetch",
+        "list or download dataset shards (resume, retries, checksums) without running a flow",
+        DESCRIPTION,
+        epilog=EPILOG,
     )
     parser.add_argument("sources", nargs="+", help="URIs or paths, one glob, or one URL template with {chunk}/{shard}")
     parser.add_argument("--chunks", help="values for {chunk}: '1-10', '0,3,5-7'")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import json
+
+from nemoflow.commands import add_command
 
 DESCRIPTION = """\
 Build the container image every Kubernetes pod of a run (flow run and stage Jobs) runs in.
@@ -25,19 +26,11 @@ not built or tested on nemoflow's CI machines, which reach no registry)."""
 
 
 def register(sub) -> None:
-    parser = sub.add_parser(
-        "image",
-        help="build the nemoflow container image (podman; CPU variant from Debian packages)",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        sub, "image", "build the nemoflow container image (podman; CPU variant from Debian packages)", DESCRIPTION
     )
     actions = parser.add_subparsers(dest="image_command", metavar="ACTION", title="actions")
-    build = actions.add_parser(
-        "build",
-        help="build the image (cached: base, wheelhouse, dependency layer)",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    build = add_command(actions, "build", "build the image (cached: base, wheelhouse, dependency layer)", DESCRIPTION)
     build.add_argument("--variant", choices=("cpu", "cuda"), default="cpu", help="cpu (default) or cuda")
     build.add_argument(
         "--tag",

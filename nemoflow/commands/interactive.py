@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
+from nemoflow.commands import add_command
 
 INTERACTIVE_HELP = """\
 Hold a node for debugging and open a shell in it.
@@ -38,11 +38,8 @@ def _backend_option(parser, text: str | None = None) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "interactive",
-        help="hold a node (Slurm allocation or dev pod) with a shell in it",
-        description=INTERACTIVE_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = add_command(
+        sub, "interactive", "hold a node (Slurm allocation or dev pod) with a shell in it", INTERACTIVE_HELP
     )
     _backend_option(p, text="default: NEMOFLOW_EXECUTOR, else {first}")
 

@@ -6,17 +6,14 @@ hangs its command line under ``nemoflow``.
 
 from __future__ import annotations
 
+from nemoflow.commands import add_command
+
 
 def register(sub) -> None:
-    import argparse
-
     from devtools import slurm_cluster
 
-    parser = sub.add_parser(
-        "local-slurm",
-        help="start/stop a real one-machine Slurm cluster (tests, demos, CI)",
-        description=slurm_cluster.DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        sub, "local-slurm", "start/stop a real one-machine Slurm cluster (tests, demos, CI)", slurm_cluster.DESCRIPTION
     )
     slurm_cluster.add_arguments(parser)
     parser.set_defaults(func=slurm_cluster.run)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from nemoflow.commands import add_command
+
 EPILOG = """\
 examples:
   nemoflow models list                       # every registered model; * marks the promoted one
@@ -18,16 +20,15 @@ nightly cpt-refresh flow promotes candidates there. Every change is one atomic
 update of registry.json, refused if someone else changed it meanwhile."""
 
 
-def register(sub) -> None:
-    import argparse
+DESCRIPTION = (
+    "The model registry: which checkpoint is promoted (serving), its parent, the data it "
+    "saw (with checksums), its metrics, image and code version."
+)
 
-    parser = sub.add_parser(
-        "models",
-        help="list, inspect, promote and roll back models in the model registry",
-        description="The model registry: which checkpoint is promoted (serving), its parent, the data it "
-        "saw (with checksums), its metrics, image and code version.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+
+def register(sub) -> None:
+    parser = add_command(
+        sub, "models", "list, inspect, promote and roll back models in the model registry", DESCRIPTION, epilog=EPILOG
     )
     parser.add_argument("--registry", help="registry URI (default <work_dir>/registry)")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", title="actions")

@@ -2,8 +2,25 @@
 
 from __future__ import annotations
 
-import argparse
 import json
+
+from nemoflow.commands import add_command
+
+DESCRIPTION = (
+    "Run the prepare-dataset flow. Without --sources it prepares the embedded demo corpus "
+    "(the King James Bible in the SlimPajama layout). Re-running with nothing changed does no work; "
+    "added shards are processed alone."
+)
+
+EPILOG = """examples:
+  nemoflow prepare
+  nemoflow prepare --name slimpajama \\
+      --sources 'https://huggingface.co/datasets/cerebras/SlimPajama-627B/resolve/main/train/chunk{chunk}/example_train_{shard}.jsonl.zst' \\
+      --chunks 1-10 --shards 0-99 --output gs://my-bucket/datasets/slimpajama
+  nemoflow prepare --sources 'gs://my-bucket/raw/*.jsonl.zst' --tokenizer-type GPT2BPETokenizer \\
+      --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
+
+Defaults are PrepareConfig's (flows/prepare_dataset.py); an option not given keeps them."""
 
 
 def config_options():
@@ -26,22 +43,12 @@ def config_options():
 
 
 def register(sub) -> None:
-    parser = sub.add_parser(
+    parser = add_command(
+        sub,
         "prepare",
-        help="prepare a dataset: raw shards in, Megatron .bin/.idx and NeMo blend weights out",
-        description="Run the prepare-dataset flow. Without --sources it prepares the embedded demo corpus "
-        "(the King James Bible in the SlimPajama layout). Re-running with nothing changed does no work; "
-        "added shards are processed alone.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="""examples:
-  nemoflow prepare
-  nemoflow prepare --name slimpajama \\
-      --sources 'https://huggingface.co/datasets/cerebras/SlimPajama-627B/resolve/main/train/chunk{chunk}/example_train_{shard}.jsonl.zst' \\
-      --chunks 1-10 --shards 0-99 --output gs://my-bucket/datasets/slimpajama
-  nemoflow prepare --sources 'gs://my-bucket/raw/*.jsonl.zst' --tokenizer-type GPT2BPETokenizer \\
-      --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
-
-Defaults are PrepareConfig's (flows/prepare_dataset.py); an option not given keeps them.""",
+        "prepare a dataset: raw shards in, Megatron .bin/.idx and NeMo blend weights out",
+        DESCRIPTION,
+        epilog=EPILOG,
     )
     parser.defer(lambda p: config_options().add_to(p))  # imports the flow: only when `prepare` runs
     parser.defer(_executor_option)

@@ -5,8 +5,9 @@ Same flags, same output files (byte for byte), several times faster.
 
 from __future__ import annotations
 
-import argparse
 import sys
+
+from nemoflow.commands import add_command
 
 EPILOG = """\
 example (Mixtral tokenizer, as for Megatron's preprocess_data.py):
@@ -18,15 +19,20 @@ writes out/data_text_document.bin and .idx (one pair per --json-keys key).
 --output-prefix may be a gs:// URI. Progress goes to stderr; a JSON summary to stdout."""
 
 
+DESCRIPTION = (
+    "Tokenize one JSON-lines file (.jsonl or .jsonl.zst) into Megatron indexed datasets "
+    "{output_prefix}_{key}_document.bin/.idx, byte-identical to Megatron-LM's tools/preprocess_data.py "
+    "for the same input, tokenizer and flags."
+)
+
+
 def register(sub) -> None:
-    parser = sub.add_parser(
+    parser = add_command(
+        sub,
         "preprocess",
-        help="tokenize a .jsonl[.zst] file into Megatron .bin/.idx (preprocess_data.py compatible)",
-        description="Tokenize one JSON-lines file (.jsonl or .jsonl.zst) into Megatron indexed datasets "
-        "{output_prefix}_{key}_document.bin/.idx, byte-identical to Megatron-LM's tools/preprocess_data.py "
-        "for the same input, tokenizer and flags.",
+        "tokenize a .jsonl[.zst] file into Megatron .bin/.idx (preprocess_data.py compatible)",
+        DESCRIPTION,
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--input", required=True, help="input .jsonl or .jsonl.zst (local path or gs:// URI)")
     parser.add_argument("--output-prefix", required=True, help="path (or gs:// URI) without suffix")

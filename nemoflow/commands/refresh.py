@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from nemoflow.commands import add_command
+
 DESCRIPTION = """\
 Run a cpt-refresh deployment now and watch it (`prefect deployment run NAME --watch`).
 
@@ -20,11 +22,11 @@ run, and waits again should another refresh take the slot first.
 
 
 def register(sub) -> None:
-    parser = sub.add_parser(
+    parser = add_command(
+        sub,
         "refresh",
-        help="run cpt-refresh now; --wait: wait for a running refresh to free the slot instead of being cancelled",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "run cpt-refresh now; --wait: wait for a running refresh to free the slot instead of being cancelled",
+        DESCRIPTION,
     )
     parser.add_argument("--deployment", default="cpt-refresh/local", help="the deployment (default cpt-refresh/local)")
     parser.add_argument("--wait", action="store_true", help="wait until no other refresh holds the slot, then run")

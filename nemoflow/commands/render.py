@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+
+from nemoflow.commands import add_command
 
 DESCRIPTION = """\
 Write every object an end-to-end run would submit, built by the stages' own job
@@ -32,11 +33,8 @@ prefect.yaml's k8s deployments; a work dir you set outside the PVC is an error n
 
 
 def register(sub) -> None:
-    parser = sub.add_parser(
-        "render",
-        help="write the manifests / sbatch scripts a run would submit (kubectl apply -f DIR)",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        sub, "render", "write the manifests / sbatch scripts a run would submit (kubectl apply -f DIR)", DESCRIPTION
     )
     parser.defer(_options)  # the backends' names come from infra/executors.py, imported when `render` runs
     parser.set_defaults(func=run)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import os
+
+from nemoflow.commands import add_command
 
 DESCRIPTION = """\
 Write what the seeds' `sbatch launch.sh --cluster_type ... --job_script algorithms/dpo.sh` submits,
@@ -23,11 +24,8 @@ NeMo-RL needs Python >= 3.13 and GPUs: nemoflow renders this job but has never r
 
 
 def register(sub) -> None:
-    parser = sub.add_parser(
-        "render-dpo",
-        help="write NeMo-RL's DPO config and Slurm launch (Ray head + workers), for sbatch",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        sub, "render-dpo", "write NeMo-RL's DPO config and Slurm launch (Ray head + workers), for sbatch", DESCRIPTION
     )
     parser.add_argument("--model", required=True, help="the model to align: a Hugging Face directory or hub id")
     parser.add_argument("--data", help="preference JSONL (prompt, chosen, rejected) on shared storage")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from nemoflow.commands import add_command
+
 EPILOG = """\
 examples:
   nemoflow serve start --checkpoint runs/tiny/checkpoints/step-60 --model-name tiny --port 8000
@@ -23,16 +25,15 @@ under <work_dir>/services/logs) until stopped; `list` shows those started by
 any process on this machine, including Prefect flow runs (deploy_inference)."""
 
 
-def register(sub) -> None:
-    import argparse
+DESCRIPTION = (
+    "Manage inference servers (python -m workloads.serve) for checkpoints in the trainer's "
+    "layout (config.json, model.safetensors, tokenizer.model)."
+)
 
-    parser = sub.add_parser(
-        "serve",
-        help="start, stop and list local OpenAI-compatible inference servers",
-        description="Manage inference servers (python -m workloads.serve) for checkpoints in the trainer's "
-        "layout (config.json, model.safetensors, tokenizer.model).",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+
+def register(sub) -> None:
+    parser = add_command(
+        sub, "serve", "start, stop and list local OpenAI-compatible inference servers", DESCRIPTION, epilog=EPILOG
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", title="actions")
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+
+from nemoflow.commands import add_command
 
 DESCRIPTION = """\
 Stage the container image that every later stage runs in, and print where it is.
@@ -46,11 +47,11 @@ Examples:
 
 
 def register(sub) -> None:
-    parser = sub.add_parser(
+    parser = add_command(
+        sub,
         "stage-image",
-        help="copy and verify a .sqsh container image (or import one with enroot); cached by checksum",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "copy and verify a .sqsh container image (or import one with enroot); cached by checksum",
+        DESCRIPTION,
     )
     parser.add_argument("source", nargs="?", metavar="SOURCE", help="a .sqsh URI/path or docker:// reference")
     parser.add_argument(

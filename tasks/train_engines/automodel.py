@@ -350,7 +350,7 @@ def loss_curve_markdown(metrics: list[dict], best: CheckpointRef | None, run_dir
         ]
     failed = [m for m in metrics if "checkpoint_failed" in m]
     if failed:
-        # A failed background save does not end the run (workloads/train.py): the artifact says which were lost.
+        # A failed background save does not end the run (workloads/train/loop.py): the artifact says which were lost.
         listed = "; ".join(f"step {m['step']}: {m['checkpoint_failed']}" for m in failed[-5:])
         lines += [
             "",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from infra import registry as reg
-from tests.conftest import REPO
+from tests.conftest import REPO, flow_run_artifacts
 from tests.cpt.conftest import TINY_CPT, Poller, completion_ok, write_shard
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
@@ -51,17 +51,7 @@ def _download_runs(flow_run_id: str) -> dict[str, str]:
 
 
 def _artifact(flow_run_id: str, key: str) -> str:
-    from prefect import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
-
-    with get_client(sync_client=True) as client:
-        found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(
-                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=[key])
-            )
-        )
-    assert found, f"no {key} artifact on flow run {flow_run_id}"
-    return str(found[-1].data)
+    return str(flow_run_artifacts(flow_run_id, key)[-1].data)
 
 
 def _refresh(config):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, VENV_BIN, free_port
+from tests.conftest import ENSURE_LOCAL_WORKER, REPO, VENV_BIN, free_port
 
 pytestmark = [pytest.mark.prefect]
 
@@ -117,14 +117,7 @@ def test_deploy_auth_refuses_anonymous_calls_and_a_worker_still_runs_flows(tmp_p
         )
         outputs.append(made.stdout + made.stderr)
         assert made.returncode == 0, made.stdout + made.stderr
-        worker = run(
-            [
-                sys.executable,
-                "-c",
-                "from devtools import prefect_local as pl; print(pl.ensure_worker('local', 'process', pl.PrefectApi.from_settings()))",
-            ],
-            env,
-        )
+        worker = run(ENSURE_LOCAL_WORKER, env)
         assert worker.returncode == 0, worker.stderr
         watched = run(
             [str(VENV_BIN / "prefect"), "deployment", "run", "auth-check/auth", "--watch", "--watch-timeout", "150"],

@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, VENV_BIN, free_port
+from tests.conftest import (
+    REPO,
+    VENV_BIN,
+    flow_run_artifacts,
+    free_port,
+    prefect_worker_env,
+    prefect_worker_process,
+)
 from tests.support.require import need
 from tests.support.tiny import TINY_TRAIN
 
@@ -67,11 +74,10 @@ def _task_states(flow_run_id: str, timeout: float = 30) -> dict[str, str]:
 @pytest.fixture
 def local_pool(prefect_server, work_dir, tmp_path):
     """The `local` process pool, deployments from prefect.yaml, and a worker; torn down after."""
-    env = dict(
-        os.environ,
-        PREFECT_API_URL=prefect_server,
-        NEMOFLOW_WORK_DIR=str(work_dir),
-        NEMOFLOW_HOME=str(tmp_path / "home"),
+    env = prefect_worker_env(
+        prefect_server,
+        work_dir,
+        tmp_path / "home",
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_WORKER_QUERY_SECONDS="2",
     )
@@ -81,15 +87,7 @@ def local_pool(prefect_server, work_dir, tmp_path):
     deployed = _prefect(["--no-prompt", "deploy", "--all"], env)
     for name in ("end-to-end/local", "prepare-dataset/local", "end-to-end/slurm", "end-to-end/k8s"):
         assert f"Deployment '{name}' successfully" in deployed.stdout, deployed.stdout
-    log = (tmp_path / "worker.log").open("w")
-    worker = subprocess.Popen(
-        [str(VENV_BIN / "prefect"), "worker", "start", "--pool", "local", "--type", "process"],
-        cwd=REPO,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    worker = prefect_worker_process("local", "process", env, tmp_path / "worker.log")
     yield env
     from infra import services
 
@@ -206,31 +204,11 @@ def _gpu_time_adds_up(run_id: str, stage_times: dict[str, dict], work_dir: Path)
 
 
 def _artifact_markdown(flow_run_id: str, key: str) -> str:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
-
-    with get_client(sync_client=True) as client:
-        found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
-            )
-        )
-    assert found, f"no {key} artifact on flow run {flow_run_id}"
-    return found[0].data
+    return flow_run_artifacts(flow_run_id, key)[0].data
 
 
 def _artifact_table(flow_run_id: str, key: str) -> list[dict]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
-
-    with get_client(sync_client=True) as client:
-        found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
-            )
-        )
-    assert found, f"no {key} artifact on flow run {flow_run_id}"
-    data = found[0].data
+    data = flow_run_artifacts(flow_run_id, key)[0].data
     return json.loads(data) if isinstance(data, str) else data
 
 

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import REPO, VENV_BIN, free_port
+from tests.conftest import REPO, VENV_BIN, free_port, prefect_worker_env, prefect_worker_process
 from tests.slurm.conftest import slurm_cluster  # noqa: F401 - the fixture (skips, or fails under CI=true)
 from tests.support.tiny import TINY_TRAIN
 
@@ -26,11 +26,10 @@ SERVE_KEY = "sk-slurm-e2e-SENTINEL-4711"
 def slurm_pool(prefect_server, work_dir, tmp_path, slurm_cluster):  # noqa: F811 - fixture
     from devtools.prefect_local import ensure_pools
 
-    env = dict(
-        os.environ,
-        PREFECT_API_URL=prefect_server,
-        NEMOFLOW_WORK_DIR=str(work_dir),
-        NEMOFLOW_HOME=str(tmp_path / "home"),
+    env = prefect_worker_env(
+        prefect_server,
+        work_dir,
+        tmp_path / "home",
         PREFECT_WORKER_QUERY_SECONDS="1",
         # a server on a cluster node answers only with the key (it reaches the job by name, via sbatch's env)
         NEMOFLOW_SERVE_API_KEY=SERVE_KEY,
@@ -44,14 +43,7 @@ def slurm_pool(prefect_server, work_dir, tmp_path, slurm_cluster):  # noqa: F811
         capture_output=True,
         text=True,
     )
-    worker = subprocess.Popen(
-        [str(VENV_BIN / "prefect"), "worker", "start", "--pool", "gpu-cluster", "--type", "slurm"],
-        cwd=REPO,
-        env=env,
-        stdout=(tmp_path / "worker.log").open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    worker = prefect_worker_process("gpu-cluster", "slurm", env, tmp_path / "worker.log")
     yield env
     from infra.executors import get_backend
 

@@ -35,11 +35,13 @@ def _job_state(job_id: str) -> str:
     return next((f.split("=", 1)[1] for f in out.split() if f.startswith("JobState=")), "")
 
 
-def _slurm_run(plane, tmp_path):
-    """A run of tests/faults/flows.py:submits_a_slurm_job through the slurm worker; (run, stage job id)."""
+def _slurm_run(plane, tmp_path, fault: str):
+    """A run of tests/faults/flows.py:submits_a_slurm_job through the slurm worker, and the fault-ledger row of
+    ``fault`` watching it; (row, run, stage job id)."""
     from devtools import prefect_local as pl
     from infra.slurm_worker import labelled_jobs
 
+    row = fault_ledger.open_row(fault)
     pool = "faults-slurm"
     with plane.scoped():
         pl.ensure_work_pool(pool, "slurm", plane.api, "deployments/slurm/base-job-template.json")
@@ -56,7 +58,8 @@ def _slurm_run(plane, tmp_path):
     stage = _wait(lambda: marker.exists() and marker.read_text(), 240, "the stage job")
     out = subprocess.run(["squeue", "-h", "-o", "%F|%k"], capture_output=True, text=True).stdout
     assert labelled_jobs(out, "flow-run", str(run.id)) == [stage], out  # run_job labelled it with this run
-    return run, stage
+    row.watch_runs([run.id], lambda: plane.api.settings())
+    return row, run, stage
 
 
 @pytest.mark.prefect
@@ -67,9 +70,7 @@ def test_cancelling_a_slurm_flow_run_scancels_its_stage_jobs(control_plane, slur
     from prefect.states import Cancelling
 
     plane = control_plane
-    row = fault_ledger.open_row("Slurm flow run cancelled during a stage job")
-    run, stage = _slurm_run(plane, tmp_path)
-    row.watch_runs([run.id], lambda: plane.api.settings())
+    row, run, stage = _slurm_run(plane, tmp_path, "Slurm flow run cancelled during a stage job")
     with plane.api.settings(), get_client(sync_client=True) as client:
         accepted = client.set_flow_run_state(run.id, Cancelling(), force=True)  # what the UI's Cancel does
     row.injected += accepted.status is SetStateStatus.ACCEPT
@@ -91,9 +92,7 @@ def test_cancelling_a_slurm_flow_run_scancels_its_stage_jobs(control_plane, slur
 def test_a_slurm_flow_run_killed_hard_takes_its_stage_jobs_with_it(control_plane, slurm, tmp_path):  # noqa: F811 - fixture
     """The flow-run process is SIGKILLed (the OOM killer, say): nothing in it can cancel its stage job."""
     plane = control_plane
-    row = fault_ledger.open_row("Slurm flow-run job SIGKILLed during a stage job")
-    run, stage = _slurm_run(plane, tmp_path)
-    row.watch_runs([run.id], lambda: plane.api.settings())
+    row, run, stage = _slurm_run(plane, tmp_path, "Slurm flow-run job SIGKILLed during a stage job")
     flow_job = plane.flow_run(run.id).infrastructure_pid
     assert flow_job and flow_job != stage
     os.kill(int((tmp_path / "flow.pid").read_text()), signal.SIGKILL)  # the one-machine cluster: same host

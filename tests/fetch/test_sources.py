@@ -78,15 +78,19 @@ def test_unsupported_scheme_is_named(uri):
     assert uri.split("://")[0] in str(err.value)
 
 
+# The corpus template's shards as a recursive glob names them (their folders kept), local or in a bucket.
+TEMPLATE_SHARDS = [
+    "chunk1/example_train_0.jsonl.zst",
+    "chunk1/example_train_1.jsonl.zst",
+    "chunk2/example_train_0.jsonl.zst",
+    "chunk2/example_train_1.jsonl.zst",
+]
+
+
 def test_local_glob_keeps_subfolders_in_names(corpus_template):
     root = corpus_template / "train"
     sources = expand_sources(f"{root}/**/*.jsonl.zst")
-    assert [s.name for s in sources] == [
-        "chunk1/example_train_0.jsonl.zst",
-        "chunk1/example_train_1.jsonl.zst",
-        "chunk2/example_train_0.jsonl.zst",
-        "chunk2/example_train_1.jsonl.zst",
-    ]
+    assert [s.name for s in sources] == TEMPLATE_SHARDS
     for src in sources:
         assert (root / src.name).read_bytes() == storage.read_bytes(src.url)
     assert [s.name for s in expand_sources(f"file://{root}/chunk2/*.zst")] == [
@@ -112,12 +116,7 @@ def test_glob_on_gcs(gcs_bucket, corpus_template):
         f"{gcs_bucket}/raw/chunk1/example_train_1.jsonl.zst",
     ]
     deep = expand_sources(f"{gcs_bucket}/raw/**/*.jsonl.zst")
-    assert [s.name for s in deep] == [
-        "chunk1/example_train_0.jsonl.zst",
-        "chunk1/example_train_1.jsonl.zst",
-        "chunk2/example_train_0.jsonl.zst",
-        "chunk2/example_train_1.jsonl.zst",
-    ]
+    assert [s.name for s in deep] == TEMPLATE_SHARDS
     assert storage.read_bytes(deep[3].url) == (corpus_template / "train/chunk2/example_train_1.jsonl.zst").read_bytes()
     with pytest.raises(SourceError, match=f"{gcs_bucket}/raw/\\*\\.parquet"):
         expand_sources(f"{gcs_bucket}/raw/*.parquet")

@@ -55,6 +55,22 @@ def served(tmp_path, sqsh_image):
 
 
 @pytest.fixture
+def counted_server(served, monkeypatch):
+    """``counted_server(row)`` -> the server of ``served``, the faults it injects from now on counted in the
+    fault-ledger ``row`` (each test opens its own); copies resume without their backoff."""
+    from infra.images import copying
+
+    monkeypatch.setattr(copying, "RESUME_BACKOFF_S", 0.0)
+
+    def count_into(row):
+        server, _ = served
+        row.injected_from(server.injected_count)
+        return server
+
+    return count_into
+
+
+@pytest.fixture
 def plain_served(tmp_path, sqsh_image):
     """The image over HTTP with only Content-Length and a non-md5 ETag: no checksum to compare."""
     root = tmp_path / "plain-www"

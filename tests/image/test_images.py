@@ -167,11 +167,9 @@ def test_changed_source_is_staged_again(served, tmp_path, sqsh_image, kjv_chapte
 
 
 @pytest.mark.faults
-def test_dropped_connections_are_resumed(served, tmp_path, sqsh_image, monkeypatch):
-    server, _ = served
+def test_dropped_connections_are_resumed(tmp_path, sqsh_image, counted_server):
     row = fault_ledger.open_row("http stall/reset: image copy resumed")
-    row.injected_from(server.injected_count)
-    monkeypatch.setattr(copying, "RESUME_BACKOFF_S", 0.0)
+    server = counted_server(row)
     # stall_at: the first 100000 bytes arrive and are read before the connection closes early,
     # so the resume point is exact (bytes that arrive together with the error are dropped by aiohttp).
     server.add_faults("/nemo-test.sqsh", Fault(stall_at=100_000, stall=0.5), Fault(reset_at=700_000))
@@ -188,11 +186,9 @@ def test_dropped_connections_are_resumed(served, tmp_path, sqsh_image, monkeypat
 
 
 @pytest.mark.faults
-def test_connection_that_keeps_dropping_leaves_nothing(served, tmp_path, monkeypatch):
-    server, _ = served
+def test_connection_that_keeps_dropping_leaves_nothing(tmp_path, counted_server):
     row = fault_ledger.open_row("http truncation every attempt: image copy")
-    row.injected_from(server.injected_count)
-    monkeypatch.setattr(copying, "RESUME_BACKOFF_S", 0.0)
+    server = counted_server(row)
     server.add_faults("/nemo-test.sqsh", *[Fault(truncate_at=50_000) for _ in range(copying.RESUME_ATTEMPTS + 1)])
     dest = tmp_path / "images"
     with pytest.raises(ImageSourceError, match="nemo-test.sqsh") as info:
@@ -203,11 +199,9 @@ def test_connection_that_keeps_dropping_leaves_nothing(served, tmp_path, monkeyp
 
 
 @pytest.mark.faults
-def test_resume_refuses_a_file_replaced_meanwhile(served, tmp_path, monkeypatch):
-    server, _ = served
+def test_resume_refuses_a_file_replaced_meanwhile(tmp_path, counted_server):
     row = fault_ledger.open_row("http stall, then the file replaced: image copy")
-    row.injected_from(server.injected_count)
-    monkeypatch.setattr(copying, "RESUME_BACKOFF_S", 0.0)
+    server = counted_server(row)
     # The second GET sees another ETag: If-Range fails, the server sends the whole (new) file with 200.
     server.add_faults("/nemo-test.sqsh", Fault(stall_at=100_000, stall=0.5), Fault(etag="replaced"))
     dest = tmp_path / "images"
@@ -495,11 +489,9 @@ def test_bucket_to_bucket_copy_is_server_side_and_verified(gcs_bucket, sqsh_imag
 
 
 @pytest.mark.faults
-def test_signed_url_credentials_stay_out_of_logs_and_records(served, tmp_path, sqsh_image, monkeypatch):
-    server, _ = served
+def test_signed_url_credentials_stay_out_of_logs_and_records(tmp_path, sqsh_image, counted_server):
     row = fault_ledger.open_row("http stall on a signed URL: image copy")
-    row.injected_from(server.injected_count)
-    monkeypatch.setattr(copying, "RESUME_BACKOFF_S", 0.0)
+    server = counted_server(row)
     signature = "X-Goog-Signature=5e1f0c0ffee0ddba11"
     url = server.url("nemo-test.sqsh") + "?X-Goog-Credential=svc%40proj&" + signature
     server.add_faults("/nemo-test.sqsh", Fault(stall_at=1000, stall=0.3))  # a resume, with its log line

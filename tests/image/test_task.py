@@ -160,7 +160,7 @@ def test_cli_runs_the_task_in_a_flow(prefect_server, served, tmp_path, capsys):
 
 @pytest.mark.prefect
 @pytest.mark.faults
-def test_task_retries_transient_failures_only(prefect_server, served, tmp_path, monkeypatch):
+def test_task_retries_transient_failures_only(prefect_server, tmp_path, counted_server):
     from prefect import flow
     from prefect.client.orchestration import get_client
 
@@ -169,10 +169,8 @@ def test_task_retries_transient_failures_only(prefect_server, served, tmp_path, 
     from tasks.image import stage_image
     from tests.support.fault_server import Fault
 
-    server, _ = served
     row = fault_ledger.open_row("http connection dropped more often than a copy resumes: stage_image task retried")
-    row.injected_from(server.injected_count)
-    monkeypatch.setattr(copying, "RESUME_BACKOFF_S", 0.0)
+    server = counted_server(row)
     quick = stage_image.with_options(retry_delay_seconds=0)
     # First attempt: the connection drops more often than one copy resumes; the retry succeeds.
     server.add_faults(

@@ -18,9 +18,8 @@ import pytest
 from devtools import engine_env as ee
 from devtools import wheelhouse as wh
 from tests.install.nodes import make_node
-from tests.install.test_wheelhouse import bundled, make_wheel, offline_env
+from tests.install.test_wheelhouse import bundled, make_wheel, offline_env, pip_offline, setup_offline
 
-REPO = Path(__file__).resolve().parents[2]
 TORCH = md.version("torch")
 PACKAGING = md.version("packaging")
 
@@ -123,11 +122,7 @@ def index(tmp_path, monkeypatch):
     make_wheel(index, "optdep", "1.0", ["optdep-only"])
     make_wheel(index, "optdep-only", "1.0")
     (tmp_path / "node-freeze.txt").write_text(f"torch=={TORCH}\npackaging=={PACKAGING}\nnumbaish==0.68\n")
-    for k in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    pip_offline(monkeypatch, index)
     return tmp_path
 
 
@@ -163,16 +158,6 @@ def test_an_engine_that_pins_another_torch_is_refused(index, capsys):
     )
 
 
-def setup_engine(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["bash", str(REPO / "scripts/setup.sh"), "--offline", *args],
-        capture_output=True,
-        text=True,
-        env=offline_env(),
-        timeout=300,
-    )
-
-
 @pytest.mark.slow
 def test_chunks_install_one_call_at_a_time_beside_the_nodes_torch(index, tmp_path):
     assert build(index, "toyengine==1.0", "--split-mb", "2.1") == 0
@@ -182,7 +167,7 @@ def test_chunks_install_one_call_at_a_time_beside_the_nodes_torch(index, tmp_pat
     venv = tmp_path / "engine-venv"
 
     def install(chunk: Path) -> subprocess.CompletedProcess:
-        return setup_engine(str(chunk), "--engine-venv", str(venv), "--reuse-torch", str(node_python))
+        return setup_offline(str(chunk), "--engine-venv", str(venv), "--reuse-torch", str(node_python))
 
     with_part = next(c for c in chunks[1:] if list(c.glob("*.part-*")))
     # a chunk other than the first, first: no pip to install with yet
@@ -230,7 +215,7 @@ def test_chunks_install_one_call_at_a_time_beside_the_nodes_torch(index, tmp_pat
 
 
 def test_setup_refuses_an_engine_venv_without_the_nodes_python(tmp_path):
-    proc = setup_engine(str(tmp_path), "--engine-venv", str(tmp_path / "v"))
+    proc = setup_offline(str(tmp_path), "--engine-venv", str(tmp_path / "v"))
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "error: --engine-venv needs --reuse-torch PYTHON (the node's Python whose torch it uses)"

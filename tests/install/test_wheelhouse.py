@@ -124,12 +124,17 @@ def toy(tmp_path, monkeypatch):
         "# pip list --format=freeze\ntorch==2.11.0+cu130\nnumpyish==2.5\nhelper==1.0\nextra-dep\nsix==0.9\n"
         "smallpkg\nbigpkg\n"
     )
+    pip_offline(monkeypatch, index)
+    return tmp_path
+
+
+def pip_offline(monkeypatch, index: Path) -> None:
+    """pip in this test finds packages in ``index`` only: no configured index, constraints or config file."""
     for k in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(index))
-    return tmp_path
 
 
 def build(toy: Path, *extra: str, out: str = "wh") -> dict:

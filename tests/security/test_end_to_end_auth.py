@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 
-from tests.conftest import REPO, VENV_BIN, free_port
+from tests.conftest import ENSURE_LOCAL_WORKER, REPO, VENV_BIN, free_port
 from tests.security.leaks import find_leaks
 from tests.support.tiny import TINY_TRAIN
 
@@ -59,14 +59,7 @@ def test_end_to_end_with_an_authenticated_api_and_a_keyed_endpoint_leaves_no_sec
         secrets["auth string"] = auth
         anonymous = httpx.post(f"{api}/flow_runs/filter", json={}, timeout=10)
         assert anonymous.status_code == 401
-        worker = run(
-            [
-                sys.executable,
-                "-c",
-                "from devtools import prefect_local as pl; pl.ensure_worker('local', 'process', pl.PrefectApi.from_settings())",
-            ],
-            env,
-        )
+        worker = run(ENSURE_LOCAL_WORKER, env)
         assert worker.returncode == 0, worker.stderr
         config = {"train": TINY_TRAIN, "serve": {"port": serve_port, "model_name": name}, "validation_threshold": 9.5}
         watched = run(

@@ -93,17 +93,19 @@ def test_vllm_gets_the_key_in_its_environment_only():
     }
 
 
+# The ports and limits both Triton tests give triton_argv.
+TRITON_LIMITS = dict(
+    triton_port=9001, service_port=9002, tensor_parallel_size=4, max_input_len=2048, max_output_len=512
+)
+
+
 def test_triton_command_line():
     argv = triton_argv(
         "/ckpt/step-60",
         model_name="mixtral",
         model_type="MixtralForCausalLM",
-        triton_port=9001,
-        service_port=9002,
-        tensor_parallel_size=4,
-        max_input_len=2048,
-        max_output_len=512,
         model_repository="/scratch/trt",
+        **TRITON_LIMITS,
     )
     assert argv == [
         "python",
@@ -144,6 +146,17 @@ def test_tensor_parallel_defaults_to_the_gpus_given(devices, count):
     assert visible_gpus({} if devices is None else {"CUDA_VISIBLE_DEVICES": devices}) == count
 
 
+def _vllm_parses(argv: list[str]) -> subprocess.CompletedProcess:
+    """vLLM's own argument parser (in NEMOFLOW_VLLM_PYTHON, on CPU) given ``argv``."""
+    return subprocess.run(
+        [os.environ["NEMOFLOW_VLLM_PYTHON"], str(PROBE), "vllm", json.dumps(argv)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"),
+        timeout=300,
+    )
+
+
 @pytest.mark.skipif(
     not os.environ.get("NEMOFLOW_VLLM_PYTHON"),
     reason="set NEMOFLOW_VLLM_PYTHON to a Python where vllm imports (README: Serving on GPU clusters)",
@@ -152,26 +165,14 @@ def test_vllm_parser_accepts_the_command_line():
     argv = vllm_argv(
         "/ckpt", model_name="m", port=9000, tensor_parallel_size=4, max_model_len=4096, extra=["--max-num-seqs=8"]
     )
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
-    out = subprocess.run(
-        [os.environ["NEMOFLOW_VLLM_PYTHON"], str(PROBE), "vllm", json.dumps(argv)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+
+    out = _vllm_parses(argv)
     assert out.returncode == 0, out.stderr[-2000:]
     parsed = json.loads(out.stdout.splitlines()[-1])
     assert (parsed["model"], parsed["host"], parsed["port"]) == ("/ckpt", "127.0.0.1", 9000)
     assert parsed["served_model_name"] == ["m"] and parsed["tensor_parallel_size"] == 4
     assert parsed["max_model_len"] == 4096 and parsed["max_num_seqs"] == 8 and parsed["api_key"] is None
-    typo = subprocess.run(
-        [os.environ["NEMOFLOW_VLLM_PYTHON"], str(PROBE), "vllm", json.dumps(argv + ["--tensor-paralel", "2"])],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    typo = _vllm_parses(argv + ["--tensor-paralel", "2"])
     assert typo.returncode != 0  # the parser is strict: the check above means something
 
 
@@ -181,17 +182,7 @@ def test_vllm_parser_accepts_the_command_line():
 )
 def test_nemo_parser_accepts_the_command_line():
     script = os.environ["NEMOFLOW_NEMO_DEPLOY_SCRIPT"]
-    argv = triton_argv(
-        "/ckpt",
-        model_name="m",
-        model_type="LlamaForCausalLM",
-        triton_port=9001,
-        service_port=9002,
-        tensor_parallel_size=4,
-        max_input_len=2048,
-        max_output_len=512,
-        script=script,
-    )
+    argv = triton_argv("/ckpt", model_name="m", model_type="LlamaForCausalLM", script=script, **TRITON_LIMITS)
     out = subprocess.run(
         [sys.executable, str(PROBE), "nemo", script, json.dumps(argv)], capture_output=True, text=True, timeout=60
     )

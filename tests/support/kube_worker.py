@@ -13,11 +13,10 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.conftest import REPO, VENV_BIN
+from tests.conftest import REPO, VENV_BIN, poll
 
 
 def write_kubeconfig(path: Path, url: str) -> Path:
@@ -82,10 +81,4 @@ def log_tail(log: Path, lines: int = 60) -> str:
 
 def wait_until(check, timeout_s: float, every_s: float = 0.5):
     """``check()``'s first truthy value, or None after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every_s)
-    return None
+    return poll(check, timeout_s, every_s)

@@ -97,40 +97,18 @@ def test_job_entry_point_takes_its_array_index(tmp_path, kjv_chapters, mixtral_t
         )
     listing = tmp_path / "inputs.txt"
     listing.write_text("".join(f"{p}\n" for p in inputs))
-    proc = _run(
-        [
-            sys.executable,
-            "-m",
-            "workloads.tokenize",
-            "--input-list",
-            str(listing),
-            "--output-prefix",
-            str(tmp_path / "tok" / "{stem}"),
-            *mixtral_flags(mixtral_tokenizer_model),
-            "--append-eod",
-        ],
-        env={"NEMOFLOW_ARRAY_INDEX": "1"},
-    )
+    out = str(tmp_path / "tok" / "{stem}")
+    # each array task's command: the whole list, its own index from the environment (or --array-index)
+    job = [sys.executable, "-m", "workloads.tokenize", "--input-list", str(listing), "--output-prefix", out]
+    job += mixtral_flags(mixtral_tokenizer_model)
+    proc = _run([*job, "--append-eod"], env={"NEMOFLOW_ARRAY_INDEX": "1"})
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == [
         "shard_1_text_document.bin",
         "shard_1_text_document.idx",
     ]
     assert json.loads(proc.stdout)["documents"] == 10
-    proc = _run(
-        [
-            sys.executable,
-            "-m",
-            "workloads.tokenize",
-            "--input-list",
-            str(listing),
-            "--array-index",
-            "3",
-            "--output-prefix",
-            str(tmp_path / "tok" / "{stem}"),
-            *mixtral_flags(mixtral_tokenizer_model),
-        ],
-    )
+    proc = _run([*job, "--array-index", "3"])
     assert proc.returncode == 2 and "array index 3 is out of range" in proc.stderr
 
 

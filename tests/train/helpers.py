@@ -46,6 +46,11 @@ def write_config(config: dict, path: Path) -> Path:
     return path
 
 
+def tiny_config_file(dataset: dict, run_dir: Path, path: Path, **overrides) -> Path:
+    """:func:`tiny_config` written to ``path``: the file :func:`run_trainer` takes."""
+    return write_config(tiny_config(dataset, run_dir, **overrides), path)
+
+
 def trainer_env(**extra) -> dict:
     env = dict(os.environ)
     env.pop("WANDB_API_KEY", None)
@@ -118,6 +123,12 @@ def checkpoints_now(run_dir: Path) -> dict[int, str]:
             problems += ckpt.verify_manifest(info.consolidated)
         found[info.step] = "; ".join(problems) or "intact"
     return found
+
+
+def record_saves(row, run_dir: Path, *outputs: str) -> None:
+    """The fault-ledger row's data check: the checkpoints the trainer's ``outputs`` said it saved, against those
+    on disk in ``run_dir`` now."""
+    row.compare(saved_steps(*outputs), checkpoints_now(run_dir))
 
 
 def dcp_problems(path: Path) -> list[str]:

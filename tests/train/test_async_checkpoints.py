@@ -26,9 +26,10 @@ from tests.train.helpers import (
     checkpoints_now,
     deterministic_part,
     read_metrics,
+    record_saves,
     run_trainer,
-    saved_steps,
-    tiny_config,
+    tiny_config_file,
+    trainer_env,
     write_config,
 )
 from workloads import checkpoint as ckpt
@@ -95,11 +96,11 @@ def test_killed_right_after_a_save_resumes_from_the_one_before(tmp_path, train_d
     """SIGKILL while the step-8 save is being written in the background: it is never published, and the re-run
     resumes from step 4 to the uninterrupted run's numbers."""
     run_dir = tmp_path / "run"
-    config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
+    config_path = tiny_config_file(train_dataset, run_dir, tmp_path / "config.json")
     row = fault_ledger.open_row("training job SIGKILLed during a background checkpoint write")
     crashed = run_trainer(config_path, **failpoints.env(train__crash_after_save_at_step=8))
     row.injected += crashed.returncode == -signal.SIGKILL
-    row.compare(saved_steps(crashed.stdout), checkpoints_now(run_dir))  # what was saved before the kill
+    record_saves(row, run_dir, crashed.stdout)  # what was saved before the kill
     assert crashed.returncode == -signal.SIGKILL, crashed.stdout[-3000:] + crashed.stderr[-3000:]
     assert (_step_dir(run_dir, 8) / ckpt.INCOMPLETE).exists()  # whatever the writer finished: unpublished
     assert [c.step for c in ckpt.saved_checkpoints(run_dir)] == [4]
@@ -208,7 +209,7 @@ def test_too_little_shared_memory_saves_synchronously(tmp_path, train_dataset, r
         "util-linux, as root",
     )
     run_dir = tmp_path / "run"
-    config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
+    config_path = tiny_config_file(train_dataset, run_dir, tmp_path / "config.json")
     trainer = f"{sys.executable} -m workloads.train --config {config_path}"
     row = fault_ledger.open_row("/dev/shm too small for checkpoint staging (1 MiB tmpfs)")
     proc = subprocess.run(
@@ -230,7 +231,7 @@ def test_too_little_shared_memory_saves_synchronously(tmp_path, train_dataset, r
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     warning = next((line for line in proc.stdout.splitlines() if "saving synchronously" in line), None)
     row.injected += warning is not None and "but 0.0 GiB is available" in warning  # it saw the 1 MiB /dev/shm
-    row.compare(saved_steps(proc.stdout), checkpoints_now(run_dir))
+    record_saves(row, run_dir, proc.stdout)
     assert warning and warning.startswith("warning: asynchronous checkpoints need "), proc.stdout[-3000:]
     metrics = read_metrics(run_dir)
     assert not [m for m in metrics if "checkpoint_wait_s" in m]  # synchronous: nothing left to wait for
@@ -249,7 +250,6 @@ def _export(target) -> subprocess.CompletedProcess:
 
 
 def _env() -> dict:
-    from tests.train.helpers import trainer_env
 
     return trainer_env()
 

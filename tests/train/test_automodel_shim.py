@@ -97,7 +97,7 @@ def test_staging_never_copies_a_class_where_the_table_lacks_type():
 
 
 # The trainer's save path for real: a gloo group, AutoModel's patch, the shim's start_checkpoint_process (what
-# workloads/train.py calls), torch's background writer process, and two async_save calls (a save's model and
+# workloads/train/ calls), torch's background writer process, and two async_save calls (a save's model and
 # optimizer halves). The disk is slow on purpose: tests.support.gated_writer holds the first write inside
 # the writer process until the gate file exists, so "the write is still running" is a fact, not a sleep.
 SAVE_TWICE = """

@@ -143,7 +143,7 @@ def test_unknown_strategy_is_refused_naming_the_key():
 def test_ddp_recipe_has_no_fsdp2_policy_and_fsdp2_keeps_it():
     from pathlib import Path
 
-    from workloads.train import recipe_config
+    from workloads.train.recipe import recipe_config
 
     small = recipe_config(
         config(**LLAMA_134M, gpus_per_node=2, enable_compile=True), Path("/r"), 32000, world_size=2, cuda=True
@@ -226,7 +226,7 @@ def test_blend_parsing_and_errors():
 def test_recipe_config_maps_nemo_names_onto_automodel():
     from pathlib import Path
 
-    from workloads.train import recipe_config
+    from workloads.train.recipe import recipe_config
 
     cfg = config(
         gpus_per_node=8,

@@ -14,15 +14,7 @@ import pytest
 
 from tests.support import fault_ledger
 from tests.support.tmpfs import is_full, resize, tmpfs
-from tests.train.helpers import (
-    checkpoints_now,
-    deterministic_part,
-    read_metrics,
-    run_trainer,
-    saved_steps,
-    tiny_config,
-    write_config,
-)
+from tests.train.helpers import deterministic_part, read_metrics, record_saves, run_trainer, tiny_config_file
 from workloads import checkpoint as ckpt
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Transformer Engine and Apex")
@@ -47,10 +39,10 @@ def test_disk_full_in_a_save_fails_cleanly_and_a_rerun_resumes(tmp_path, train_d
     row = fault_ledger.open_row("disk full (tmpfs) during a checkpoint save")
     with tmpfs(tmp_path / "disk", f"size={room}") as disk:
         run_dir = disk / "run"
-        config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
+        config_path = tiny_config_file(train_dataset, run_dir, tmp_path / "config.json")
         full = run_trainer(config_path, timeout=900)
         row.injected += is_full(disk)  # the save filled the tmpfs: ENOSPC for real
-        row.compare(saved_steps(full.stdout), checkpoints_now(run_dir))  # checkpoints saved before the fault
+        record_saves(row, run_dir, full.stdout)  # checkpoints saved before the fault
         assert full.returncode != 0, full.stdout[-2000:]
         last = (full.stdout + full.stderr).strip().splitlines()[-1]
         assert last.startswith("error: no space left on the device holding the run directory"), last

@@ -21,10 +21,9 @@ from tests.train.helpers import (
     checkpoints_now,
     deterministic_part,
     read_metrics,
+    record_saves,
     run_trainer,
-    saved_steps,
-    tiny_config,
-    write_config,
+    tiny_config_file,
 )
 from workloads import checkpoint as ckpt
 
@@ -58,12 +57,12 @@ def test_a_failed_write_is_reported_and_training_continues(tmp_path, train_datas
     """The writer process fails the step-8 save with an I/O error after part of a file: the run reports it, goes
     on to step 12, saves it, ends with exit 0 and the uninterrupted run's numbers; the failed save is gone."""
     run_dir = tmp_path / "run"
-    config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
+    config_path = tiny_config_file(train_dataset, run_dir, tmp_path / "config.json")
     row = fault_ledger.open_row("checkpoint writer I/O error during a background save (failpoint)")
     proc = run_trainer(config_path, **failpoints.env(train__fail_checkpoint_write_at_step=8))
     failures = _failures(proc.stdout)
     row.injected += len(failures)  # each failure the writer process raised and the trainer reported
-    row.compare(saved_steps(proc.stdout), checkpoints_now(run_dir))
+    record_saves(row, run_dir, proc.stdout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [step for step, _ in failures] == [8], proc.stdout[-3000:]
     assert "OSError: [Errno 5] Input/output error (simulated by a failpoint)" in failures[0][1]
@@ -92,13 +91,14 @@ def test_failures_in_a_row_stop_the_run_and_a_rerun_resumes_from_the_last_good_s
     6 and 8 fail, the run stops at step 8 with one line saying why; the re-run resumes from step 4 (never from a
     failed save) and ends with the uninterrupted run's numbers."""
     run_dir = tmp_path / "run"
-    config = tiny_config(train_dataset, run_dir, ckpt_every_n_steps=2, ckpt_max_failed_saves=2, save_top_k=-1)
-    config_path = write_config(config, tmp_path / "config.json")
+    config_path = tiny_config_file(
+        train_dataset, run_dir, tmp_path / "config.json", ckpt_every_n_steps=2, ckpt_max_failed_saves=2, save_top_k=-1
+    )
     row = fault_ledger.open_row("checkpoint writer failing every save from step 6 on (failpoint)")
     proc = run_trainer(config_path, **failpoints.env(train__fail_checkpoint_write_at_step="6+"))
     failures = _failures(proc.stdout)
     row.injected += len(failures)
-    row.compare(saved_steps(proc.stdout), checkpoints_now(run_dir))
+    record_saves(row, run_dir, proc.stdout)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [step for step, _ in failures] == [6, 8], proc.stdout[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
@@ -121,12 +121,12 @@ def test_a_killed_writer_process_is_replaced_and_training_continues(tmp_path, tr
     """The background writer process SIGKILLs itself half-way through the step-8 save: the trainer reports it,
     starts a new writer, saves step 12 through it and ends with exit 0 and the uninterrupted run's numbers."""
     run_dir = tmp_path / "run"
-    config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
+    config_path = tiny_config_file(train_dataset, run_dir, tmp_path / "config.json")
     row = fault_ledger.open_row("checkpoint writer process SIGKILLed during a background save")
     proc = run_trainer(config_path, **failpoints.env(train__kill_checkpoint_writer_at_step=8))
     failures = _failures(proc.stdout)
     row.injected += sum("writer process died" in reason for _, reason in failures)
-    row.compare(saved_steps(proc.stdout), checkpoints_now(run_dir))
+    record_saves(row, run_dir, proc.stdout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [step for step, _ in failures] == [8], proc.stdout[-3000:]
     assert "Checkpoint background process is dead" in failures[0][1]
@@ -160,11 +160,11 @@ def test_a_full_disk_fails_a_save_training_continues_then_the_last_save_stops_th
     row = fault_ledger.open_row("disk full (tmpfs) during a background save: training continues")
     with tmpfs(tmp_path / "disk", f"size={room}") as disk:
         run_dir = disk / "run"
-        config_path = write_config(tiny_config(train_dataset, run_dir, save_top_k=1), tmp_path / "config.json")
+        config_path = tiny_config_file(train_dataset, run_dir, tmp_path / "config.json", save_top_k=1)
         proc = run_trainer(config_path, timeout=900)
         failures = _failures(proc.stdout)
         row.injected += sum("no space left" in reason.lower() for _, reason in failures)
-        row.compare(saved_steps(proc.stdout), checkpoints_now(run_dir))
+        record_saves(row, run_dir, proc.stdout)
         assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert [step for step, _ in failures] == [8, 12], proc.stdout[-3000:]
         # ENOSPC from the safetensors write, or torch.save's "unexpected pos" on a full disk (no errno), named so

@@ -123,7 +123,7 @@ def test_gs_run_dir_preempted_on_one_node_resumes_on_another(gcs_bucket, tmp_pat
 
 def test_gs_run_dir_needs_one_node(tmp_path):
     from infra.configs.train import TrainConfig
-    from workloads.train import run_mirror
+    from workloads.train.launch import run_mirror
 
     data = {"blend": [1.0, "gs://b/data/x_text_document"], "tokenizer_model": "gs://b/data/tokenizer.model"}
     one = TrainConfig(**tiny_config(data, "gs://b/runs/one"))

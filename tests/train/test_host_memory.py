@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from workloads.train import host_memory_available
+from workloads.train.launch import host_memory_available
 
 GIB = 1 << 30
 

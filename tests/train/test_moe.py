@@ -90,7 +90,7 @@ def test_what_each_moe_implementation_cannot_run_is_refused_naming_the_field():
 
 
 def test_recipe_builds_the_grouped_model_or_the_hf_model():
-    from workloads.train import recipe_config
+    from workloads.train.recipe import recipe_config
 
     grouped = recipe_config(moe_config(expert_model_parallel_size=2, gpus_per_node=2), Path("/r"), 32000, 2, cuda=True)
     model = grouped["model"]

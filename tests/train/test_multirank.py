@@ -23,11 +23,10 @@ import pytest
 from infra import failpoints
 from tests.support import fault_ledger
 from tests.train.helpers import (
-    checkpoints_now,
     deterministic_part,
     read_metrics,
+    record_saves,
     run_trainer,
-    saved_steps,
     tensor_layout,
     tiny_config,
     write_config,
@@ -151,7 +150,7 @@ def test_two_ddp_ranks_killed_in_a_save_resume_with_the_same_numbers(tmp_path, r
     row = fault_ledger.open_row("2-rank DDP training job SIGKILLed mid-checkpoint")
     crashed = run_trainer(config_path, nproc=2, **failpoints.env(train__crash_in_save_at_step=6))
     row.injected += f"exitcode  : -{int(signal.SIGKILL)}" in crashed.stdout + crashed.stderr  # torchrun saw it
-    row.compare(saved_steps(crashed.stdout), checkpoints_now(run_dir))
+    record_saves(row, run_dir, crashed.stdout)
     assert crashed.returncode != 0, crashed.stdout + crashed.stderr
     assert f"exitcode  : -{int(signal.SIGKILL)}" in crashed.stdout + crashed.stderr  # torchrun saw the kill
     assert [c.step for c in ckpt.saved_checkpoints(run_dir)] == [3] and ckpt.list_checkpoints(run_dir) == []

@@ -16,12 +16,12 @@ from infra.configs.train import EXIT_OUT_OF_MEMORY, EXIT_PREEMPTED
 from tests.support import fault_ledger
 from tests.train.helpers import (
     REPO,
-    checkpoints_now,
     deterministic_part,
     read_metrics,
+    record_saves,
     run_trainer,
-    saved_steps,
     tiny_config,
+    tiny_config_file,
     trainer_env,
     write_config,
 )
@@ -125,7 +125,7 @@ def _wait_for_line(proc: subprocess.Popen, prefix: str | tuple[str, ...], timeou
 def test_preempted_then_killed_then_resumed_matches_uninterrupted(tmp_path, train_dataset, reference_run):
     """SIGTERM at step 6 (Slurm pre-emption), SIGKILL at step 10, then a clean finish: the same numbers."""
     run_dir = tmp_path / "run"
-    config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
+    config_path = tiny_config_file(train_dataset, run_dir, tmp_path / "config.json")
     row = fault_ledger.open_row("training job SIGTERMed (pre-emption), then SIGKILLed mid-step")
 
     proc = _start(config_path, **failpoints.env(train__pause_after_step=6))
@@ -138,7 +138,7 @@ def test_preempted_then_killed_then_resumed_matches_uninterrupted(tmp_path, trai
         proc.wait(timeout=120)
     finally:
         proc.kill()
-    row.compare(saved_steps(before), checkpoints_now(run_dir))
+    record_saves(row, run_dir, before)
     assert proc.returncode == EXIT_PREEMPTED, rest
     assert "received a stop signal: checkpoint saved at step 6" in rest
     assert ckpt.saved_checkpoints(run_dir)[-1].step == 6
@@ -158,7 +158,7 @@ def test_preempted_then_killed_then_resumed_matches_uninterrupted(tmp_path, trai
     finally:
         proc.kill()
     row.injected += proc.returncode == -signal.SIGKILL
-    row.compare(saved_steps(before, rest, "".join(seen)), checkpoints_now(run_dir))
+    record_saves(row, run_dir, before, rest, "".join(seen))
     assert proc.returncode == -signal.SIGKILL
     assert any("at step 6 (consumed_samples=48)" in line for line in seen), seen
     # Killed after step 10: the last saved checkpoint is step 8; steps 9-10 are redone.
@@ -176,11 +176,11 @@ def test_preempted_then_killed_then_resumed_matches_uninterrupted(tmp_path, trai
 @pytest.mark.faults
 def test_crash_during_save_leaves_no_complete_checkpoint(tmp_path, train_dataset, reference_run):
     run_dir = tmp_path / "run"
-    config_path = write_config(tiny_config(train_dataset, run_dir), tmp_path / "config.json")
+    config_path = tiny_config_file(train_dataset, run_dir, tmp_path / "config.json")
     row = fault_ledger.open_row("training job SIGKILLed mid-checkpoint")
     crashed = run_trainer(config_path, **failpoints.env(train__crash_in_save_at_step=8))
     row.injected += crashed.returncode == -signal.SIGKILL  # it died of the kill inside the save
-    row.compare(saved_steps(crashed.stdout), checkpoints_now(run_dir))
+    record_saves(row, run_dir, crashed.stdout)
     assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
     half = _step_dir(run_dir, 8)
     # AutoModel's interrupted save: weights written, never published (its marker stays), no manifest.
