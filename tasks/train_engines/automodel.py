@@ -42,14 +42,23 @@ TRAIN_MODULES = (
     "workloads.checkpoint",
     "workloads.data_loader",
     "workloads.staging",
+    "workloads.checkpoint_writers",
+    "workloads.moe_model",
     "tasks.train_engines.automodel",
 )
 SFT_MODULES = (
     "workloads.sft",
     "infra.configs.sft",
     "workloads.chat_data",
+    "workloads.demo_data",
     "workloads.checkpoint",
     "workloads.automodel_shim",
+    # the SFT trainer takes its recipe sections, metrics log and launch checks from the pretraining trainer
+    "workloads.train",
+    "workloads.data_loader",
+    "workloads.staging",
+    "workloads.checkpoint_writers",
+    "workloads.moe_model",
     "tasks.train_engines.automodel",
 )
 
