@@ -18,8 +18,10 @@ What :meth:`KubernetesBackend.run` does:
    re-watched), follows every pod's log into ``on_log`` (with timestamps, so a
    cut connection resumes without losing or repeating lines), and returns when
    the Job completes or fails, with the reason read from the Job and its pods
-   (:mod:`infra.k8s.reasons`). Pods stuck on ImagePullBackOff or a bad Secret
-   fail the run at once; pods unschedulable longer than ``pending_timeout_s`` too;
+   (:mod:`infra.k8s.reasons`); a Job whose pod was evicted or preempted (PREEMPTED) is
+   submitted again under a new name, up to ``max_resubmits`` times, and resumes from its own
+   checkpoint. Pods stuck on ImagePullBackOff or a bad Secret fail the run at once; pods
+   unschedulable longer than ``pending_timeout_s`` too;
 4. in ``finally``: unless the Job ended by itself, deletes it with
    ``propagationPolicy: Foreground`` and its pods, so an interrupted or cancelled
    Prefect run leaves nothing running (:func:`cancel_in_flight` does the same for
@@ -430,12 +432,30 @@ class KubernetesBackend(Backend):
             backend._clean_up(list(created), run_id, everything=True, emit=lambda line: None)
 
     def run(self, spec: JobSpec, on_log: LogSink | None = None) -> JobResult:
+        """Run the job to its end; a job whose pod the cluster took away (evicted, preempted: PREEMPTED or
+        NODE_FAIL) is submitted again as a new Job, up to ``options.max_resubmits`` times, and resumes from its
+        own latest checkpoint, as Slurm's backend resubmits. A deadline (TIMEOUT) is the stage's own time
+        limit and is not resubmitted here; a failure of the job's code never is."""
+        attempt = 1
+        while True:
+            result = self._run_once(spec, on_log, check=attempt == 1).model_copy(update={"attempts": attempt})
+            resubmit = result.state in (JobState.PREEMPTED, JobState.NODE_FAIL)
+            if not resubmit or attempt > self.options.max_resubmits:
+                return result
+            if on_log is not None:
+                on_log(
+                    f"[k8s] job {result.job_id} ended {result.state.value} ({result.reason}); resubmitting "
+                    f"({attempt}/{self.options.max_resubmits}) to resume from the latest checkpoint"
+                )
+            attempt += 1
+
+    def _run_once(self, spec: JobSpec, on_log: LogSink | None, *, check: bool) -> JobResult:
         run_id = uuid.uuid4().hex[:6]
         # room for "-<run id>" and the pod hostname suffix "-<index>" within 63 characters
         name = f"{spec.name[:48].rstrip('-')}-{run_id}"
         objects = self._job_objects(spec, name=name, run_id=run_id)
         job_obj = objects[-1]
-        if self.preflight:
+        if self.preflight and check:
             self.check(spec)
         tail: collections.deque[str] = collections.deque(maxlen=50)
         secrets = get_settings().secret_values()
