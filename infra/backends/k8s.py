@@ -20,8 +20,11 @@ What :meth:`KubernetesBackend.run` does:
    the Job completes or fails, with the reason read from the Job and its pods
    (:mod:`infra.k8s.reasons`); a Job whose pod was evicted or preempted (PREEMPTED) is
    submitted again under a new name, up to ``max_resubmits`` times, and resumes from its own
-   checkpoint. Pods stuck on ImagePullBackOff or a bad Secret fail the run at once; pods
-   unschedulable longer than ``pending_timeout_s`` too;
+   checkpoint. A job of a flow run that a Prefect Kubernetes worker started (its Job labelled
+   ``prefect.io/flow-run-id`` in the same namespace) is owned by that Job (``ownerReferences``):
+   deleting the flow-run Job deletes its stage Jobs and their pods. Pods stuck on
+   ImagePullBackOff or a bad Secret fail the run at once; pods unschedulable longer than
+   ``pending_timeout_s`` too;
 4. in ``finally``: unless the Job ended by itself, deletes it with
    ``propagationPolicy: Foreground`` and its pods, so an interrupted or cancelled
    Prefect run leaves nothing running (:func:`cancel_in_flight` does the same for
@@ -83,6 +86,8 @@ from infra.retry import RetryPolicy
 from infra.settings import get_settings, redact
 
 RETRY_STATUSES = {429, 500, 502, 503, 504}
+# prefect-kubernetes' worker labels the Job of each flow run it starts with the run's id
+FLOW_RUN_JOB_LABEL = "prefect.io/flow-run-id"
 # Re-requested log starts this much before the last line seen (clock skew between node and client);
 # the overlap is skipped by timestamp.
 LOG_RESUME_MARGIN_S = 10
@@ -423,6 +428,33 @@ class KubernetesBackend(Backend):
                 annotations[FINGERPRINT_ANNOTATION] = spec.fingerprint
         return objects
 
+    def _flow_run_job(self, spec: JobSpec) -> dict[str, Any] | None:
+        """An ownerReference to the Job that runs this job's flow run, when a Prefect Kubernetes worker started
+        it in this namespace (its Job carries ``prefect.io/flow-run-id``): deleting that Job (the worker's
+        ``kill_infrastructure``, ``kubectl delete``, its TTL) then deletes this job's objects and pods through
+        the garbage collector. No ``blockOwnerDeletion`` (it would need update on ``jobs/finalizers``), no
+        ``controller``. None when the run has no such Job or it cannot be listed."""
+        flow_run = spec.labels.get("flow-run")
+        if not flow_run:
+            return None
+        try:
+            listed = self._raw(
+                self.batch.list_namespaced_job, self.ns, label_selector=f"{FLOW_RUN_JOB_LABEL}={flow_run}"
+            )
+        except (ApiException, KubernetesUnavailable):
+            return None  # e.g. 403: the job runs without an owner, as before
+        jobs = [
+            j
+            for j in listed.get("items") or []
+            if ((j.get("metadata") or {}).get("labels") or {}).get(FLOW_RUN_JOB_LABEL) == flow_run
+            and not j["metadata"].get("deletionTimestamp")
+            and j["metadata"].get("uid")
+        ]
+        if len(jobs) != 1:
+            return None
+        meta = jobs[0]["metadata"]
+        return {"apiVersion": "batch/v1", "kind": "Job", "name": meta["name"], "uid": meta["uid"]}
+
     def cancel(self, job_id: str) -> None:
         """Delete a job this process runs (``run()`` then returns CANCELLED); ``job_id`` is ``ns/name``."""
         with _IN_FLIGHT_LOCK:
@@ -454,6 +486,10 @@ class KubernetesBackend(Backend):
         # room for "-<run id>" and the pod hostname suffix "-<index>" within 63 characters
         name = f"{spec.name[:48].rstrip('-')}-{run_id}"
         objects = self._job_objects(spec, name=name, run_id=run_id)
+        owner = self._flow_run_job(spec)
+        for obj in objects:
+            if owner is not None:
+                obj["metadata"]["ownerReferences"] = [owner]
         job_obj = objects[-1]
         if self.preflight and check:
             self.check(spec)

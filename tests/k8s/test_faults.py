@@ -11,6 +11,7 @@ import asyncio
 
 import pytest
 
+from infra.backends.k8s import cancel_in_flight
 from infra.jobs import JobSpec, JobState
 from tests.k8s.controller import JobScript, PodScript
 from tests.support import fault_ledger
@@ -93,3 +94,65 @@ async def test_a_stage_pod_that_exits_1_is_not_resubmitted(ready, make_backend):
     assert result.state is JobState.FAILED and result.exit_code == 1, result
     assert len(ready.live("batch/v1/jobs")) == 1
     assert not [line for line in lines if "resubmitting" in line]
+
+
+@pytest.mark.faults
+async def test_deleting_the_flow_run_job_deletes_its_stage_job_and_pods(ready, make_backend):
+    """The stage Job is owned by the Job of its flow run (found by prefect-kubernetes' ``prefect.io/flow-run-id``
+    label); deleting that Job as the worker's ``kill_infrastructure`` does (Foreground, grace 30 s) takes the
+    stage Job and its pods with it, through the API's garbage collector, and the stage's run() ends CANCELLED."""
+    from kubernetes import client
+
+    from infra.k8s.config import api_client_for_url
+
+    flow_run = "0b7c5a53-3c1e-4a8b-9c53-5a0c6f1e2d11"
+    batch = client.BatchV1Api(api_client_for_url(ready.url))
+    ready.scripts["probe-flow-run-"] = JobScript(pod=lambda i: PodScript(logs=["flow-run pod"], hang=True))
+    ready.scripts["train"] = JobScript(pod=lambda i: PodScript(logs=["step 1"], hang=True))
+    container = {"name": "prefect-job", "image": IMAGE, "args": ["prefect", "flow-run", "execute"]}
+    flow_run_job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"generateName": "probe-flow-run-", "labels": {"prefect.io/flow-run-id": flow_run}},
+        "spec": {"template": {"spec": {"containers": [container], "restartPolicy": "Never"}}},
+    }
+    owner = await asyncio.to_thread(batch.create_namespaced_job, "team", flow_run_job)
+    stage = _train().model_copy(update={"labels": {"flow-run": flow_run}})
+    lines: list[str] = []
+    running = asyncio.create_task(asyncio.to_thread(make_backend(ready).run, stage, lines.append))
+    try:
+        async with asyncio.timeout(30):
+            while "step 1" not in lines:
+                await asyncio.sleep(0.05)
+        (stage_job,) = [j for j in ready.live("batch/v1/jobs") if j["metadata"]["name"].startswith("train-")]
+        assert stage_job["metadata"]["ownerReferences"] == [
+            {"apiVersion": "batch/v1", "kind": "Job", "name": owner.metadata.name, "uid": owner.metadata.uid}
+        ]
+        stage_pods = [
+            p["metadata"]["name"] for p in ready.live("v1/pods") if p["metadata"]["name"].startswith("train-")
+        ]
+
+        row = fault_ledger.open_row(
+            "k8s: the flow-run Job deleted during a stage Job: the stage Job and pods go with it"
+        )
+        await asyncio.to_thread(
+            batch.delete_namespaced_job,
+            owner.metadata.name,
+            "team",
+            grace_period_seconds=30,
+            propagation_policy="Foreground",
+        )
+        row.injected += 1
+        await asyncio.wait({running}, timeout=60)
+        result = running.result()  # InvalidStateError if it still runs a minute after the deletion
+    finally:  # a failed assertion must not leave the run's thread waiting for ever
+        if not running.done():
+            await asyncio.to_thread(cancel_in_flight)
+            await running
+    await ready.settle()
+    assert result.state is JobState.CANCELLED, (result, lines)
+    assert result.reason == f"Job {stage_job['metadata']['name']} was deleted outside nemoflow"
+    assert ready.live("batch/v1/jobs") == [] and ready.live("v1/pods") == [], "nothing of the run is left"
+    deleted_by_gc = {r.url.path.rsplit("/", 1)[-1] for r in ready.kmock if r.method == "DELETE"}
+    assert deleted_by_gc == {owner.metadata.name}, "only the flow-run Job was deleted over the API; the rest by the GC"
+    assert stage_pods
