@@ -1,9 +1,10 @@
-"""Cancelling a started end-to-end/k8s run, through prefect-kubernetes' real worker, with every pod a container.
+"""A started end-to-end/k8s run cancelled, or its flow-run pod killed, through prefect-kubernetes' real worker,
+with every pod a container.
 
 The set-up is tests/e2e/test_end_to_end_k8s.py's (the API stand-in, tests/k8s/controller.py + kubelet.py running
 each pod as a podman container of the CPU image built from this checkout, the shipped pool and deployment); the
 run is cancelled with ``prefect flow-run cancel`` (what the UI's Cancel does: the run goes Cancelling) while its
-training Job's pod runs.
+training Job's pod runs; or the flow-run pod's container is SIGKILLed then, and the deployment is run again.
 
 What delivers a cancel to a started run in Prefect 3.9.1: not the worker (``BaseWorker._cancel_run`` in
 prefect/workers/base.py returns at once for a run whose ``start_time`` is set; it kills only runs still pending),
@@ -17,6 +18,7 @@ the intent ``cancel``; the engine raises ``TerminationSignal`` through the runni
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -126,4 +128,132 @@ async def test_cancelling_a_started_run_deletes_its_stage_job_and_ends_it_cancel
                 assert time.monotonic() < deadline, sorted(cluster.running)
                 await asyncio.sleep(1)
     finally:
+        await cluster.stop()
+
+
+def _saved_checkpoints(root) -> list:
+    """Training checkpoints on the PVC that are complete (AutoModel's ``.incomplete`` marker gone)."""
+    found = []
+    for run in root.glob("nemoflow/runs/*/checkpoints"):
+        with contextlib.suppress(FileNotFoundError):  # the trainer prunes old ones meanwhile
+            found += [d for d in run.iterdir() if d.name.startswith("epoch_") and not (d / ".incomplete").exists()]
+    return found
+
+
+async def _final(run_id: str, timeout_s: float):
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout_s
+    async with get_client() as client:
+        while not (run := await client.read_flow_run(run_id)).state.is_final():
+            assert time.monotonic() < deadline, f"{run.state} after {timeout_s} s"
+            await asyncio.sleep(2)
+    return run
+
+
+@pytest.mark.faults
+@pytest.mark.usefixtures("shipped_image")
+async def test_a_run_whose_flow_run_pod_is_killed_ends_crashed_and_its_retry_resumes_training(
+    kmock, prefect_server, tmp_path
+):
+    from kubernetes import client as k
+
+    from deployments.image import podman
+    from devtools.prefect_local import ensure_pools
+    from infra.k8s.config import api_client_for_url
+    from tests.k8s.controller import FakeCluster
+    from tests.k8s.kubelet import PodmanKubelet
+
+    variables = shipped_job_variables()
+    ns = variables["namespace"]
+    pvc = tmp_path / "pvc"
+    kubelet = PodmanKubelet(probe_period_s=0.5)
+    cluster = FakeCluster(kmock, ns, kubelet=kubelet)
+    cluster.add_namespace()
+    cluster.add_pvc(variables["pvc_name"], host_dir=pvc)
+    cluster.add_service_account(variables["service_account_name"])
+    cluster.add_secret(variables["secret_name"], {"NEMOFLOW_SERVE_API_KEY": "sk-crash-SENTINEL-2"})
+    await cluster.start()
+    env = dict(os.environ, PREFECT_API_URL=prefect_server, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    model = "nemoflow-k8s-crash"
+    config = {
+        "executor": {"kind": "k8s"},
+        "data": {"workers": 1},
+        "train": {**TINY_TRAIN, "max_steps": 400},
+        "serve": {"port": free_port(), "model_name": model},
+        "validation_threshold": 9.5,
+    }
+    params = ["--params", json.dumps({"config": config})]
+    batch = k.BatchV1Api(api_client_for_url(cluster.url))
+    worker_log = tmp_path / "worker.log"
+    try:
+        await asyncio.to_thread(ensure_pools, prefect_server)
+        await asyncio.to_thread(_prefect, ["--no-prompt", "deploy", "--name", "end-to-end/k8s"], env)
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", cluster.url)
+        with kubernetes_worker("nemoflow-k8s", prefect_server, kubeconfig, worker_log) as worker:
+            started = await asyncio.to_thread(_prefect, ["deployment", "run", "end-to-end/k8s", *params], env)
+            first = re.search(r"UUID:\s*([0-9a-f-]{36})", started).group(1)
+            deadline = time.monotonic() + 900
+            training = []
+            while not (training and _saved_checkpoints(pvc)):
+                assert worker.poll() is None and time.monotonic() < deadline, log_tail(worker_log)
+                await asyncio.sleep(0.5)
+                training = [
+                    p
+                    for j in _stage_jobs(cluster, first, "train-")
+                    for p in _pods_of(cluster, j)
+                    if p in cluster.running
+                ]
+            print(f"training pod {training} running, checkpoints {_saved_checkpoints(pvc)}", flush=True)
+            (train_job,) = _stage_jobs(cluster, first, "train-")
+            from prefect.client.orchestration import get_client
+
+            async with get_client() as client:
+                flow_job = (await client.read_flow_run(first)).infrastructure_pid.split(":", 1)[1]
+            (flow_pod,) = _pods_of(cluster, flow_job)
+
+            row = fault_ledger.open_row("k8s: the flow-run pod killed (SIGKILL) during training; a retry resumes")
+            row.watch_runs([first])
+            killed = await asyncio.to_thread(
+                podman.subprocess.run,
+                podman.command("kill", "--signal", "KILL", kubelet.containers[flow_pod]),
+                capture_output=True,
+            )
+            row.injected += killed.returncode == 0
+            assert killed.returncode == 0, killed.stderr
+            print(f"killed the flow-run pod {flow_pod}: {killed.returncode}", flush=True)
+            crashed = await _final(first, 180)
+            assert crashed.state.is_crashed(), f"{crashed.state}\n{log_tail(worker_log)}"
+
+            # what happens then: the worker's observer marked the run Crashed and deleted nothing; the run's
+            # training Job still runs, owned by the flow-run Job (Failed, kept until its TTL, which the stand-in
+            # has no controller for): deleting that Job as its TTL would takes the training Job with it
+            assert cluster.get("jobs", train_job) is not None
+            await asyncio.to_thread(batch.delete_namespaced_job, flow_job, ns, propagation_policy="Background")
+            deadline = time.monotonic() + 60
+            while cluster.get("jobs", train_job) is not None or [p for p in cluster.running if p.startswith(train_job)]:
+                assert time.monotonic() < deadline, sorted(cluster.running)
+                await asyncio.sleep(1)
+            saved = sorted(int(d.name.rsplit("_", 1)[1]) for d in _saved_checkpoints(pvc))
+            print(f"crashed, the training Job deleted with its owner; saved checkpoints {saved}", flush=True)
+
+            # the retry: the same deployment run again; the dataset stages are Cached (no tokenize Job), the
+            # training Job resumes from the newest checkpoint the killed run saved
+            started = await asyncio.to_thread(_prefect, ["deployment", "run", "end-to-end/k8s", *params], env)
+            retry = re.search(r"UUID:\s*([0-9a-f-]{36})", started).group(1)
+            row.watch_runs([retry])
+            done = await _final(retry, 900)
+            assert done.state.is_completed(), f"{done.state}\n{log_tail(worker_log)}"
+            assert not _stage_jobs(cluster, retry, "nemoflow-tokenize"), "the tokenized dataset was reused"
+            (again,) = _stage_jobs(cluster, retry, "train-")
+            lines = [text for pod, logged in cluster.logs.items() if pod.startswith(again) for _, text in logged]
+            resumed = [line for line in lines if line.startswith("resuming from ")]
+            assert resumed, lines[-30:]
+            # the newest checkpoint the killed run saved (AutoModel names step N's directory step_{N-1})
+            latest, step = re.match(r"resuming from (\S+) at step (\d+) ", resumed[0]).groups()
+            assert (latest.rsplit("/", 1)[1], int(step)) == (f"epoch_0_step_{saved[-1]}", saved[-1] + 1), resumed
+    finally:
+        for delete in (k.AppsV1Api(api_client_for_url(cluster.url)).delete_namespaced_deployment,):
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(delete, model, ns)
         await cluster.stop()
