@@ -18,8 +18,13 @@ What :meth:`KubernetesBackend.run` does:
    re-watched), follows every pod's log into ``on_log`` (with timestamps, so a
    cut connection resumes without losing or repeating lines), and returns when
    the Job completes or fails, with the reason read from the Job and its pods
-   (:mod:`infra.k8s.reasons`). Pods stuck on ImagePullBackOff or a bad Secret
-   fail the run at once; pods unschedulable longer than ``pending_timeout_s`` too;
+   (:mod:`infra.k8s.reasons`); a Job whose pod was evicted or preempted (PREEMPTED) is
+   submitted again under a new name, up to ``max_resubmits`` times, and resumes from its own
+   checkpoint. A job of a flow run that a Prefect Kubernetes worker started (its Job labelled
+   ``prefect.io/flow-run-id`` in the same namespace) is owned by that Job (``ownerReferences``):
+   deleting the flow-run Job deletes its stage Jobs and their pods. Pods stuck on
+   ImagePullBackOff or a bad Secret fail the run at once; pods unschedulable longer than
+   ``pending_timeout_s`` too;
 4. in ``finally``: unless the Job ended by itself, deletes it with
    ``propagationPolicy: Foreground`` and its pods, so an interrupted or cancelled
    Prefect run leaves nothing running (:func:`cancel_in_flight` does the same for
@@ -81,6 +86,8 @@ from infra.retry import RetryPolicy
 from infra.settings import get_settings, redact
 
 RETRY_STATUSES = {429, 500, 502, 503, 504}
+# prefect-kubernetes' worker labels the Job of each flow run it starts with the run's id
+FLOW_RUN_JOB_LABEL = "prefect.io/flow-run-id"
 # Re-requested log starts this much before the last line seen (clock skew between node and client);
 # the overlap is skipped by timestamp.
 LOG_RESUME_MARGIN_S = 10
@@ -421,6 +428,33 @@ class KubernetesBackend(Backend):
                 annotations[FINGERPRINT_ANNOTATION] = spec.fingerprint
         return objects
 
+    def _flow_run_job(self, spec: JobSpec) -> dict[str, Any] | None:
+        """An ownerReference to the Job that runs this job's flow run, when a Prefect Kubernetes worker started
+        it in this namespace (its Job carries ``prefect.io/flow-run-id``): deleting that Job (the worker's
+        ``kill_infrastructure``, ``kubectl delete``, its TTL) then deletes this job's objects and pods through
+        the garbage collector. No ``blockOwnerDeletion`` (it would need update on ``jobs/finalizers``), no
+        ``controller``. None when the run has no such Job or it cannot be listed."""
+        flow_run = spec.labels.get("flow-run")
+        if not flow_run:
+            return None
+        try:
+            listed = self._raw(
+                self.batch.list_namespaced_job, self.ns, label_selector=f"{FLOW_RUN_JOB_LABEL}={flow_run}"
+            )
+        except (ApiException, KubernetesUnavailable):
+            return None  # e.g. 403: the job runs without an owner, as before
+        jobs = [
+            j
+            for j in listed.get("items") or []
+            if ((j.get("metadata") or {}).get("labels") or {}).get(FLOW_RUN_JOB_LABEL) == flow_run
+            and not j["metadata"].get("deletionTimestamp")
+            and j["metadata"].get("uid")
+        ]
+        if len(jobs) != 1:
+            return None
+        meta = jobs[0]["metadata"]
+        return {"apiVersion": "batch/v1", "kind": "Job", "name": meta["name"], "uid": meta["uid"]}
+
     def cancel(self, job_id: str) -> None:
         """Delete a job this process runs (``run()`` then returns CANCELLED); ``job_id`` is ``ns/name``."""
         with _IN_FLIGHT_LOCK:
@@ -430,12 +464,34 @@ class KubernetesBackend(Backend):
             backend._clean_up(list(created), run_id, everything=True, emit=lambda line: None)
 
     def run(self, spec: JobSpec, on_log: LogSink | None = None) -> JobResult:
+        """Run the job to its end; a job whose pod the cluster took away (evicted, preempted: PREEMPTED or
+        NODE_FAIL) is submitted again as a new Job, up to ``options.max_resubmits`` times, and resumes from its
+        own latest checkpoint, as Slurm's backend resubmits. A deadline (TIMEOUT) is the stage's own time
+        limit and is not resubmitted here; a failure of the job's code never is."""
+        attempt = 1
+        while True:
+            result = self._run_once(spec, on_log, check=attempt == 1).model_copy(update={"attempts": attempt})
+            resubmit = result.state in (JobState.PREEMPTED, JobState.NODE_FAIL)
+            if not resubmit or attempt > self.options.max_resubmits:
+                return result
+            if on_log is not None:
+                on_log(
+                    f"[k8s] job {result.job_id} ended {result.state.value} ({result.reason}); resubmitting "
+                    f"({attempt}/{self.options.max_resubmits}) to resume from the latest checkpoint"
+                )
+            attempt += 1
+
+    def _run_once(self, spec: JobSpec, on_log: LogSink | None, *, check: bool) -> JobResult:
         run_id = uuid.uuid4().hex[:6]
         # room for "-<run id>" and the pod hostname suffix "-<index>" within 63 characters
         name = f"{spec.name[:48].rstrip('-')}-{run_id}"
         objects = self._job_objects(spec, name=name, run_id=run_id)
+        owner = self._flow_run_job(spec)
+        for obj in objects:
+            if owner is not None:
+                obj["metadata"]["ownerReferences"] = [owner]
         job_obj = objects[-1]
-        if self.preflight:
+        if self.preflight and check:
             self.check(spec)
         tail: collections.deque[str] = collections.deque(maxlen=50)
         secrets = get_settings().secret_values()

@@ -82,6 +82,12 @@ class K8sOptions(BaseSettings):
     )
     ttl_seconds_after_finished: int | None = Field(3600, ge=0, description="finished Jobs are deleted after this")
     backoff_limit: int = Field(0, ge=0, description="pod retries of a Job (0: a failure fails the stage)")
+    max_resubmits: int = Field(
+        3,
+        ge=0,
+        description="a Job whose pod was evicted or preempted is submitted again, up to this many times "
+        "(the workload resumes from its latest checkpoint)",
+    )
     array_parallelism: int | None = Field(None, ge=1, description="default parallelism of Indexed array Jobs")
     training_kind: str = Field(
         "indexed-job",

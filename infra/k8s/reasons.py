@@ -4,8 +4,11 @@ Pure functions over API objects so they can be tested on real status payloads.
 Kubernetes spreads the reason over several places: the Job's ``Failed``
 condition (BackoffLimitExceeded, DeadlineExceeded), a container's
 ``terminated`` state (OOMKilled, exit code), a container stuck ``waiting``
-(ImagePullBackOff: the Job itself never fails then), and the pod's
-``PodScheduled`` condition (Unschedulable, with the scheduler's message).
+(ImagePullBackOff: the Job itself never fails then), the pod's
+``PodScheduled`` condition (Unschedulable, with the scheduler's message), and a pod the
+cluster took away (``reason: Evicted`` set by the kubelet under node pressure, or a true
+``DisruptionTarget`` condition: preemption, the Eviction API, a node's taint or shutdown):
+the job's own code did not fail then, so the verdict is PREEMPTED (resumable).
 """
 
 from __future__ import annotations
@@ -78,6 +81,25 @@ def unschedulable(pod: dict[str, Any]) -> str | None:
     return None
 
 
+# Pod-level reasons of a pod the cluster terminated (the kubelet's node-pressure eviction, node shutdown).
+DISRUPTED_REASONS = {"Evicted", "Preempting", "Terminated", "Shutdown", "NodeShutdown"}
+
+
+def disrupted(pod: dict[str, Any]) -> str | None:
+    """``Evicted in pod X: <the kubelet's message>`` for a failed pod the cluster took away, not its code."""
+    status = pod.get("status") or {}
+    if status.get("phase") != "Failed":
+        return None
+    target = next((c for c in _conditions(pod) if c.get("type") == "DisruptionTarget" and _true(c)), None)
+    if status.get("reason") in DISRUPTED_REASONS:
+        reason, message = status["reason"], status.get("message") or (target or {}).get("message") or ""
+    elif target is not None:
+        reason, message = target.get("reason") or "DisruptionTarget", target.get("message") or ""
+    else:
+        return None
+    return f"{reason} in pod {pod_name(pod)}" + (f": {message}" if message else "")
+
+
 def terminated_failure(pod: dict[str, Any]) -> tuple[str, int | None] | None:
     """(reason, exit code) of the first container that ended badly."""
     for cs in _containers(pod):
@@ -130,12 +152,16 @@ def failure_verdict(job_reason: str | None, job_message: str | None, pods: list[
         )
     ]
     oom = next((f for f in pod_failures if f[0].startswith("OOMKilled")), None)
+    taken = [r for r in map(disrupted, pods) if r]
     stuck = [r for r in (unschedulable(p) or fatal_waiting(p) for p in pods) if r]
     head = job_reason or "Failed"
     if job_message:
         head += f": {job_message}"
     if oom:
         return Verdict(JobState.OUT_OF_MEMORY, f"{oom[0]}; job {head}", oom[1])
+    if taken:
+        # an evicted or preempted pod: the cluster's doing, not the code's (its exit code is the kill's)
+        return Verdict(JobState.PREEMPTED, f"{head}; {taken[0]}")
     detail = pod_failures[0] if pod_failures else (stuck[0], None) if stuck else None
     state = JobState.TIMEOUT if job_reason == "DeadlineExceeded" else JobState.FAILED
     if detail:

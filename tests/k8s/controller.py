@@ -43,6 +43,7 @@ class PodScript:
     hang: bool = False  # keep running (and logging) until deleted
     line_delay_s: float = 0.02
     cut_log_after: int | None = None  # the first log connection drops after this many lines
+    evicted: str | None = None  # after its logs the kubelet evicts the pod (node pressure) with this message
 
 
 @dataclass
@@ -304,6 +305,33 @@ class FakeCluster:
             return await self._forever()
         await asyncio.sleep(0.05)
         self.running.discard(name)
+        if script.evicted:
+            # what a kubelet (1.31+) writes when it evicts a pod under node pressure: the pod Failed with reason
+            # Evicted and its message, a DisruptionTarget condition, the container killed (exit code 137)
+            finished = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            killed = {"exitCode": 137, "reason": "Error", "finishedAt": finished}
+            target = {
+                "type": "DisruptionTarget",
+                "status": "True",
+                "reason": "TerminationByKubelet",
+                "message": script.evicted,
+            }
+            await self._patch(
+                path,
+                {
+                    "status": {
+                        "phase": "Failed",
+                        "reason": "Evicted",
+                        "message": script.evicted,
+                        "conditions": [target],
+                        "containerStatuses": [_container_status(container, False, terminated=killed)],
+                    }
+                },
+            )
+            if hasattr(self.kmock, "record_event"):
+                pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": self.namespace}}
+                await self.kmock.record_event(pod, "Evicted", script.evicted, type_="Warning", component="kubelet")
+            return False
         terminated = {
             "exitCode": script.exit_code,
             "reason": script.terminated_reason or ("Completed" if script.exit_code == 0 else "Error"),

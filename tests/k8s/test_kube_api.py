@@ -272,6 +272,28 @@ async def test_a_job_deleted_without_policy_orphans_its_pods(api, kmock):
     assert all(not p.metadata.owner_references for p in pods), "the orphans lose their owner reference"
 
 
+@pytest.mark.parametrize("policy", ["Foreground", "Background"])
+async def test_deleting_an_owner_job_cascades_to_the_jobs_it_owns_and_their_pods(api, kmock, policy):
+    """A Job owned by another Job (an ownerReference without blockOwnerDeletion, as a flow-run pod sets it on its
+    stage Jobs) goes when its owner is deleted with Foreground or Background, and its own pods with it; the
+    garbage collector follows ownerReferences by uid, whatever the kinds (kubernetes.io/docs/concepts/
+    architecture/garbage-collection/)."""
+    batch = ka.BatchV1Api(api)
+    owner = api.sanitize_for_serialization(await batch.create_namespaced_job(NS, job(name="flow-run")))
+    stage = job(name="stage")
+    stage["metadata"]["ownerReferences"] = [
+        {"apiVersion": "batch/v1", "kind": "Job", "name": "flow-run", "uid": owner["metadata"]["uid"]}
+    ]
+    owned = api.sanitize_for_serialization(await batch.create_namespaced_job(NS, stage))
+    for i in range(2):
+        await ka.CoreV1Api(api).create_namespaced_pod(NS, pod(f"stage-{i}", {"job-name": "stage"}, owner=owned))
+    await batch.create_namespaced_job(NS, job(name="bystander"))
+    await batch.delete_namespaced_job("flow-run", NS, propagation_policy=policy)
+    await kmock.settle()
+    assert [j.metadata.name for j in (await batch.list_namespaced_job(NS)).items] == ["bystander"]
+    assert await _pods(api) == set()
+
+
 async def test_events_are_recorded_and_selected_by_involved_object(api, kmock):
     created = await ka.CoreV1Api(api).create_namespaced_pod(NS, pod("p"))
     await kmock.record_event(api.sanitize_for_serialization(created), "Scheduled", "assigned team/p to node-0")

@@ -89,6 +89,42 @@ def test_evicted_pod_reason():
     assert "Evicted in pod train-0-abcde: The node was low on resource: memory." in verdict.reason
 
 
+KUBELET_EVICTION = "The node was low on resource: memory. Threshold quantity: 100Mi, available: 42Mi."
+
+
+def test_an_evicted_pod_is_preempted_not_failed_even_with_the_kill_exit_code():
+    """As a kubelet reports a node-pressure eviction (1.31+): phase Failed, reason Evicted, a DisruptionTarget
+    condition, and the container killed with 137; the job's code did not fail, so the verdict is resumable."""
+    killed = {"terminated": {"exitCode": 137, "reason": "Error", "finishedAt": "2026-11-29T20:01:00Z"}}
+    target = {
+        "type": "DisruptionTarget",
+        "status": "True",
+        "reason": "TerminationByKubelet",
+        "message": KUBELET_EVICTION,
+    }
+    evicted = pod(phase="Failed", state=killed, conditions=[target], reason="Evicted", message=KUBELET_EVICTION)
+    verdict = reasons.job_verdict(job(FAILED_BACKOFF), [evicted])
+    assert verdict.state is JobState.PREEMPTED and verdict.state.is_resumable
+    assert (
+        verdict.reason
+        == f"BackoffLimitExceeded: Job has reached the specified backoff limit; Evicted in pod train-0-abcde: {KUBELET_EVICTION}"
+    )
+
+
+def test_a_disruption_target_without_a_pod_reason_is_preempted():
+    target = {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler", "message": "preempted"}
+    preempted = pod(phase="Failed", conditions=[target], state={"terminated": {"exitCode": 143, "reason": "Error"}})
+    verdict = reasons.job_verdict(job(FAILED_BACKOFF), [preempted])
+    assert verdict.state is JobState.PREEMPTED
+    assert "PreemptionByScheduler in pod train-0-abcde: preempted" in verdict.reason
+
+
+def test_a_pod_that_exited_1_is_failed_not_preempted():
+    crashed = pod(phase="Failed", state={"terminated": {"exitCode": 1, "reason": "Error"}})
+    assert reasons.job_verdict(job(FAILED_BACKOFF), [crashed]).state is JobState.FAILED
+    assert reasons.disrupted(crashed) is None
+
+
 def test_image_pull_and_config_errors_are_fatal_while_waiting():
     pulling = pod(
         state={"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "nvcr.io/x:1"'}},
