@@ -23,6 +23,7 @@ import json
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -50,12 +51,20 @@ def _pods_of(cluster, job: str) -> list[str]:
     return [p["metadata"]["name"] for p in cluster.live("v1/pods") if p["metadata"]["name"].startswith(job + "-")]
 
 
+async def _deploy(prefect_server: str, env: dict, cluster, tmp_path) -> Path:
+    """The work pools and `end-to-end/k8s` deployed; a kubeconfig for the worker, naming the stand-in API."""
+    from devtools.prefect_local import ensure_pools
+
+    await asyncio.to_thread(ensure_pools, prefect_server)
+    await asyncio.to_thread(_prefect, ["--no-prompt", "deploy", "--name", "end-to-end/k8s"], env)
+    return write_kubeconfig(tmp_path / "kubeconfig", cluster.url)
+
+
 @pytest.mark.faults
 @pytest.mark.usefixtures("shipped_image")  # the pool's image name, built from this checkout
 async def test_cancelling_a_started_run_deletes_its_stage_job_and_ends_it_cancelled(kmock, prefect_server, tmp_path):
     from prefect.client.orchestration import get_client
 
-    from devtools.prefect_local import ensure_pools
     from tests.k8s.controller import FakeCluster
     from tests.k8s.kubelet import PodmanKubelet
 
@@ -79,9 +88,7 @@ async def test_cancelling_a_started_run_deletes_its_stage_job_and_ends_it_cancel
     }
     worker_log = tmp_path / "worker.log"
     try:
-        await asyncio.to_thread(ensure_pools, prefect_server)
-        await asyncio.to_thread(_prefect, ["--no-prompt", "deploy", "--name", "end-to-end/k8s"], env)
-        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", cluster.url)
+        kubeconfig = await _deploy(prefect_server, env, cluster, tmp_path)
         with kubernetes_worker("nemoflow-k8s", prefect_server, kubeconfig, worker_log) as worker:
             started = await asyncio.to_thread(
                 _prefect, ["deployment", "run", "end-to-end/k8s", "--params", json.dumps({"config": config})], env
@@ -159,7 +166,6 @@ async def test_a_run_whose_flow_run_pod_is_killed_ends_crashed_and_its_retry_res
     from kubernetes import client as k
 
     from deployments.image import podman
-    from devtools.prefect_local import ensure_pools
     from infra.k8s.config import api_client_for_url
     from tests.k8s.controller import FakeCluster
     from tests.k8s.kubelet import PodmanKubelet
@@ -187,9 +193,7 @@ async def test_a_run_whose_flow_run_pod_is_killed_ends_crashed_and_its_retry_res
     batch = k.BatchV1Api(api_client_for_url(cluster.url))
     worker_log = tmp_path / "worker.log"
     try:
-        await asyncio.to_thread(ensure_pools, prefect_server)
-        await asyncio.to_thread(_prefect, ["--no-prompt", "deploy", "--name", "end-to-end/k8s"], env)
-        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", cluster.url)
+        kubeconfig = await _deploy(prefect_server, env, cluster, tmp_path)
         with kubernetes_worker("nemoflow-k8s", prefect_server, kubeconfig, worker_log) as worker:
             started = await asyncio.to_thread(_prefect, ["deployment", "run", "end-to-end/k8s", *params], env)
             first = re.search(r"UUID:\s*([0-9a-f-]{36})", started).group(1)
