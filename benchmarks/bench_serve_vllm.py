@@ -191,6 +191,11 @@ def main() -> int:
     p.add_argument("--builtin-requests", type=int, default=4, help="per level (at least the concurrency)")
     p.add_argument("--engine-arg", action="append", default=[], help="one more vllm serve argument (repeat)")
     p.add_argument("--skip-builtin", action="store_true", help="only vLLM (a) and (b)")
+    p.add_argument(
+        "--builtin-first",
+        action="store_true",
+        help="the built-in engine (c) before vLLM: a time limit then cuts vLLM's last levels, not (c)",
+    )
     p.add_argument("--skip-vllm", action="store_true", help="only the built-in engine (c)")
     p.add_argument("--builtin-device", default="cuda", help="the built-in engine's --device (default cuda)")
     p.add_argument("--model-dir", type=Path, help="where the random-weight model is made (default: under --out)")
@@ -207,7 +212,9 @@ def main() -> int:
     report: dict = {
         "checkpoint": str(ckpt),
         "command": " ".join(sys.argv),
-        "commit": subprocess.run(
+        # the device machine's copy of the tree may carry a stale .git: gpu_node.sh passes the commit it was told
+        "commit": os.environ.get("NEMOFLOW_COMMIT")
+        or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
         ).stdout.strip(),
         "host": platform.node(),
@@ -217,34 +224,49 @@ def main() -> int:
     }
 
     def save() -> None:
+        summarize(report)
         (out / "bench_serve_vllm.json").write_text(json.dumps(report, indent=2) + "\n")
 
     env = dict(os.environ, PYTHONPATH=str(REPO), **{KEY_ENV: key})
     serve = [sys.executable, "-m", "workloads.serve", "--checkpoint", str(ckpt)]
     serve += ["--model-name", MODEL_NAME, "--api-key-env", KEY_ENV]
-    if not args.skip_vllm:
-        run_vllm(args, report, save, serve, env, vllm, tokenizer, out, key)
+    sections = [] if args.skip_vllm else [run_vllm]
     if not args.skip_builtin:
-        port = free_port()
-        cmd = serve + ["--port", str(port), "--engine", "builtin", "--device", args.builtin_device]
-        server, ready_s = start(cmd, env, out / "builtin.log", f"http://127.0.0.1:{port}", 600)
-        report["builtin_start_to_ready_s"] = round(ready_s, 1)
-        try:
-            for c in args.builtin_concurrency:
-                n = max(args.builtin_requests, c)
-                row = bench(vllm, f"http://127.0.0.1:{port}", tokenizer, c, n, out, "builtin", key)
-                row["note"] = (
-                    f"{n} requests, not {args.requests}: the built-in engine makes one token per forward pass; "
-                    "it ignores ignore_eos (output tokens/s counts the tokens that came back)"
-                )
-                report["levels"].setdefault("builtin", {})[str(c)] = row
-                print("builtin", c, json.dumps(row), flush=True)
-                save()
-        finally:
-            stop(server)
+        sections.insert(0 if args.builtin_first else len(sections), run_builtin)
+    for section in sections:
+        section(args, report, save, serve, env, vllm, tokenizer, out, key)
+    save()
+    print(json.dumps({k: v for k, v in report.items() if k != "levels"}, indent=1))
+    return 0
+
+
+def run_builtin(args, report, save, serve, env, vllm, tokenizer, out, key) -> None:
+    """(c): the built-in engine on the same checkpoint, fewer requests (it makes one token per forward pass)."""
+    port = free_port()
+    cmd = serve + ["--port", str(port), "--engine", "builtin", "--device", args.builtin_device]
+    server, ready_s = start(cmd, env, out / "builtin.log", f"http://127.0.0.1:{port}", 600)
+    report["builtin_start_to_ready_s"] = round(ready_s, 1)
+    try:
+        for c in args.builtin_concurrency:
+            n = max(args.builtin_requests, c)
+            row = bench(vllm, f"http://127.0.0.1:{port}", tokenizer, c, n, out, "builtin", key)
+            row["note"] = (
+                f"{n} requests, not {args.requests}: the built-in engine makes one token per forward pass; "
+                "it ignores ignore_eos (output tokens/s counts the tokens that came back)"
+            )
+            report["levels"].setdefault("builtin", {})[str(c)] = row
+            print("builtin", c, json.dumps(row), flush=True)
+            save()
+    finally:
+        stop(server)
+
+
+def summarize(report: dict) -> None:
+    """The proxy's cost and vLLM over the built-in engine, from the levels measured so far (rewritten with
+    every save: a run its time limit cuts short keeps them)."""
     levels = report["levels"]
-    for c in map(str, args.concurrency):
-        a, b = levels.get("proxy", {}).get(c, {}), levels.get("vllm", {}).get(c, {})
+    for c, a in levels.get("proxy", {}).items():
+        b = levels.get("vllm", {}).get(c, {})
         if a.get("output_throughput") and b.get("output_throughput"):
             report.setdefault("proxy_cost", {})[c] = {
                 "output_tok_s_pct": round(100 * (1 - a["output_throughput"] / b["output_throughput"]), 2),
@@ -253,9 +275,6 @@ def main() -> int:
     builtin16 = levels.get("builtin", {}).get("16", {}).get("output_throughput")
     if builtin16 and levels.get("proxy", {}).get("16", {}).get("output_throughput"):
         report["vllm_over_builtin_c16"] = round(levels["proxy"]["16"]["output_throughput"] / builtin16, 1)
-    save()
-    print(json.dumps({k: v for k, v in report.items() if k != "levels"}, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -152,6 +152,7 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
   acceptance)
     out=${1:?acceptance OUT PART [COMMIT]}; part=${2:?acceptance OUT demo|tests|train|moe|serve [COMMIT]}
     commit=${3:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+    export NEMOFLOW_COMMIT=$commit  # the benchmarks' JSON names it (the copy's .git may be stale)
     shift $(( $# < 3 ? $# : 3 ))  # what is left goes to the part's benchmark (serve: bench_serve_vllm.py's options)
     parts=$ROOT/acceptance; dir=$parts/$part
     rm -rf "$dir"; mkdir -p "$dir" "$out"
@@ -188,9 +189,10 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
       serve)
         # bounded, so that the report is collected inside one 10-minute call: the benchmark stops its servers on
         # the SIGTERM and keeps the levels it measured (vLLM's targets first, the built-in engine last)
-        # default levels sized to that bound (about 450 s on the H200): vLLM's own port at 16 and 64 only (the
-        # proxy's cost), the built-in engine at 16 (the 50x target) before 1
-        [ $# -gt 0 ] || set -- --direct-concurrency 16 64 --builtin-concurrency 16 1
+        # default levels sized to that bound: the built-in engine first, at 16 only (the 50x target; about 200 s
+        # on the H200 at 59069c5, where it came last and the bound cut it), then vLLM (start about 100 s; each
+        # `vllm bench serve` about 20 s of start-up), its own port at 16 and 64 only (the proxy's cost), 1 last
+        [ $# -gt 0 ] || set -- --direct-concurrency 16 64 --builtin-concurrency 16 --builtin-first
         timeout -k 20 "${NEMOFLOW_SERVE_PART_S:-540}" "$0" vllm-bench "$dir" "$@" || rc=$? ;;
       *) echo "acceptance: unknown part $part (demo, tests, train, moe, serve)" >&2; exit 2 ;;
     esac
