@@ -281,6 +281,14 @@ CANCEL_SCRIPT = textwrap.dedent(
     """
     import faulthandler, signal, sys
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack if it hangs
+    # What this process inherited for SIGINT, then Ctrl-C as an interactive Python takes it. A hang in full
+    # runs (the main thread's stack: still watching the Job 90 s after the SIGINT, no KeyboardInterrupt) would
+    # follow from an inherited SIG_IGN (a shell's background job passes it down) or a blocked SIGINT (a
+    # thread's signal mask is inherited across fork and exec); neither reproduced alone, so it is printed.
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    print(f"SIGINT inherited: handler {signal.getsignal(signal.SIGINT)!r}, blocked {blocked}", flush=True)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     from infra.backends.k8s import KubernetesBackend
     from infra.jobs import JobSpec
     from infra.k8s.config import api_client_for_url
