@@ -230,11 +230,11 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=str(REPO), **{KEY_ENV: key})
     serve = [sys.executable, "-m", "workloads.serve", "--checkpoint", str(ckpt)]
     serve += ["--model-name", MODEL_NAME, "--api-key-env", KEY_ENV]
-    sections = [] if args.skip_vllm else [run_vllm]
-    if not args.skip_builtin:
-        sections.insert(0 if args.builtin_first else len(sections), run_builtin)
-    for section in sections:
-        section(args, report, save, serve, env, vllm, tokenizer, out, key)
+    order = [run_builtin, run_vllm] if args.builtin_first else [run_vllm, run_builtin]
+    skipped = {run_vllm: args.skip_vllm, run_builtin: args.skip_builtin}
+    for section in order:
+        if not skipped[section]:
+            section(args, report, save, serve, env, vllm, tokenizer, out, key)
     save()
     print(json.dumps({k: v for k, v in report.items() if k != "levels"}, indent=1))
     return 0
