@@ -55,6 +55,9 @@ class EngineSpec:
     check_imports: tuple[str, ...]  # imported on the node to prove the environment works
     optional: dict[str, str]  # distribution -> why serving does not need it (read in the engine's source)
     strip: tuple[str, ...] = ()  # members dropped from the engine's own wheel by default (none)
+    # Python run in the engine venv once it imports: one-time work its first start would do otherwise (best
+    # effort: a failure is reported, the install stands). It prints one line of what it did.
+    prepare: str = ""
 
 
 # vLLM 0.26.0: a static walk of the module-level imports reachable from `vllm serve`, the OpenAI server, the
@@ -82,6 +85,19 @@ VLLM_OPTIONAL = {
     "opentelemetry-semantic-conventions-ai": "tracing",
     "fastapi-cloud-cli": "fastapi[standard]'s `fastapi deploy` command",
 }
+# vLLM inspects a model class (its interfaces: multimodal, pooling, ...) in a subprocess that imports vLLM and
+# torch again, unless $VLLM_CACHE_ROOT/modelinfos holds the answer for that model file's hash. On the H200 the
+# GPU demo's first `vllm serve` spent 22 s between its arguments and "Resolved architecture" (59069c5's log);
+# asking the registry here, once per install, writes those files for the architectures nemoflow trains.
+VLLM_PREPARE = """
+import time
+t = time.monotonic()
+from vllm.model_executor.models.registry import ModelRegistry
+archs = ("LlamaForCausalLM", "MixtralForCausalLM")
+for arch in archs:
+    ModelRegistry.models[arch].inspect_model_cls()
+print("vLLM's model registry: %s inspected and cached in %.0f s" % (", ".join(archs), time.monotonic() - t))
+"""
 ENGINES = {
     "vllm": EngineSpec(
         check_imports=(
@@ -98,6 +114,7 @@ ENGINES = {
             "vllm.benchmarks.serve",
         ),
         optional=VLLM_OPTIONAL,
+        prepare=VLLM_PREPARE,
     ),
 }
 
@@ -556,6 +573,9 @@ def install(dirs: list[Path], venv: Path, reuse_python: str, check: bool = True,
         code = check_imports(venv, manifest["check_imports"], log)
         if code:
             return code
+        spec = ENGINES.get(manifest["engine"])
+        if spec is not None and spec.prepare:
+            prepare(venv, spec.prepare, log)
     (state / "ready").write_text(json.dumps({"engine": manifest["engine"], "build_id": manifest["build_id"]}) + "\n")
     log(f"==> ready: {venv}/bin/{manifest['executable']} (NEMOFLOW_VLLM_PYTHON={venv}/bin/python)")
     return 0
@@ -586,6 +606,20 @@ def check_reused(venv: Path, manifest: dict) -> list[str]:
             if not Requirement(req).specifier.contains(have, prereleases=True):
                 problems.append(f"{by} requires {req}; the node has {name} {have}")
     return problems
+
+
+def prepare(venv: Path, code: str, log=print) -> bool:
+    """Run an engine's one-time preparation in its venv (as :func:`check_imports` runs Python there); a failure
+    is one warning line: the engine then does that work at its first start."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = _run([_py(venv), "-c", code], cwd=tempfile.gettempdir(), env=env)
+    if proc.returncode == 0:
+        for line in proc.stdout.strip().splitlines()[-3:]:
+            log(f"    {line}")
+        return True
+    last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
+    log(f"    warning: the engine's one-time preparation failed ({last}); its first start does that work")
+    return False
 
 
 def check_imports(venv: Path, modules: list[str], log=print) -> int:

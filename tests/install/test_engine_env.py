@@ -220,3 +220,41 @@ def test_setup_refuses_an_engine_venv_without_the_nodes_python(tmp_path):
     assert proc.stderr.strip() == (
         "error: --engine-venv needs --reuse-torch PYTHON (the node's Python whose torch it uses)"
     )
+
+
+# -- the engine's one-time preparation --------------------------------------------------------------
+
+
+def _fake_venv(root: Path) -> Path:
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "python").symlink_to(sys.executable)
+    return root
+
+
+def test_prepare_runs_in_the_engine_venv_and_a_failure_is_one_warning(tmp_path, monkeypatch):
+    venv = _fake_venv(tmp_path / "venv")
+    marker = tmp_path / "prepared"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "shadow"))  # a checkout on PYTHONPATH must not reach it
+    lines: list[str] = []
+    code = (
+        f"import os; open({str(marker)!r}, 'w').write(os.environ.get('PYTHONPATH', 'unset'))\nprint('cached 2 in 0 s')"
+    )
+    assert ee.prepare(venv, code, lines.append) is True
+    assert marker.read_text() == "unset"
+    assert lines == ["    cached 2 in 0 s"]
+    lines.clear()
+    assert ee.prepare(venv, "raise SystemExit('the registry moved')", lines.append) is False
+    assert lines == [
+        "    warning: the engine's one-time preparation failed (the registry moved); its first start does that work"
+    ]
+
+
+def test_vllms_preparation_names_the_architectures_nemoflow_serves():
+    """The registry cache is written for every architecture the pipeline's export writes (the demo's Llama, the
+    seed's Mixtral)."""
+    from workloads.checkpoint import ARCHITECTURES
+
+    prepare = ee.ENGINES["vllm"].prepare
+    compile(prepare, "VLLM_PREPARE", "exec")  # it is Python
+    for arch in ARCHITECTURES.values():
+        assert f'"{arch}"' in prepare
