@@ -84,6 +84,10 @@ case "$cmd" in
     done
     "$VENV/bin/python" -m devtools.gpu_report "$NEMOFLOW_WORK_DIR" "$out" || true
     cp "$(ls -d "$NEMOFLOW_WORK_DIR"/runs/llama-*/metrics.jsonl | head -1)" "$out/" 2>/dev/null || true
+    # each run's gpu-time artifact: every stage's GPU-seconds by phase (where validate's and deploy's time goes)
+    for f in "$NEMOFLOW_WORK_DIR"/flow-runs/*/gpu-time.json; do
+      if [ -f "$f" ]; then cp "$f" "$out/gpu-time-$(basename "$(dirname "$f")").json"; fi
+    done
     # the endpoints' own output (vLLM's: where its start-up time goes), the last 2 MB of each log
     find "$ROOT" -path '*services/logs/*' -name '*.log' -newer "$out/engine.txt" 2>/dev/null | sort \
       | while read -r log; do echo "==> $log"; tail -c 2000000 "$log"; done > "$out/endpoint.log" || true
@@ -176,6 +180,7 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
       moe)
         for spec in moe-0.9b:4 mixtral-8x7b-2l:2 mixtral-8x7b-2l:4; do
           model=${spec%:*}; mb=${spec#*:}
+          echo "before $model mb$mb: $(df -h "$ROOT" | tail -1)" >> "$dir/disk.txt"  # the Mixtral final save needs 38 GB
           "$VENV/bin/python" benchmarks/bench_train_gpu.py --model "$model" --micro-batch "$mb" --moe-impl grouped \
             --gpus 1 --steps 20 --warmup 5 --ckpt-every 1000 --skip-reference --out "$ROOT/bench-acc-moe-$model-$mb" \
             > "$dir/$model-mb$mb.log" 2>&1 || rc=$?
