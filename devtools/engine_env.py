@@ -135,6 +135,11 @@ def _packaging():
     return Requirement
 
 
+def engine_spec(requirement: str) -> EngineSpec | None:
+    """The spec of the engine a build was made for (its manifest names the requirement: ``vllm==0.26.0``)."""
+    return ENGINES.get(canon(_packaging()(requirement).name))
+
+
 def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -573,7 +578,7 @@ def install(dirs: list[Path], venv: Path, reuse_python: str, check: bool = True,
         code = check_imports(venv, manifest["check_imports"], log)
         if code:
             return code
-        spec = ENGINES.get(manifest["engine"])
+        spec = engine_spec(manifest["engine"])
         if spec is not None and spec.prepare:
             prepare(venv, spec.prepare, log)
     (state / "ready").write_text(json.dumps({"engine": manifest["engine"], "build_id": manifest["build_id"]}) + "\n")
