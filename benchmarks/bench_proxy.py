@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_serve import free_port, wait_ready  # the benchmarks' directory is sys.path[0]
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "bench-model"
 KEY = "sk-bench-proxy"
@@ -92,33 +94,9 @@ uvicorn.Server(config).run()
 """
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url}: the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{url}: not ready within {timeout:.0f} s")
 
 
 async def one(client, url: str, tokens: int) -> tuple[float, float, int]:
