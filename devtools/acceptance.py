@@ -3,6 +3,7 @@
     python -m devtools.acceptance collect PARTS OUT     # gpu_node.sh calls it after each part
     python -m devtools.acceptance docs REPORT.json      # regenerate docs/benchmarks.md's GPU section from a report
     python -m devtools.acceptance render REPORT.json    # print that section
+    python -m devtools.acceptance merge OUT.json REPORT.json...  # one report from each lease's last report
 
 Each part of the acceptance run (`demo`, `tests`, `train`, `moe`, `serve`) leaves its results under PARTS/<part>/ on
 the node (files under /tmp survive between the calls of one lease, and one call may run 10 minutes, so the
@@ -269,6 +270,32 @@ def judge(report: dict) -> dict:
     return report
 
 
+def merge(reports: list[dict]) -> dict:
+    """One report of a commit from the reports of several leases (the machine went back between two calls and
+    the next part ran on a fresh one after the node install): each part's data from the newest report that ran
+    it. Give each lease's last report (a lease's collect holds every part that lease ran). The reports must name
+    one commit and one kind of machine; ``leases`` says which parts ran where."""
+    if not reports:
+        raise ValueError("merge needs at least one report")
+    reports = sorted(reports, key=lambda r: r["date"])
+    for key in ("commit", "machine"):
+        values = {json.dumps(r[key], sort_keys=True) for r in reports}
+        if len(values) > 1:
+            raise ValueError(f"the reports differ in {key}: {', '.join(sorted(values))}")
+    merged = {k: v for k, v in reports[-1].items() if k not in ("checks", "passed")}
+    merged["parts_ran"] = [p for p in PARTS if any(p in r["parts_ran"] for r in reports)]
+    merged["part_status"] = {}
+    for part in merged["parts_ran"]:
+        newest = [r for r in reports if part in r["parts_ran"]][-1]
+        merged["part_status"][part] = newest["part_status"][part]
+        merged[part] = newest.get(part)
+    for part in PARTS:
+        if part not in merged["parts_ran"]:
+            merged[part] = None if part == "tests" else {}
+    merged["leases"] = [{"date": r["date"], "parts_ran": r["parts_ran"]} for r in reports]
+    return judge(merged)
+
+
 def _fmt(value, unit: str = "") -> str:
     if value is None:
         return "not run"
@@ -277,6 +304,19 @@ def _fmt(value, unit: str = "") -> str:
     if isinstance(value, float):
         return f"{value:,.2f}{unit}" if abs(value) < 10 else f"{value:,.0f}{unit}"
     return f"{value}{unit}"
+
+
+def _leases(leases: list[dict]) -> str:
+    """A merged report's sentence: which parts ran on which lease of the machine."""
+    if len(leases) < 2:
+        return ""
+    each = "; ".join(f"{', '.join(lease['parts_ran'])} ({lease['date']})" for lease in leases)
+    return f" Its parts ran on {len(leases)} leases of that machine, each after the node install: {each}."
+
+
+def _cell(text: str) -> str:
+    """``text`` as one markdown table cell: a smoke answer's newline or ``|`` would cut its row."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("|", "\\|")
 
 
 def _unit(name: str) -> str:
@@ -292,7 +332,7 @@ def render(report: dict) -> str:
         f"torch {m.get('torch')}), {report['date']}: **{'passed' if report['passed'] else 'NOT passed'}** "
         f"(parts run: {', '.join(report['parts_ran']) or 'none'}). Command: `devtools/gpu_node.sh acceptance OUT PART` "
         "for each part (after the node install, docs/install.md); the report is "
-        f"`benchmarks/results/h200-{report['commit'][:7]}.json`.",
+        f"`benchmarks/results/h200-{report['commit'][:7]}.json`." + _leases(report.get("leases") or []),
         "",
         "| check | kind | target | measured | result |",
         "|---|---|---|---|---|",
@@ -304,7 +344,7 @@ def render(report: dict) -> str:
             None: "not run",
         }[c["passed"]]
         lines.append(
-            f"| {c['what']} | {c['kind']} | {c['target'] or ''} | {_fmt(c['value'], _unit(c['name']))} | {result} |"
+            f"| {c['what']} | {c['kind']} | {c['target'] or ''} | {_cell(_fmt(c['value'], _unit(c['name'])))} | {result} |"
         )
     demo = report.get("demo") or {}
     runs = demo.get("runs") or []
@@ -430,6 +470,15 @@ def main(argv: list[str]) -> int:
         (out / "acceptance.json").write_text(json.dumps(report, indent=1))
         (out / "acceptance.md").write_text(render(report))
         print(render(report))
+        return 0
+    if len(argv) >= 3 and argv[0] == "merge":
+        try:
+            report = merge([json.loads(Path(a).read_text()) for a in argv[2:]])
+        except ValueError as exc:
+            print(f"acceptance merge: {exc}", file=sys.stderr)
+            return 2
+        Path(argv[1]).write_text(json.dumps(report, indent=1))
+        print(render(report), end="")
         return 0
     if len(argv) == 2 and argv[0] in ("docs", "render"):
         report = judge(json.loads(Path(argv[1]).read_text()))

@@ -44,7 +44,9 @@ def test_the_committed_report_names_its_commit_and_machine():
     )
 
 
-def _parts(tmp_path: Path, demo_states=("Cached",), tests_line="3 passed in 140.2s", with_train=True) -> Path:
+def _parts(
+    tmp_path: Path, demo_states=("Cached",), tests_line="3 passed in 140.2s", with_train=True, answer=", and God"
+) -> Path:
     """A node's parts directory as gpu_node.sh leaves it (the shapes devtools/gpu_report.py and
     benchmarks/bench_train_gpu.py write)."""
     parts = tmp_path / "parts"
@@ -53,7 +55,7 @@ def _parts(tmp_path: Path, demo_states=("Cached",), tests_line="3 passed in 140.
     # the stage names the demo's runs show (gpu_report: the task run's name, with its model)
     stages = [{"stage": "pretrain llama", "seconds": 35.0, "state": "Completed"}]
     runs = [
-        {"stages": stages, "val_loss": 4.5, "untrained_loss": 10.5, "answer": ", and God", "latency_s": 1.5},
+        {"stages": stages, "val_loss": 4.5, "untrained_loss": 10.5, "answer": answer, "latency_s": 1.5},
         {
             "stages": [{"stage": "pretrain llama", "seconds": 0.3, "state": s} for s in demo_states],
             "val_loss": 4.5,
@@ -111,6 +113,18 @@ def test_a_complete_run_passes_and_each_target_is_judged(tmp_path):
     text = acceptance.render(report)
     assert "| GPU demo, first run, whole `nemoflow demo` | target | <= 120 s | 110 s | met |" in text
     assert "| 1.1B, a save every 10 steps: share of the no-save rate | target | >= 90.0% | 80.0% | missed |" in text
+
+
+def test_a_multiline_answer_stays_in_its_table_row(tmp_path):
+    # the H200's smoke answer at cbcee70 held a newline: its row was cut in two in docs/benchmarks.md
+    report = acceptance.collect(_parts(tmp_path, answer=" the LORD.\nAnd | the LORD said"), "abc1234")
+    rows = [line for line in acceptance.render(report).splitlines() if line.startswith("| the smoke test answered")]
+    assert rows == ["| the smoke test answered | must |  |  the LORD.\\nAnd \\| the LORD said | pass |"]
+    assert all(
+        line.startswith("|") and line.endswith("|")
+        for line in acceptance.render(report).splitlines()
+        if line[:1] == "|"
+    )
 
 
 @pytest.mark.parametrize(
@@ -175,3 +189,38 @@ def test_the_serving_benchmark_keeps_its_summary_when_cut_short(tmp_path):
     report["levels"]["builtin"] = {"16": {"output_throughput": 25.0}}
     bench.summarize(report)
     assert report["vllm_over_builtin_c16"] == 185.8
+
+
+def _lease(tmp_path: Path, name: str, keep: tuple[str, ...], date: str, commit: str = "abc1234") -> dict:
+    """The report of a lease that ran only the parts ``keep`` (the others' directories removed)."""
+    import shutil
+
+    parts = _parts(tmp_path / name)
+    for part in ("demo", "tests", "train", "moe"):
+        if part not in keep:
+            shutil.rmtree(parts / part)
+    report = acceptance.collect(parts, commit)
+    report["date"] = date
+    return report
+
+
+def test_reports_of_two_leases_merge_into_one_that_passes(tmp_path):
+    first = _lease(tmp_path, "first", ("demo", "train"), "2026-12-03 22:16 UTC")
+    second = _lease(tmp_path, "second", ("moe", "tests"), "2026-12-03 22:28 UTC")
+    assert not first["passed"] and not second["passed"]
+    merged = acceptance.merge([second, first])
+    assert merged["passed"], [c for c in merged["checks"] if c["passed"] is False]
+    assert merged["parts_ran"] == ["demo", "tests", "train", "moe"]
+    assert merged["train"] == first["train"] and merged["moe"] == second["moe"]
+    assert [lease["parts_ran"] for lease in merged["leases"]] == [["demo", "train"], ["tests", "moe"]]
+    assert "2 leases of that machine" in acceptance.render(merged)
+
+
+def test_reports_of_two_commits_do_not_merge(tmp_path, capsys):
+    first = tmp_path / "a.json"
+    second = tmp_path / "b.json"
+    first.write_text(json.dumps(_lease(tmp_path, "first", ("demo",), "2026-12-03 22:16 UTC")))
+    second.write_text(json.dumps(_lease(tmp_path, "second", ("moe",), "2026-12-03 22:28 UTC", commit="def5678")))
+    assert acceptance.main(["merge", str(tmp_path / "out.json"), str(first), str(second)]) == 2
+    assert "the reports differ in commit" in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
