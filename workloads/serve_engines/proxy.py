@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Request  # at module level: FastAPI resolves the handlers' string annotations here
+from starlette.responses import Response as StarletteResponse
 
 from workloads.serve_engines.base import ENGINE_HOST
 from workloads.serve_http import (
@@ -130,20 +131,81 @@ class ProxyState:
     warmed: bool = False  # the warm-up generation ran (WARM_UP): /health says ok only after it
 
 
+class Relay(StarletteResponse):
+    """The engine's response relayed to the client as it arrives: an ASGI response (what a FastAPI route
+    returns that is a ``Response`` is called with the connection's ``send``).
+
+    Each chunk the engine sends goes on as one ``http.response.body`` message, with nothing between them
+    (Starlette's StreamingResponse wraps each in its own task group's work). A client that goes away
+    stops the relay and closes the engine's connection, so that the engine stops generating for it.
+    """
+
+    def __init__(self, upstream):  # nothing of Response's own state: the status and headers are the engine's
+        self.upstream = upstream
+        self.status_code = upstream.status
+        self.background = None  # FastAPI sets a route's background tasks here
+
+    async def __call__(self, scope, receive, send) -> None:
+        upstream = self.upstream
+
+        async def relay() -> None:
+            headers = [(k, v) for k, v in upstream.raw_headers if k.decode("latin-1").lower() not in HOP_BY_HOP]
+            await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+            async for chunk in upstream.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def client_gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        tasks = [asyncio.ensure_future(relay()), asyncio.ensure_future(client_gone())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if tasks[0] in done:
+                tasks[0].result()  # the engine's stream broke: the client's connection is aborted, not ended
+        finally:
+            for task in tasks:
+                task.cancel()
+            upstream.close()  # a response read to its end went back to the pool already; otherwise the engine's
+            # connection is closed, which is how the engine learns that nobody waits for the rest
+        if self.background is not None:
+            await self.background()
+
+
 def create_proxy_app(state: ProxyState):
+    import aiohttp
     import httpx
+    import yarl
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from starlette.background import BackgroundTask
+    from fastapi.responses import JSONResponse
 
     target = state.target
     # no timeout on reads: a long generation is not an error; connecting is quick on loopback
     client = httpx.AsyncClient(base_url=target.base_url, timeout=httpx.Timeout(None, connect=10.0))
+    # The OpenAI routes pass through on aiohttp, not httpx: a streamed response is one SSE event per token,
+    # and httpx spent 42 % of the proxy's CPU receiving them (a timeout scope and a pure-Python h11 parse per
+    # read); aiohttp parses in C (benchmarks/bench_proxy.py, docs/serving.md). Made in the serving loop.
+    sessions: list = []
+
+    def relay_session():
+        if not sessions or sessions[0].closed:
+            sessions[:] = [
+                aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=0),
+                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0),
+                    auto_decompress=False,  # the body goes on as the engine encoded it, with its headers
+                    skip_auto_headers=("User-Agent",),
+                )
+            ]
+        return sessions[0]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         await client.aclose()
+        if sessions:
+            await sessions[0].close()
 
     app = FastAPI(
         title=f"nemoflow proxy to {target.kind}", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
@@ -202,20 +264,13 @@ def create_proxy_app(state: ProxyState):
                 code="unsupported_route",
             )
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        upstream = client.build_request(
-            request.method, request.url.path, params=request.query_params, headers=headers, content=raw
-        )
+        query = request.url.query
+        url = yarl.URL(target.base_url + request.url.path + (f"?{query}" if query else ""), encoded=True)
         try:
-            response = await client.send(upstream, stream=True)
-        except httpx.HTTPError as exc:
+            response = await relay_session().request(request.method, url, headers=headers, data=raw or None)
+        except aiohttp.ClientError as exc:
             raise unreachable(target, exc) from exc
-        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
-        return StreamingResponse(
-            response.aiter_raw(),
-            status_code=response.status_code,
-            headers=out_headers,
-            background=BackgroundTask(response.aclose),
-        )
+        return Relay(response)
 
     @app.get("/v1/models")
     async def models(request: Request):
