@@ -41,6 +41,7 @@ class Engine:
             if not message.get("more_body"):
                 break
         record = {"path": scope["path"], "query": scope["query_string"].decode(), "sent": 0, "gone": False}
+        record["headers"] = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         self.seen.append(record)
         if scope["path"] == "/v1/models":
             await send({"type": "http.response.start", "status": 404, "headers": [(b"x-engine", b"yes")]})
@@ -145,6 +146,18 @@ def test_the_query_the_status_and_the_headers_pass_through(engine_and_proxy):
     assert answer.status_code == 404 and answer.json() == {"error": "no models here"}
     assert answer.headers["x-engine"] == "yes"
     assert engine.seen[-1]["path"] == "/v1/models" and engine.seen[-1]["query"] == "limit=2&after=a%20b"
+    # the request's own headers, and no encoding the client did not ask for (the body comes back as sent)
+    raw = httpx.get(
+        proxy.url + "/v1/models",
+        headers={"Authorization": f"Bearer {KEY}", "X-Trace": "t1", "Accept-Encoding": "identity"},
+    )
+    assert raw.status_code == 404
+    assert engine.seen[-1]["headers"]["x-trace"] == "t1" and engine.seen[-1]["headers"]["accept-encoding"] == "identity"
+    plain = httpx.Client(headers={}).build_request("GET", proxy.url + "/v1/models")
+    del plain.headers["accept-encoding"]
+    plain.headers["Authorization"] = f"Bearer {KEY}"
+    assert httpx.Client().send(plain).status_code == 404
+    assert "accept-encoding" not in engine.seen[-1]["headers"], engine.seen[-1]["headers"]
     # the key is the proxy's to check: a wrong one never reaches the engine
     before = len(engine.seen)
     assert httpx.get(proxy.url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401

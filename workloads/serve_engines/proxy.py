@@ -195,7 +195,8 @@ def create_proxy_app(state: ProxyState):
                     connector=aiohttp.TCPConnector(limit=0),
                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0),
                     auto_decompress=False,  # the body goes on as the engine encoded it, with its headers
-                    skip_auto_headers=("User-Agent",),
+                    # only what the client sent: an encoding it never asked for would reach it still encoded
+                    skip_auto_headers=("User-Agent", "Accept-Encoding"),
                 )
             ]
         return sessions[0]
