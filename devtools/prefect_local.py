@@ -563,14 +563,37 @@ def ensure_pools(api: PrefectApi | str, echo=print) -> None:
 
 
 def ensure_work_pool(name: str, pool_type: str, api: PrefectApi | str, base_job_template: str | None = None) -> bool:
-    """Create the pool unless it exists; True when it was created."""
+    """Create the pool unless it exists; True when it was created.
+
+    What `prefect work-pool create NAME --type TYPE [--base-job-template FILE]` does, in this process: the
+    template file's job template, else the default one of the installed worker of that type. Each CLI call
+    started a Python that imports Prefect (about 2.5 CPU-s; a demo or deploy made six, inspect and create)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+    from prefect.workers.base import BaseWorker
+
     api = _as_api(api)
-    if prefect_cli(["work-pool", "inspect", name], api, check=False).returncode == 0:
-        return False
-    args = ["work-pool", "create", name, "--type", pool_type]
     if base_job_template:
-        args += ["--base-job-template", str(REPO_ROOT / base_job_template)]
-    prefect_cli(args, api)
+        template = json.loads((REPO_ROOT / base_job_template).read_text())
+    else:
+        worker = BaseWorker.get_worker_class_from_type(pool_type)
+        if worker is None:
+            raise ControlPlaneError(
+                f"work pool {name!r}: no Prefect worker of type {pool_type!r} is installed here, so it has no "
+                "default job template (name a --base-job-template file)"
+            )
+        template = worker.get_default_base_job_template()
+    with api.settings(), get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(name)
+            return False
+        except ObjectNotFound:
+            pass
+        try:
+            client.create_work_pool(WorkPoolCreate(name=name, type=pool_type, base_job_template=template))
+        except ObjectAlreadyExists:  # created meanwhile by another command
+            return False
     return True
 
 
