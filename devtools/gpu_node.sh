@@ -180,10 +180,22 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
       moe)
         for spec in moe-0.9b:4 mixtral-8x7b-2l:2 mixtral-8x7b-2l:4; do
           model=${spec%:*}; mb=${spec#*:}
-          echo "before $model mb$mb: $(df -h "$ROOT" | tail -1)" >> "$dir/disk.txt"  # the Mixtral final save needs 38 GB
+          echo "before $model mb$mb: $(df -h "$ROOT" | tail -1); /dev/shm: $(df -h /dev/shm | tail -1)" >> "$dir/disk.txt"
+          # The run ends with a checkpoint (fp32 weights and AdamW state, 12 bytes a parameter) and its Hugging Face
+          # export (bf16, 2): the Mixtral slice's 44 GB did not fit the 41-45 GB the node's disk had free at 7e887fc
+          # (ENOSPC in the export; the steps had run). Where the disk lacks the room and /dev/shm has it, the run
+          # directory goes there, saved synchronously (async staging would hold another copy in /dev/shm).
+          need=$("$VENV/bin/python" -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_train_gpu as b
+print(int(b.parameters(*b.MODELS[sys.argv[1]][:5], b.MOE.get(sys.argv[1]))[0] * 14 * 1.05))" "$model")
+          where=(); disk_free=$(df -B1 --output=avail "$ROOT" | tail -1); shm_free=$(df -B1 --output=avail /dev/shm | tail -1)
+          if [ "$disk_free" -lt "$need" ] && [ "$shm_free" -ge "$need" ]; then
+            where=(--run-root /dev/shm/nemoflow-acc-moe --sync-save)
+            echo "$model mb$mb: run directory on /dev/shm (needs $need bytes; disk has $disk_free)" >> "$dir/disk.txt"
+          fi
           "$VENV/bin/python" benchmarks/bench_train_gpu.py --model "$model" --micro-batch "$mb" --moe-impl grouped \
             --gpus 1 --steps 20 --warmup 5 --ckpt-every 1000 --skip-reference --out "$ROOT/bench-acc-moe-$model-$mb" \
-            > "$dir/$model-mb$mb.log" 2>&1 || rc=$?
+            "${where[@]}" > "$dir/$model-mb$mb.log" 2>&1 || rc=$?
+          rm -rf /dev/shm/nemoflow-acc-moe
           cp "$ROOT/bench-acc-moe-$model-$mb/bench_train_gpu-$model-1gpu.json" "$dir/$model-mb$mb.json" || rc=1
           cp "$ROOT/bench-acc-moe-$model-$mb"/nemoflow-*.log "$dir/" 2>/dev/null || true  # the trainer's own output
           # a run's checkpoint is no result: the Mixtral slice's final save is 38 GB (weights and AdamW state in
