@@ -20,7 +20,8 @@ sequence length. It never changes across refreshes, so losses are comparable ove
 
 Never two at once: the flow takes the global concurrency limit ``cpt-refresh`` (1 slot, whatever
 deployment or pool started it) before it reads the registry. A run that cannot take it within
-``lock_timeout_s`` ends ``Cancelled`` having done nothing, and its state message (what ``--watch``
+``lock_timeout_s`` (at least ``FREE_SLOT_TIMEOUT_S`` when the slot was free as it started: a slow API's
+answer) ends ``Cancelled`` having done nothing, and its state message (what ``--watch``
 and the UI show) names the run that holds the slot, its last heartbeat and when the slot frees if that
 run is dead; ``nemoflow refresh --wait`` starts a refresh once the slot is free instead. (The check is
 the flow's own, not a deployment ``concurrency_limit``: Prefect cancels for that before the flow
@@ -123,20 +124,23 @@ class RefreshRefused(RefreshFailed):
 REFUSED = "another cpt-refresh holds the 'cpt-refresh' concurrency limit"
 
 
-def _ensure_limit(name: str) -> None:
-    """The global concurrency limit must exist: an unknown name would silently not limit anything."""
+def _ensure_limit(name: str) -> bool:
+    """The global concurrency limit must exist: an unknown name would silently not limit anything. True when
+    it has a free slot now."""
     from prefect import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
     from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
     with get_client(sync_client=True) as client:
         try:
-            client.read_global_concurrency_limit_by_name(name)
+            limit = client.read_global_concurrency_limit_by_name(name)
+            return limit.active_slots < limit.limit
         except ObjectNotFound:
             try:
                 client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
             except ObjectAlreadyExists:
-                pass
+                return False  # created meanwhile by another refresh, which may hold it: wait as for a holder
+            return True
 
 
 # The global slot's lease, seconds (Prefect's minimum is 60): the holder renews it every 45 s while it
@@ -144,13 +148,22 @@ def _ensure_limit(name: str) -> None:
 # the slot within about a minute, so a crashed refresh cannot block the nightly ones (issue #12).
 LOCK_LEASE_S = 60
 
+# How long taking a slot that was free may take. ``timeout_s`` is the wait for another refresh; taking a free slot is
+# one request, and a loaded server can answer it later than a short ``timeout_s`` (2 s). A request the client gave
+# up on is still granted by the server: the slot then belongs to a lease nobody renews, and the run refused itself,
+# "held by a dead run" (the suite at 7e887fc). Short enough that a refresh which lost a race for the free slot to
+# one started at the same moment still gives up long before that one's refresh is done.
+FREE_SLOT_TIMEOUT_S = 20
+
 
 @contextlib.contextmanager
 def refresh_lock(timeout_s: float) -> Iterator[None]:
-    """Hold the global ``cpt-refresh`` concurrency slot; :class:`RefreshFailed` after ``timeout_s`` of waiting."""
+    """Hold the global ``cpt-refresh`` concurrency slot; :class:`RefreshFailed` after ``timeout_s`` of waiting for
+    another refresh (a slot that is free is waited for up to :data:`FREE_SLOT_TIMEOUT_S`: the API's answer)."""
     from prefect.concurrency.sync import concurrency
 
-    _ensure_limit(CONCURRENCY_LIMIT)
+    if _ensure_limit(CONCURRENCY_LIMIT):
+        timeout_s = max(timeout_s, FREE_SLOT_TIMEOUT_S)
     with contextlib.ExitStack() as held:
         try:
             # strict: a missing limit must fail, not run unlimited. A lost lease renewal (an API blip in a
