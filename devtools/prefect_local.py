@@ -570,7 +570,7 @@ def ensure_work_pool(name: str, pool_type: str, api: PrefectApi | str, base_job_
     started a Python that imports Prefect (about 2.5 CPU-s; a demo or deploy made six, inspect and create)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+    from prefect.exceptions import ObjectAlreadyExists
     from prefect.workers.base import BaseWorker
 
     api = _as_api(api)
@@ -586,13 +586,8 @@ def ensure_work_pool(name: str, pool_type: str, api: PrefectApi | str, base_job_
         template = worker.get_default_base_job_template()
     with api.settings(), get_client(sync_client=True) as client:
         try:
-            client.read_work_pool(name)
-            return False
-        except ObjectNotFound:
-            pass
-        try:
             client.create_work_pool(WorkPoolCreate(name=name, type=pool_type, base_job_template=template))
-        except ObjectAlreadyExists:  # created meanwhile by another command
+        except ObjectAlreadyExists:  # it exists (the server answers 409): left as it is
             return False
     return True
 
