@@ -114,6 +114,12 @@ class TrainConfig(BaseModel, RunLayout):
     enable_compile: bool = Field(False, description="torch.compile each decoder layer (AutoModel enable_compile)")
     activation_checkpointing: bool = Field(False, description="recompute activations in backward (saves memory)")
     ckpt_async_save: bool = Field(True, description="write checkpoints in the background (NeMo ckpt_async_save)")
+    ckpt_async_min_mib: float = Field(
+        256,
+        ge=0,
+        description="a model and optimizer state smaller than this (MiB a rank) is saved synchronously: its write takes "
+        "well under a second, less than starting the background writer process (about 5 CPU-seconds of imports)",
+    )
     ckpt_write_threads: int = Field(
         4,
         ge=1,

@@ -36,6 +36,7 @@ def tiny_config(dataset: dict, run_dir: Path, **overrides) -> dict:
         data_prefix=dataset["blend"],
         tokenizer_model=dataset["tokenizer_model"],
         run_dir=str(run_dir),
+        ckpt_async_min_mib=0,  # the background writer, as a model of real size saves (these tests are about it)
     )
     config.update(overrides)
     return config

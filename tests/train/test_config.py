@@ -321,3 +321,24 @@ def test_a_compiled_run_keeps_its_compile_cache_on_the_work_dir(monkeypatch, tmp
         )
     finally:
         get_settings.cache_clear()
+
+
+def test_a_small_state_is_saved_synchronously_and_a_large_one_in_the_background():
+    """Starting the background writer costs about 5 CPU-seconds of imports; a state of a few MiB is written in
+    milliseconds. The threshold is per rank (fp32 weights and two AdamW moments: 12 bytes a parameter)."""
+    from workloads.train.launch import async_save_fits
+
+    tiny = dict(
+        hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2, ffn_hidden_size=128, max_steps=4
+    )
+    small, why = async_save_fits(TrainConfig(**tiny, run_dir="/r"), vocab_size=32000, world_size=1, cuda=False)
+    assert small is False
+    assert why.startswith("checkpoints are saved synchronously: ") and "ckpt_async_min_mib=256" in why
+    forced, why = async_save_fits(
+        TrainConfig(**tiny, run_dir="/r", ckpt_async_min_mib=0), vocab_size=32000, world_size=1, cuda=False
+    )
+    assert (forced, why) == (True, None)
+    big = TrainConfig(
+        hidden_size=2048, num_layers=16, num_attention_heads=16, ffn_hidden_size=8192, max_steps=4, run_dir="/r"
+    )
+    assert async_save_fits(big, vocab_size=32000, world_size=1, cuda=False)[0] is True  # 1.1B: 13 GB a save

@@ -64,6 +64,11 @@ def async_save_fits(config: TrainConfig, vocab_size: int, world_size: int, cuda:
     strategy = resolve_strategy(config, world_size, vocab_size)
     shards = world_size if (strategy == "fsdp2" and world_size > 1) else 1
     per_rank = estimate_parameters(config, vocab_size) * per_param / shards
+    if per_rank < config.ckpt_async_min_mib * 2**20:
+        return False, (
+            f"checkpoints are saved synchronously: {per_rank / 2**20:.0f} MiB a rank is under ckpt_async_min_mib="
+            f"{config.ckpt_async_min_mib:g} (a write that small takes less than starting the background writer)"
+        )
     needed = per_rank * min(config.procs_per_node, world_size) * 1.1  # 10 % for DCP's metadata and buffers
     room = host_memory_available()
     if needed <= room:
