@@ -42,19 +42,12 @@ def demo_gpu_checkpoint(dest: Path) -> Path:
 
     from flows.end_to_end import demo_gpu_train_config
     from tests.support.tiny_models import tiny_llama
+    from workloads.train.recipe import hf_model_config
 
-    shape = demo_gpu_train_config(1)
-    return tiny_llama(
-        dest,
-        Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1",
-        seed=0,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.ffn_hidden_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        max_position_embeddings=shape.seq_length,
-    )
+    # the GPU demo's model as the trainer builds it (with Mixtral's 32000-token vocabulary)
+    values = hf_model_config(demo_gpu_train_config(1), vocab_size=32000)
+    assert values.pop("_target_") == "transformers.LlamaConfig"
+    return tiny_llama(dest, Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1", seed=0, **values)
 
 
 def step_times(engine, prompt_ids: list[int], tokens: int) -> list[float]:
