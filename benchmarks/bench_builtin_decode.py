@@ -50,6 +50,62 @@ def demo_gpu_checkpoint(dest: Path) -> Path:
     return tiny_llama(dest, Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1", seed=0, **values)
 
 
+def split_times(engine, prompt_ids: list[int], tokens: int) -> dict[str, list[float]]:
+    """Each step in three: enqueue (the forward call: Python and launches), wait (.float().cpu() until _pick has
+    the row: the GPU finishing), host (pick, decode, the next input, up to the next forward)."""
+    from workloads.serve_engines.builtin.model import SamplingParams
+
+    t: list[float] = []
+    mark = lambda *_: t.append(time.perf_counter())  # noqa: E731
+    hooks = [engine.model.register_forward_pre_hook(mark), engine.model.register_forward_hook(mark)]
+    pick = engine._pick
+    engine._pick = lambda *a: (mark(), pick(*a))[1]  # shadows the staticmethod until deleted
+    try:
+        engine.generate(prompt_ids, SamplingParams(max_tokens=tokens, temperature=0.0))
+    finally:
+        del engine._pick
+        for hook in hooks:
+            hook.remove()
+    steps = [t[i : i + 4] for i in range(0, len(t) - 3, 3)]  # start, enqueued, synced, next start
+    return {name: [s[k + 1] - s[k] for s in steps] for k, name in enumerate(("enqueue", "wait", "host"))}
+
+
+def node_facts(engine) -> dict:
+    """Outside the engine: where the weights are, threads, CPUs, load, environment; the GPU's launch and sync costs."""
+    import os
+    import subprocess
+
+    import torch
+
+    m, dev = engine.model, engine.device
+    facts = {
+        "placement": sorted({f"{t.device}/{t.dtype}" for t in [*m.parameters(), *m.buffers()]}),
+        "attn": m.config._attn_implementation,
+        "threads": torch.get_num_threads(),
+        "loadavg": os.getloadavg(),
+        "cpus": [os.cpu_count(), len(os.sched_getaffinity(0))],
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("CUDA_", "PYTORCH_", "TORCH_", "OMP_"))},
+    }
+    if dev.type == "cuda":
+        query = "--query-gpu=pstate,clocks.sm,clocks.max.sm,compute_mode,mig.mode.current"
+        for args in ([query, "--format=csv"], ["--query-compute-apps=pid,name,used_memory", "--format=csv"]):
+            run = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, check=False)
+            facts[args[0]] = (run.stdout + run.stderr).strip()
+        x = torch.zeros(1, device=dev)
+        for name, n, fn in (
+            ("us_per_launch", 2000, lambda: x.add_(1)),
+            ("us_per_d2h_sync", 300, x.cpu),
+            ("us_per_h2d_scalar", 300, lambda: torch.tensor([[1]], device=dev)),
+        ):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+            facts[name] = round((time.perf_counter() - started) / n * 1e6, 2)  # healthy: ~5, ~10-30, ~10-30
+    return facts
+
+
 def step_times(engine, prompt_ids: list[int], tokens: int) -> list[float]:
     """Seconds from each forward pass to the next, over one greedy generation of ``tokens`` tokens."""
     from workloads.serve_engines.builtin.model import SamplingParams
@@ -86,6 +142,12 @@ def profile(engine, prompt_ids: list[int], steps: int) -> dict:
         "top_cpu": top("self_cpu_time_total"),
         "top_device": top("self_device_time_total") if cuda else [],
         "syncing_calls": {e.key: e.count for e in events if e.key.startswith(SYNCING)},
+        "device_ms_per_step": round(sum(e.self_device_time_total for e in events) / steps / 1000, 3) if cuda else None,
+        "launches": {
+            e.key: [round(e.count / steps, 1), round(e.self_cpu_time_total / e.count, 2)]  # a step; us each
+            for e in events
+            if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))
+        },
     }
 
 
@@ -109,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_ids = engine.encode_prompt(PROMPT)
         step_times(engine, prompt_ids, 8)  # warm-up: the first passes allocate and pick kernels
         times = step_times(engine, prompt_ids, args.tokens)
+        split = split_times(engine, prompt_ids, args.tokens)
         params = sum(p.numel() for p in engine.model.parameters())
         thirds = [times[i * len(times) // 3 : (i + 1) * len(times) // 3] for i in range(3)]
         result = {
@@ -120,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
             "tokens": len(times) + 1,
             "tokens_per_s": round(len(times) / sum(times), 1),
             "ms_per_token_by_third": [round(statistics.median(t) * 1000, 2) for t in thirds if t],
+            "split_ms_by_third": {
+                k: [round(statistics.median(v[i * len(v) // 3 : (i + 1) * len(v) // 3]) * 1000, 2) for i in range(3)]
+                for k, v in split.items()
+            },
+            "facts": node_facts(engine),
             "profile": profile(engine, prompt_ids, args.profile_steps) if args.profile_steps else None,
         }
     print(
@@ -130,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     if result["profile"]:
         print(result["profile"]["table"])
         print("synchronising CUDA calls:", result["profile"]["syncing_calls"] or "none")
+        print("device ms a step:", result["profile"]["device_ms_per_step"], "launches:", result["profile"]["launches"])
+    print("ms enqueue / wait / host, by third:", result["split_ms_by_third"], "\nfacts:", json.dumps(result["facts"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"results: {args.out}")
