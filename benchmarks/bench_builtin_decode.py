@@ -56,7 +56,10 @@ def split_times(engine, prompt_ids: list[int], tokens: int) -> dict[str, list[fl
     from workloads.serve_engines.builtin.model import SamplingParams
 
     t: list[float] = []
-    mark = lambda *_: t.append(time.perf_counter())  # noqa: E731
+
+    def mark(*_) -> None:
+        t.append(time.perf_counter())
+
     hooks = [engine.model.register_forward_pre_hook(mark), engine.model.register_forward_hook(mark)]
     pick = engine._pick
     engine._pick = lambda *a: (mark(), pick(*a))[1]  # shadows the staticmethod until deleted
