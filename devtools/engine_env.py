@@ -127,6 +127,9 @@ def canon(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+TORCH_LIKE = ("torch", "torchvision", "torchaudio")  # the node's own, never carried (checked against the pins)
+
+
 def _packaging():
     try:
         from packaging.requirements import Requirement
@@ -258,6 +261,34 @@ def resolve(requirement: str, target_args: list[str], log=print) -> dict[str, di
     return out
 
 
+def node_requirements(pins: dict[str, str], target_args: list[str], log=print) -> dict[str, list[str]]:
+    """The requirements of the node's versions (``pins``: {name: version}) from the index's metadata: one pip
+    ``--dry-run --no-deps --report`` (no wheel is downloaded). A version the index does not have for the node
+    is left out of the answer (said once), so that package keeps the resolved release's requirements."""
+    pins = dict(pins)
+    while pins:
+        with tempfile.TemporaryDirectory() as tmp:
+            report = Path(tmp) / "report.json"
+            cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed", "--quiet"]
+            cmd += ["--target", str(Path(tmp) / "t"), "--report", str(report), *target_args]
+            cmd += [f"{n}=={v}" for n, v in sorted(pins.items())]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode == 0:
+                data = json.loads(report.read_text())
+                return {canon(i["metadata"]["name"]): i["metadata"].get("requires_dist") or [] for i in data["install"]}
+        said = proc.stderr.lower()
+        missing = [n for n in pins if f"for {n}=={pins[n]}".lower() in said or f"requirement {n}==".lower() in said]
+        if not missing:
+            raise EngineEnvError(f"pip cannot read the node's package versions from the index: {proc.stderr[-500:]}")
+        log(
+            f"    the index has no {', '.join(f'{n} {pins[n]}' for n in missing)} for the node: the newest release's "
+            "requirements stand in"
+        )
+        for n in missing:
+            del pins[n]
+    return {}
+
+
 def walk(
     root: str, packages: dict[str, dict], env: dict[str, str], leave_out: set[str]
 ) -> tuple[dict[str, set[str]], dict[str, list[tuple[object, str]]]]:
@@ -324,7 +355,7 @@ def build(args, target_args: list[str], env: dict[str, str], have: dict[str, str
     leave_out = {**{n: why for n, why in spec.optional.items()}, **{n: "--without" for n in without}}
     leave_out.pop(engine, None)
     reached, required_by = walk(args.engine, packages, env, set(leave_out))
-    for torch_like in ("torch", "torchvision", "torchaudio"):
+    for torch_like in TORCH_LIKE:
         for r, by in required_by.get(torch_like, []):
             node = have.get(torch_like)
             if torch_like in reached and node and not r.specifier.contains(node, prereleases=True):
@@ -333,6 +364,39 @@ def build(args, target_args: list[str], env: dict[str, str], have: dict[str, str
                     f"{torch_like} pin is the node's (a second torch does not travel)"
                 )
     carried, reused = decide(reached, required_by, packages, have)
+    # The node's copy of a package it supplies is what the engine imports, so that copy's requirements hold,
+    # not those of the release pip resolved: walk again with them until the node's set stops changing. (The
+    # H200's transformers 5.17.0 wants huggingface-hub < 2.0; walked with 5.25.0's requirements, huggingface-hub
+    # 2.4.0 travelled, shadowed the node's 1.33.0, and vLLM's import of transformers failed.) A node copy whose
+    # requirements reject what the engine needs travels too, at the resolved release, to be imported instead.
+    node_meta: dict[str, list[str]] = {}
+    asked: set[str] = set()
+    forced: dict[str, str] = {}
+    for _ in range(16):
+        want = {n: have[n] for n in reused if have.get(n) and n not in TORCH_LIKE and n not in asked}
+        if want:
+            asked |= set(want)
+            node_meta.update(node_requirements(want, target_args, log))
+        view = {
+            n: {**p, "requires": node_meta[n]} if n in reused and n in node_meta else p for n, p in packages.items()
+        }
+        reached, required_by = walk(args.engine, view, env, set(leave_out))
+        carried, now = decide(reached, required_by, view, {n: v for n, v in have.items() if n not in forced})
+        clash = {
+            by: f"the node's {by} {have[by]} requires {r}; {name} {packages[name]['version']} travels"
+            for name in carried
+            for r, by in required_by.get(name, [])
+            if by in now and by in node_meta and not r.specifier.contains(packages[name]["version"], prereleases=True)
+        }
+        for by, why in clash.items():
+            if by in TORCH_LIKE:
+                raise EngineEnvError(f"{why}: the node's {by} cannot be replaced (choose another {engine} version)")
+            log(f"    {why}: {by} {packages[by]['version']} travels too")
+        forced.update(clash)
+        stable = set(now) == set(reused) and not want and not clash
+        reused = now
+        if stable:
+            break
     left = {n: leave_out[n] for n in sorted(leave_out) if n in packages and n not in reached}
     dropped_with = sorted(n for n in packages if n not in reached and n not in left)
     wheels_dir = out / "wheels"

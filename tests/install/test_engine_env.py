@@ -158,6 +158,45 @@ def test_an_engine_that_pins_another_torch_is_refused(index, capsys):
     )
 
 
+def test_a_package_the_node_supplies_brings_its_own_versions_requirements(index):
+    """The node's copy of a package is what the engine imports, so its requirements (not the newest release's)
+    decide the rest. Found on the H200: the node's transformers 5.17.0 (huggingface-hub <2.0) was reused while
+    the closure was walked with transformers 5.25.0's (>= 2.4.0), so huggingface-hub 2.4.0 travelled, shadowed
+    the node's 1.33.0, and vLLM's import of transformers failed."""
+    wheels = index / "index"
+    engine_wheel(wheels, "3.0", ["torch", "tfish>=1.0"])
+    make_wheel(wheels, "tfish", "1.0", ["hubish<2"])
+    make_wheel(wheels, "tfish", "1.1", ["hubish>=2"])
+    make_wheel(wheels, "hubish", "1.0")
+    make_wheel(wheels, "hubish", "2.0")
+    freeze = index / "node-freeze.txt"
+    freeze.write_text(freeze.read_text() + "tfish==1.0\nhubish==1.0\n")
+    assert build(index, "toyengine==3.0") == 0
+    m = json.loads((index / "wh" / ee.MANIFEST).read_text())
+    assert [w["name"] for w in m["wheels"]] == ["toyengine"]
+    assert m["reused"]["hubish"]["node_version"] == "1.0"
+    assert m["reused"]["hubish"]["requires"] == ["tfish: hubish<2"]
+
+
+def test_a_node_copy_that_rejects_what_the_engine_needs_travels_at_the_resolved_release(index, capsys):
+    """The engine needs hubish >= 2; the node's tfish 1.0 wants hubish < 2: tfish 1.1 (which takes hubish 2)
+    travels beside hubish 2.0 and the engine's venv imports both, never the node's tfish with the new hubish."""
+    wheels = index / "index"
+    engine_wheel(wheels, "4.0", ["torch", "tfish>=1.0", "hubish>=2"])
+    make_wheel(wheels, "tfish", "1.0", ["hubish<2"])
+    make_wheel(wheels, "tfish", "1.1", ["hubish>=2"])
+    make_wheel(wheels, "hubish", "1.0")
+    make_wheel(wheels, "hubish", "2.0")
+    freeze = index / "node-freeze.txt"
+    freeze.write_text(freeze.read_text() + "tfish==1.0\nhubish==1.0\n")
+    assert build(index, "toyengine==4.0") == 0
+    m = json.loads((index / "wh" / ee.MANIFEST).read_text())
+    assert {w["name"]: w["version"] for w in m["wheels"]} == {"hubish": "2.0", "tfish": "1.1", "toyengine": "4.0"}
+    assert "tfish" not in m["reused"] and "hubish" not in m["reused"]
+    out = capsys.readouterr().out
+    assert "the node's tfish 1.0 requires hubish<2; hubish 2.0 travels: tfish 1.1 travels too" in out
+
+
 @pytest.mark.slow
 def test_chunks_install_one_call_at_a_time_beside_the_nodes_torch(index, tmp_path):
     assert build(index, "toyengine==1.0", "--split-mb", "2.1") == 0
