@@ -638,6 +638,7 @@ def install(dirs: list[Path], venv: Path, reuse_python: str, check: bool = True,
         log(f"error: {p}")
     if problems:
         return 1
+    compile_bytecode(venv, log)
     if check:
         code = check_imports(venv, manifest["check_imports"], log)
         if code:
@@ -689,6 +690,31 @@ def prepare(venv: Path, code: str, log=print) -> bool:
     last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
     log(f"    warning: the engine's one-time preparation failed ({last}); its first start does that work")
     return False
+
+
+def compile_bytecode(venv: Path, log=print, sources: tuple[Path, ...] = ()) -> bool:
+    """Byte-compile the venv's own packages (and ``sources``, e.g. an editable checkout) once, on every core.
+
+    The chunks install with ``pip --no-compile`` (each chunk's call stays short), so a module's ``.pyc`` is
+    written at its first import, unless the environment sets PYTHONDONTWRITEBYTECODE: the H200 node's does,
+    and there every process compiled what it imported again (torchao's SyntaxWarning, a compile-time warning,
+    appeared in each training, test and serving process of one machine). compileall writes the files whatever
+    that variable says, and Python reads them whatever it says. A file that does not compile (a package's
+    deliberately broken test data) is left for Python to report at import, as without this step."""
+    code = "import site,sys; print('\\n'.join(p for p in site.getsitepackages() if p.startswith(sys.prefix)))"
+    proc = _run([_py(venv), "-c", code], env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    dirs = [d for d in proc.stdout.split() if Path(d).is_dir()] + [str(s) for s in sources if Path(s).is_dir()]
+    if proc.returncode != 0 or not dirs:
+        log(f"    warning: could not list {venv}'s site-packages: its modules compile at first import")
+        return False
+    t0 = time.monotonic()
+    done = _run([_py(venv), "-m", "compileall", "-q", "-j", "0", *dirs])
+    failed = sum(1 for ln in done.stdout.splitlines() if ln.startswith("*** Error compiling"))
+    log(
+        f"==> byte-compiled {venv}'s packages in {time.monotonic() - t0:.0f} s (later imports read the .pyc files)"
+        + (f"; {failed} file(s) did not compile (left as they are)" if failed else "")
+    )
+    return True
 
 
 def check_imports(venv: Path, modules: list[str], log=print) -> int:

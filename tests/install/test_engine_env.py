@@ -198,7 +198,8 @@ def test_a_node_copy_that_rejects_what_the_engine_needs_travels_at_the_resolved_
 
 
 @pytest.mark.slow
-def test_chunks_install_one_call_at_a_time_beside_the_nodes_torch(index, tmp_path):
+def test_chunks_install_one_call_at_a_time_beside_the_nodes_torch(index, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")  # as on the H200 node: imports write no .pyc
     assert build(index, "toyengine==1.0", "--split-mb", "2.1") == 0
     chunks = sorted((index / "wh").glob("chunk-*"), key=lambda p: int(p.name.split("-")[1]))
     assert len(chunks) >= 3
@@ -235,6 +236,11 @@ def test_chunks_install_one_call_at_a_time_beside_the_nodes_torch(index, tmp_pat
         if i < len(chunks) - 1:
             assert "still to come" in proc.stdout and "ready" not in proc.stdout
     assert "joined bigdep-1.0-py3-none-any.whl from 3 parts (sha256 verified)" in proc.stdout
+    assert "==> byte-compiled " in proc.stdout  # later imports read .pyc files, even under PYTHONDONTWRITEBYTECODE
+    site = next((venv / "lib").glob("python*/site-packages"))
+    assert (site / "toyengine" / "__pycache__").is_dir() and list(
+        (site / "toyengine" / "__pycache__").glob("cli.*.pyc")
+    )
     assert "imported 1 of 1 modules" in proc.stdout and f"==> ready: {venv}/bin/toyengine" in proc.stdout
     # nothing staged is left but the pip that installs (a joined wheel's bytes are not kept twice)
     assert [p.name for p in (venv / ee.STATE).glob("*.whl")] == [bundled("pip", tmp_path / "scratch-pip").name]

@@ -44,6 +44,7 @@ def offline_env() -> dict:
     dead = "http://127.0.0.1:9"
     env.update(PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull, PIP_PROXY=dead, http_proxy=dead, https_proxy=dead)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # as on the H200 node: no process writes a .pyc when it imports
     return env
 
 
@@ -135,6 +136,26 @@ def test_chunks_install_in_turn_with_no_network(installed):
     assert "==> installing nemoflow from" in last.stdout
     assert "torch 2.13.0+cpu (CPU build); no NVIDIA GPU on this machine" in last.stdout
     assert last.stdout.rstrip().endswith(f"==> ready: {installed['venv']}/bin/nemoflow")
+
+
+def test_the_install_byte_compiles_what_it_carried_though_imports_write_no_bytecode(installed):
+    """pip installs each chunk with --no-compile and the node's environment says PYTHONDONTWRITEBYTECODE=1:
+    without the install's compile step no .pyc of a carried package or of nemoflow would ever exist, and every
+    process on the node would compile its imports again."""
+    last = installed["runs"][-1]
+    assert "==> byte-compiled " in last.stdout, last.stdout
+    probe = run_in_venv(
+        installed,
+        installed["venv"] / "bin/python",
+        "-c",
+        "import importlib.util as u, prefect, transformers.modeling_utils as mu, workloads.train.loop as tl\n"
+        "for f in (prefect.__file__, mu.__file__, tl.__file__): print(f, u.cache_from_source(f))",
+    )
+    assert probe.returncode == 0, probe.stdout + probe.stderr
+    lines = [ln.split() for ln in probe.stdout.strip().splitlines()]
+    assert len(lines) == 3 and lines[0][0].startswith(str(installed["venv"])), probe.stdout
+    missing = [pyc for _, pyc in lines if not Path(pyc).is_file()]
+    assert not missing, missing
 
 
 def test_the_venv_uses_the_nodes_torch_and_numpy_and_its_own_prefect(installed):
