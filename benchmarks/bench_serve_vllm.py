@@ -107,12 +107,22 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def bench(vllm: list[str], url: str, tokenizer: str, concurrency: int, requests: int, out: Path, label: str, key: str):
+def bench(
+    vllm: list[str],
+    url: str,
+    tokenizer: str,
+    concurrency: int,
+    requests: int,
+    out: Path,
+    label: str,
+    key: str,
+    output_len: int = 256,
+):
     """One ``vllm bench serve`` level; its result JSON's numbers."""
     name = f"{label}-c{concurrency}.json"
     cmd = [*vllm, "bench", "serve", "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions"]
     cmd += ["--model", MODEL_NAME, "--tokenizer", tokenizer, "--dataset-name", "random"]
-    cmd += ["--random-input-len", "128", "--random-output-len", "256", "--ignore-eos", "--seed", "0"]
+    cmd += ["--random-input-len", "128", "--random-output-len", str(output_len), "--ignore-eos", "--seed", "0"]
     cmd += ["--num-prompts", str(requests), "--max-concurrency", str(concurrency), "--request-rate", "inf"]
     cmd += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm"]
     cmd += ["--ready-check-timeout-sec", "0", "--save-result", "--result-dir", str(out), "--result-filename", name]
@@ -189,6 +199,14 @@ def main() -> int:
     )
     p.add_argument("--builtin-concurrency", type=int, nargs="*", default=[1, 16])
     p.add_argument("--builtin-requests", type=int, default=4, help="per level (at least the concurrency)")
+    p.add_argument(
+        "--builtin-output-len",
+        type=int,
+        default=256,
+        help="output tokens a request for the built-in engine (default 256, vLLM's); it decodes one token a step "
+        "for all its requests in turn, so its output tokens/s hardly depends on this, and 64 makes a level 4x "
+        "shorter",
+    )
     p.add_argument("--engine-arg", action="append", default=[], help="one more vllm serve argument (repeat)")
     p.add_argument("--skip-builtin", action="store_true", help="only vLLM (a) and (b)")
     p.add_argument(
@@ -249,9 +267,12 @@ def run_builtin(args, report, save, serve, env, vllm, tokenizer, out, key) -> No
     try:
         for c in args.builtin_concurrency:
             n = max(args.builtin_requests, c)
-            row = bench(vllm, f"http://127.0.0.1:{port}", tokenizer, c, n, out, "builtin", key)
+            url = f"http://127.0.0.1:{port}"
+            row = bench(vllm, url, tokenizer, c, n, out, "builtin", key, args.builtin_output_len)
+            row["output_len"] = args.builtin_output_len
             row["note"] = (
-                f"{n} requests, not {args.requests}: the built-in engine makes one token per forward pass; "
+                f"{n} requests of {args.builtin_output_len} output tokens, not {args.requests} of 256: the built-in "
+                "engine makes one token per forward pass, one request's step at a time; "
                 "it ignores ignore_eos (output tokens/s counts the tokens that came back)"
             )
             report["levels"].setdefault("builtin", {})[str(c)] = row

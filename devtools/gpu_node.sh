@@ -206,10 +206,10 @@ print(int(b.parameters(*b.MODELS[sys.argv[1]][:5], b.MOE.get(sys.argv[1]))[0] * 
       serve)
         # bounded, so that the report is collected inside one 10-minute call: the benchmark stops its servers on
         # the SIGTERM and keeps the levels it measured (vLLM's targets first, the built-in engine last)
-        # default levels sized to that bound: the built-in engine first, at 16 only (the 50x target; about 200 s
-        # on the H200 at 59069c5, where it came last and the bound cut it), then vLLM (start about 100 s; each
+        # default levels sized to that bound: the built-in engine first, at 16 only (the 50x target), 16 requests
+        # of 64 output tokens (74 ms a token at dce1d5d: 256 would take 300 s), then vLLM (start about 100 s; each
         # `vllm bench serve` about 20 s of start-up), its own port at 16 and 64 only (the proxy's cost), 1 last
-        [ $# -gt 0 ] || set -- --direct-concurrency 16 64 --builtin-concurrency 16 --builtin-first
+        [ $# -gt 0 ] || set -- --direct-concurrency 16 64 --builtin-concurrency 16 --builtin-output-len 64 --builtin-first
         timeout -k 20 "${NEMOFLOW_SERVE_PART_S:-540}" "$0" vllm-bench "$dir" "$@" || rc=$? ;;
       *) echo "acceptance: unknown part $part (demo, tests, train, moe, serve)" >&2; exit 2 ;;
     esac
