@@ -134,3 +134,19 @@ def test_checkpoint_without_a_tokenizer_is_refused(tiny_checkpoint, tmp_path):
     (dest / "tokenizer.model").unlink()
     with pytest.raises(SystemExit, match="lacks tokenizer.model"):
         check_checkpoint(dest)
+
+
+def test_a_decoding_step_attends_without_cudnn_and_restores_the_flags(tiny_checkpoint):
+    # cuDNN's attention builds a plan for every new shape, and each decoding step is a new length: on the H200
+    # the first pass over the lengths took 82 ms a token, a repeat 18 ms (bench_builtin_decode at d1f5225)
+    engine = Engine(tiny_checkpoint)
+    engine.load()
+    seen: list[bool] = []
+    hook = engine.model.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        engine.generate(engine.encode_prompt("In the beginning"), SamplingParams(max_tokens=4, temperature=0))
+    finally:
+        hook.remove()
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before is True

@@ -92,6 +92,19 @@ def load_tokenizer(checkpoint: Path):
     return HFTokenizer(AutoTokenizer.from_pretrained(str(checkpoint)))
 
 
+def _attention_without_cudnn():
+    """Scaled dot-product attention by any backend but cuDNN's, for one decoding step.
+
+    Each step attends over one more cached token: a new shape at every step of a request. On the H200 (torch 2.11)
+    SDPA chose cuDNN's attention, which builds an execution plan for each new shape: a first pass over a length
+    took 82 ms a token where the same lengths again took 18 ms (benchmarks/bench_builtin_decode.py at d1f5225,
+    docs/serving.md). Flash, memory-efficient and math attention have no per-shape plan. The flags are the
+    process's; the context restores them after the step (the lock keeps steps one at a time)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 class Engine:
     """One model and its sentencepiece tokenizer, on the CPU (fp32) or a GPU (bf16).
 
@@ -175,7 +188,7 @@ class Engine:
             # Lock and inference mode per step, never across a yield: a streaming client may
             # go away mid-answer (the generator is then abandoned, not resumed), and each
             # step may run on a different thread of the pool.
-            with self.lock, torch.inference_mode():
+            with self.lock, torch.inference_mode(), _attention_without_cudnn():
                 out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{self.cache_arg: cache})
                 cache = getattr(out, self.cache_arg)
                 next_id = self._pick(out.logits[0, -1].float().cpu(), params, generator)
