@@ -16,12 +16,15 @@ loads it), then generates ``--tokens`` greedy tokens for the seed's prompt with 
 forward pass from one call to the next (the step's whole time: the pass, the pick, the decode). Then
 ``--profile-steps`` more steps under torch.profiler: the ops with the most self time on the CPU and, on a GPU,
 on the device, and how many CUDA runtime calls synchronised (cudaStreamSynchronize, cudaDeviceSynchronize,
-cudaMemcpy*). Not a test.
+cudaMemcpy*). Then the same lengths again, and SDPA left to choose its attention backend (cuDNN's on the H200;
+the engine excludes it) over new lengths and again: a per-shape cost shows as a first pass slower than its
+repeat. Not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -109,6 +112,23 @@ def node_facts(engine) -> dict:
     return facts
 
 
+def default_attention_times(engine, prompt_ids: list[int], tokens: int) -> list[float] | str:
+    """Median ms a token with SDPA choosing its backend (the engine excludes cuDNN's attention): first over
+    lengths this process has not run yet, then over the same lengths again. None fits the context: a note."""
+    from workloads.serve_engines.builtin import model as engine_module
+
+    longer = (prompt_ids * (tokens // len(prompt_ids) + 2))[: len(prompt_ids) + tokens + 8]
+    if len(longer) + tokens > engine.context_length:
+        return f"not run: {len(longer)} + {tokens} tokens exceed the context ({engine.context_length})"
+    own = engine_module._attention_without_cudnn
+    engine_module._attention_without_cudnn = contextlib.nullcontext
+    try:
+        runs = [step_times(engine, longer, tokens) for _ in range(2)]
+    finally:
+        engine_module._attention_without_cudnn = own
+    return [round(statistics.median(t) * 1000, 2) for t in runs]
+
+
 def step_times(engine, prompt_ids: list[int], tokens: int) -> list[float]:
     """Seconds from each forward pass to the next, over one greedy generation of ``tokens`` tokens."""
     from workloads.serve_engines.builtin.model import SamplingParams
@@ -174,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         prompt_ids = engine.encode_prompt(PROMPT)
         step_times(engine, prompt_ids, 8)  # warm-up: the first passes allocate and pick kernels
         times = step_times(engine, prompt_ids, args.tokens)
+        repeat = step_times(engine, prompt_ids, args.tokens)  # the same lengths again
         split = split_times(engine, prompt_ids, args.tokens)
+        sdpa_default = default_attention_times(engine, prompt_ids, args.tokens)
         params = sum(p.numel() for p in engine.model.parameters())
         thirds = [times[i * len(times) // 3 : (i + 1) * len(times) // 3] for i in range(3)]
         result = {
@@ -186,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             "tokens": len(times) + 1,
             "tokens_per_s": round(len(times) / sum(times), 1),
             "ms_per_token_by_third": [round(statistics.median(t) * 1000, 2) for t in thirds if t],
+            "repeat_ms_per_token": round(statistics.median(repeat) * 1000, 2),
+            "sdpa_default_ms_per_token": sdpa_default,
             "split_ms_by_third": {
                 k: [round(statistics.median(v[i * len(v) // 3 : (i + 1) * len(v) // 3]) * 1000, 2) for i in range(3)]
                 for k, v in split.items()
@@ -197,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['parameters'] / 1e6:.1f}M parameters on {result['device']} ({result['dtype']}): "
         f"{result['tokens_per_s']} tokens/s over {result['tokens']} greedy tokens; ms a token (median of each "
         f"third): {result['ms_per_token_by_third']}"
+    )
+    print(
+        f"the same lengths again: {result['repeat_ms_per_token']} ms a token; SDPA's own backend choice (cuDNN's "
+        f"attention on an H200), new lengths then the same again: {result['sdpa_default_ms_per_token']}"
     )
     if result["profile"]:
         print(result["profile"]["table"])
