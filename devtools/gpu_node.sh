@@ -206,10 +206,12 @@ print(int(b.parameters(*b.MODELS[sys.argv[1]][:5], b.MOE.get(sys.argv[1]))[0] * 
       serve)
         # bounded, so that the report is collected inside one 10-minute call: the benchmark stops its servers on
         # the SIGTERM and keeps the levels it measured (vLLM's targets first, the built-in engine last)
-        # default levels sized to that bound: the built-in engine first, at 16 only (the 50x target), 16 requests
-        # of 64 output tokens (74 ms a token at dce1d5d: 256 would take 300 s), then vLLM (start about 100 s; each
-        # `vllm bench serve` about 20 s of start-up), its own port at 16 and 64 only (the proxy's cost), 1 last
-        [ $# -gt 0 ] || set -- --direct-concurrency 16 64 --builtin-concurrency 16 --builtin-output-len 64 --builtin-first
+        # default levels sized to that bound and to the lease: the built-in engine first, at 16 only (the 50x
+        # target), 16 requests of 32 output tokens (38 ms a step at 16 at d1f5225: 256 would take 160 s), then
+        # vLLM (start about 100 s; each `vllm bench serve` about 20 s of start-up) at 16 and 64, behind the proxy
+        # and on its own port (the proxy's cost); concurrency 1 (about 150 s at d1f5225) only when asked for
+        [ $# -gt 0 ] || set -- --concurrency 16 64 --direct-concurrency 16 64 --builtin-concurrency 16 \
+          --builtin-output-len 32 --builtin-first
         timeout -k 20 "${NEMOFLOW_SERVE_PART_S:-540}" "$0" vllm-bench "$dir" "$@" || rc=$? ;;
       *) echo "acceptance: unknown part $part (demo, tests, train, moe, serve)" >&2; exit 2 ;;
     esac
