@@ -323,13 +323,29 @@ def _unit(name: str) -> str:
     return "%" if name.endswith(("_mfu", "_ratio", "_goodput")) else " s" if name.endswith("_s") else ""
 
 
+def verdict(report: dict) -> str:
+    """**passed**, or **NOT passed** with why: the required parts that did not run, the must checks that failed."""
+    if report["passed"]:
+        return "**passed**"
+    why = []
+    missing = [p for p in REQUIRED if p not in report["parts_ran"]]
+    if missing:
+        why.append(f"required parts not run: {', '.join(missing)}")
+    failed = [c["name"] for c in report["checks"] if c["kind"] == "must" and c["passed"] is False]
+    if failed:
+        why.append(f"must checks failed: {', '.join(failed)}")
+    elif missing:
+        why.append("every must check of the parts run passed")
+    return "**NOT passed** (" + "; ".join(why or ["a must check was not run"]) + ")"
+
+
 def render(report: dict) -> str:
     """The markdown of a report: docs/benchmarks.md's GPU section and OUT/acceptance.md."""
     m = report["machine"]
     gpus = f"{len(m.get('gpus') or [])} x {m['gpus'][0]}" if m.get("gpus") else "no GPU"
     lines = [
         f"Acceptance run at commit `{report['commit']}` on {gpus} (driver {m.get('driver')}, Python {m.get('python')}, "
-        f"torch {m.get('torch')}), {report['date']}: **{'passed' if report['passed'] else 'NOT passed'}** "
+        f"torch {m.get('torch')}), {report['date']}: {verdict(report)} "
         f"(parts run: {', '.join(report['parts_ran']) or 'none'}). Command: `devtools/gpu_node.sh acceptance OUT PART` "
         "for each part (after the node install, docs/install.md); the report is "
         f"`benchmarks/results/h200-{report['commit'][:7]}.json`." + _leases(report.get("leases") or []),

@@ -138,10 +138,14 @@ def test_a_multiline_answer_stays_in_its_table_row(tmp_path):
 def test_a_broken_or_partial_run_does_not_pass(tmp_path, kwargs, failing):
     report = acceptance.collect(_parts(tmp_path, **kwargs), "abc1234")
     assert not report["passed"]
+    header = acceptance.render(report).splitlines()[0]
     if failing:
         assert _check(report, failing)["passed"] is False
+        assert f"**NOT passed** (must checks failed: {failing})" in header
     else:
         assert "train" not in report["parts_ran"] and _check(report, "ckpt10_ratio")["passed"] is None
+        # the verdict says why: what did not run, and that what ran passed
+        assert "**NOT passed** (required parts not run: train; every must check of the parts run passed)" in header
 
 
 def test_the_serving_benchmark_is_judged_against_the_builtin_engine_and_the_proxy(tmp_path):
