@@ -45,7 +45,12 @@ def test_the_committed_report_names_its_commit_and_machine():
 
 
 def _parts(
-    tmp_path: Path, demo_states=("Cached",), tests_line="3 passed in 140.2s", with_train=True, answer=", and God"
+    tmp_path: Path,
+    demo_states=("Cached",),
+    tests_line="3 passed in 140.2s",
+    with_train=True,
+    answer=", and God",
+    plan_gib=30.0,
 ) -> Path:
     """A node's parts directory as gpu_node.sh leaves it (the shapes devtools/gpu_report.py and
     benchmarks/bench_train_gpu.py write)."""
@@ -87,8 +92,10 @@ def _parts(
             "micro_batch_size": 4,
             "effective_ratio": 0.8,
             "nemoflow": {"tokens_per_s": 66e3, "mfu": 0.48, "blocked_median_s": 0.4},
+            "nemoflow_no_saves": {"tokens_per_s": 66e3, "peak_mem_gib": 28.4},
         }
         (train / "ckpt10.json").write_text(json.dumps(result))
+        (train / "memory-plan.json").write_text(json.dumps({"estimate_gib": plan_gib, "config": {}}))
         (train / "status.json").write_text('{"exit": 0, "wall_s": 200}')
     moe = parts / "moe"
     moe.mkdir()
@@ -96,6 +103,15 @@ def _parts(
         grouped = {"tokens_per_s": 80e3, "mfu": mfu, "peak_mem_gib": 20.0}
         (moe / f"{name}.json").write_text(json.dumps({"model": name, "nemoflow": {"grouped": grouped}}))
     (moe / "status.json").write_text('{"exit": 0, "wall_s": 250}')
+    serve = parts / "serve"
+    serve.mkdir()
+    levels = {
+        "proxy": {"16": {"output_throughput": 5000.0, "p99_ttft_ms": 60.0}},
+        "vllm": {"16": {"output_throughput": 5100.0, "p99_ttft_ms": 58.0}},
+        "builtin": {"16": {"output_throughput": 50.0}},
+    }
+    (serve / "bench_serve_vllm.json").write_text(json.dumps({"levels": levels}))
+    (serve / "status.json").write_text('{"exit": 0, "wall_s": 300}')
     return parts
 
 
@@ -108,6 +124,8 @@ def test_a_complete_run_passes_and_each_target_is_judged(tmp_path):
     assert report["passed"], [c for c in report["checks"] if c["passed"] is False]
     assert _check(report, "demo_cold_s")["passed"] is True  # 110 <= 120
     assert _check(report, "demo_pretrain_s")["value"] == 35.0  # the stage is named with its model
+    assert _check(report, "memory_plan")["passed"] is True  # 28.4 <= 30 <= 1.1 x 28.4
+    assert _check(report, "memory_plan")["value"] == (30.0, 28.4)
     assert _check(report, "ckpt10_ratio")["passed"] is False  # 0.8 < 0.9: a missed target, not a failed run
     assert _check(report, "mixtral_2l_mb2_mfu")["passed"] is False and _check(report, "moe_mb4_mfu")["passed"]
     text = acceptance.render(report)
@@ -133,6 +151,8 @@ def test_a_multiline_answer_stays_in_its_table_row(tmp_path):
         ({"demo_states": ("Completed",)}, "demo_cached"),  # a second run that recomputed a stage
         ({"tests_line": "1 failed, 2 passed in 150.0s"}, "gpu_tests"),
         ({"with_train": False}, None),  # a required part that never ran
+        ({"plan_gib": 31.5}, "memory_plan"),  # the plan 11 % above the 28.4 GiB the train part measured
+        ({"plan_gib": 27.0}, "memory_plan"),  # below it: the plan would let a layout that does not fit through
     ],
 )
 def test_a_broken_or_partial_run_does_not_pass(tmp_path, kwargs, failing):
@@ -153,7 +173,6 @@ def test_the_serving_benchmark_is_judged_against_the_builtin_engine_and_the_prox
     proxy's cost, TTFT p99; a level whose client failed fails the part."""
     parts = _parts(tmp_path)
     serve = parts / "serve"
-    serve.mkdir()
     levels = {
         "proxy": {"16": {"output_throughput": 4000.0, "p99_ttft_ms": 40.0}},
         "vllm": {"16": {"output_throughput": 4100.0, "p99_ttft_ms": 38.0}},
@@ -200,7 +219,7 @@ def _lease(tmp_path: Path, name: str, keep: tuple[str, ...], date: str, commit: 
     import shutil
 
     parts = _parts(tmp_path / name)
-    for part in ("demo", "tests", "train", "moe"):
+    for part in acceptance.PARTS:
         if part not in keep:
             shutil.rmtree(parts / part)
     report = acceptance.collect(parts, commit)
@@ -210,13 +229,13 @@ def _lease(tmp_path: Path, name: str, keep: tuple[str, ...], date: str, commit: 
 
 def test_reports_of_two_leases_merge_into_one_that_passes(tmp_path):
     first = _lease(tmp_path, "first", ("demo", "train"), "2026-12-03 22:16 UTC")
-    second = _lease(tmp_path, "second", ("moe", "tests"), "2026-12-03 22:28 UTC")
+    second = _lease(tmp_path, "second", ("moe", "tests", "serve"), "2026-12-03 22:28 UTC")
     assert not first["passed"] and not second["passed"]
     merged = acceptance.merge([second, first])
     assert merged["passed"], [c for c in merged["checks"] if c["passed"] is False]
-    assert merged["parts_ran"] == ["demo", "tests", "train", "moe"]
+    assert merged["parts_ran"] == ["demo", "tests", "train", "moe", "serve"]
     assert merged["train"] == first["train"] and merged["moe"] == second["moe"]
-    assert [lease["parts_ran"] for lease in merged["leases"]] == [["demo", "train"], ["tests", "moe"]]
+    assert [lease["parts_ran"] for lease in merged["leases"]] == [["demo", "train"], ["tests", "moe", "serve"]]
     assert "2 leases of that machine" in acceptance.render(merged)
 
 
