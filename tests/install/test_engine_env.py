@@ -158,6 +158,18 @@ def test_an_engine_that_pins_another_torch_is_refused(index, capsys):
     )
 
 
+def node_with_tfish_1_0(index) -> None:
+    """tfish 1.0 (hubish < 2) and 1.1 (hubish >= 2), hubish 1.0 and 2.0 in the index; the node has tfish 1.0 and
+    hubish 1.0 (transformers 5.17.0 and huggingface-hub 1.33.0 on the H200, in small)."""
+    wheels = index / "index"
+    make_wheel(wheels, "tfish", "1.0", ["hubish<2"])
+    make_wheel(wheels, "tfish", "1.1", ["hubish>=2"])
+    make_wheel(wheels, "hubish", "1.0")
+    make_wheel(wheels, "hubish", "2.0")
+    freeze = index / "node-freeze.txt"
+    freeze.write_text(freeze.read_text() + "tfish==1.0\nhubish==1.0\n")
+
+
 def test_a_package_the_node_supplies_brings_its_own_versions_requirements(index):
     """The node's copy of a package is what the engine imports, so its requirements (not the newest release's)
     decide the rest. Found on the H200: the node's transformers 5.17.0 (huggingface-hub <2.0) was reused while
@@ -165,12 +177,7 @@ def test_a_package_the_node_supplies_brings_its_own_versions_requirements(index)
     the node's 1.33.0, and vLLM's import of transformers failed."""
     wheels = index / "index"
     engine_wheel(wheels, "3.0", ["torch", "tfish>=1.0"])
-    make_wheel(wheels, "tfish", "1.0", ["hubish<2"])
-    make_wheel(wheels, "tfish", "1.1", ["hubish>=2"])
-    make_wheel(wheels, "hubish", "1.0")
-    make_wheel(wheels, "hubish", "2.0")
-    freeze = index / "node-freeze.txt"
-    freeze.write_text(freeze.read_text() + "tfish==1.0\nhubish==1.0\n")
+    node_with_tfish_1_0(index)
     assert build(index, "toyengine==3.0") == 0
     m = json.loads((index / "wh" / ee.MANIFEST).read_text())
     assert [w["name"] for w in m["wheels"]] == ["toyengine"]
@@ -183,12 +190,7 @@ def test_a_node_copy_that_rejects_what_the_engine_needs_travels_at_the_resolved_
     travels beside hubish 2.0 and the engine's venv imports both, never the node's tfish with the new hubish."""
     wheels = index / "index"
     engine_wheel(wheels, "4.0", ["torch", "tfish>=1.0", "hubish>=2"])
-    make_wheel(wheels, "tfish", "1.0", ["hubish<2"])
-    make_wheel(wheels, "tfish", "1.1", ["hubish>=2"])
-    make_wheel(wheels, "hubish", "1.0")
-    make_wheel(wheels, "hubish", "2.0")
-    freeze = index / "node-freeze.txt"
-    freeze.write_text(freeze.read_text() + "tfish==1.0\nhubish==1.0\n")
+    node_with_tfish_1_0(index)
     assert build(index, "toyengine==4.0") == 0
     m = json.loads((index / "wh" / ee.MANIFEST).read_text())
     assert {w["name"]: w["version"] for w in m["wheels"]} == {"hubish": "2.0", "tfish": "1.1", "toyengine": "4.0"}
