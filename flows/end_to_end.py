@@ -131,8 +131,13 @@ def demo_gpu_train_config(gpus: int) -> AutoModel:
 def demo_gpu_config(gpus: int) -> dict:
     """The end-to-end parameters (``config``) of the GPU demo: training on ``gpus`` GPUs, validation and the
     built-in server on one (vLLM when it is installed: the server decides, engine ``auto``)."""
+    # `train` is merged over the CPU demo's model (EndToEndConfig), not over the class defaults: every field that
+    # differs from the CPU demo's is given, a default value too (val_check_interval 50 was left out as a default,
+    # so the GPU demo validated every 20 steps, the CPU demo's interval)
+    cpu = demo_train_config().model_dump()
+    train = {k: v for k, v in demo_gpu_train_config(gpus).model_dump().items() if v != cpu.get(k)}
     return {
-        "train": demo_gpu_train_config(gpus).model_dump(exclude_defaults=True),
+        "train": train,
         "serve": {"engine": {"engine": "auto", "resources": {"gpus_per_node": 1, "cpus_per_task": 2}}},
     }
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from flows.end_to_end import EndToEndConfig, demo_gpu_config
+from flows.end_to_end import EndToEndConfig, demo_gpu_config, demo_gpu_train_config
 from infra import gpus
 from nemoflow.commands import demo
 
@@ -52,6 +52,16 @@ def test_the_gpu_demo_configuration_is_valid_for_any_gpu_count():
         assert config.train.gpus_per_node == n and config.train.global_batch_size == 16 * n
         assert config.train.total_steps * config.train.global_batch_size * config.train.seq_length <= 2_500_000
         assert config.serve.engine.resources.gpus_per_node == 1  # served on one GPU
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_the_gpu_demo_trains_what_flows_end_to_end_defines_field_by_field(n):
+    """The run's parameters (nemoflow demo's --params, as the flow receives them) make the flow train exactly
+    demo_gpu_train_config. A partial `train` is merged over the CPU demo's model (EndToEndConfig), so a GPU value
+    that equals the class default is not a value to leave out: at d1f5225 the GPU demo validated every 20 steps
+    (the CPU demo's val_check_interval) instead of every 50, 8 validations instead of 4 (11.4 s on the H200)."""
+    params = demo.demo_parameters("end-to-end/local", None, n)
+    assert EndToEndConfig(**params["config"]).train.model_dump() == demo_gpu_train_config(n).model_dump()
 
 
 def test_demo_with_gpus_on_a_machine_without_one_starts_nothing(tmp_path):
