@@ -157,7 +157,8 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
     out=${1:?acceptance OUT PART [COMMIT]}; part=${2:?acceptance OUT demo|tests|train|moe|serve [COMMIT]}
     commit=${3:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
     export NEMOFLOW_COMMIT=$commit  # the benchmarks' JSON names it (the copy's .git may be stale)
-    shift $(( $# < 3 ? $# : 3 ))  # what is left goes to the part's benchmark (serve: bench_serve_vllm.py's options)
+    shift $(( $# < 3 ? $# : 3 ))  # what is left goes to the part's benchmark (serve: bench_serve_vllm.py's options;
+    # train: bench_train_gpu.py's, e.g. --snapshots where the trainer has them)
     parts=$ROOT/acceptance; dir=$parts/$part
     rm -rf "$dir"; mkdir -p "$dir" "$out"
     start=$(date +%s); rc=0
@@ -176,7 +177,7 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
           2>&1 | tee "$dir/tests-gpu.log" || rc=$? ;;
       train)
         "$VENV/bin/python" benchmarks/bench_train_gpu.py --model 1.1b --gpus 1 --steps 40 --warmup 5 --ckpt-every 10 \
-          --compare-no-saves --skip-reference --out "$ROOT/bench-acc-train" 2>&1 | tee "$dir/ckpt10.log" || rc=$?
+          --compare-no-saves --skip-reference --out "$ROOT/bench-acc-train" "$@" 2>&1 | tee "$dir/ckpt10.log" || rc=$?
         cp "$ROOT/bench-acc-train/bench_train_gpu-1.1b-1gpu.json" "$dir/ckpt10.json" || rc=1
         # the memory plan of the run without saves (1.1B, seq 2048, micro batch 4, 1 GPU): acceptance.py checks it
         # against the peak that run measured, as tests/train/test_moe_plan.py's 1-GPU case would in its own run
