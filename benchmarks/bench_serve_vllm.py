@@ -274,12 +274,12 @@ def run_builtin(args, report, save, serve, env, vllm, tokenizer, out, key) -> No
     """(c): the built-in engine on the same checkpoint, fewer requests (it makes one token per forward pass)."""
     port = free_port()
     cmd = serve + ["--port", str(port), "--engine", "builtin", "--device", args.builtin_device]
-    server, ready_s = start(cmd, env, out / "builtin.log", f"http://127.0.0.1:{port}", 600)
+    url = f"http://127.0.0.1:{port}"
+    server, ready_s = start(cmd, env, out / "builtin.log", url, 600)
     report["builtin_start_to_ready_s"] = round(ready_s, 1)
     try:
         for c in args.builtin_concurrency:
             n = max(args.builtin_requests, c)
-            url = f"http://127.0.0.1:{port}"
             row = bench(vllm, url, tokenizer, c, n, out, "builtin", key, args.builtin_output_len)
             row["output_len"] = args.builtin_output_len
             row["note"] = (

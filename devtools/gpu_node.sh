@@ -213,7 +213,7 @@ print(int(b.parameters(*b.MODELS[sys.argv[1]][:5], b.MOE.get(sys.argv[1]))[0] * 
         done ;;
       serve)
         # bounded, so that the report is collected inside one 10-minute call: the benchmark stops its servers on
-        # the SIGTERM and keeps the levels it measured (vLLM's targets first, the built-in engine last)
+        # the SIGTERM and keeps the levels it measured
         # default levels sized to that bound and to the lease: the built-in engine first, at 16 only (the 50x
         # target), 16 requests of 32 output tokens (38 ms a step at 16 at d1f5225: 256 would take 160 s), then
         # vLLM (start about 100 s; each `vllm bench serve` about 20 s of start-up) at 16 and 64, behind the proxy

@@ -96,10 +96,11 @@ def _attention_without_cudnn():
     """Scaled dot-product attention by any backend but cuDNN's, for one decoding step.
 
     Each step attends over one more cached token: a new shape at every step of a request. On the H200 (torch 2.11)
-    SDPA chose cuDNN's attention, which builds an execution plan for each new shape: a first pass over a length
-    took 82 ms a token where the same lengths again took 18 ms (benchmarks/bench_builtin_decode.py at d1f5225,
-    docs/serving.md). Flash, memory-efficient and math attention have no per-shape plan. The flags are the
-    process's; the context restores them after the step (the lock keeps steps one at a time)."""
+    a first pass over a prompt's lengths took 82 ms a token where the same lengths again took 18 ms, and the
+    profile showed SDPA running cuDNN's attention, which builds an execution plan for each new shape: the likely
+    cause, not yet confirmed (benchmarks/bench_builtin_decode.py times both choices; docs/serving.md). Flash,
+    memory-efficient and math attention have no per-shape plan. The flags are the process's; the context restores
+    them after the step (the lock keeps steps one at a time)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
