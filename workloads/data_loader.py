@@ -93,19 +93,34 @@ def split_counts(sequences: int, split: str) -> list[int | None]:
     megatron-core's ``BlendedMegatronDatasetBuilder`` (and NeMo AutoModel's copy) cut them
     (None: a split with no share, which is not built).
 
+    Their arithmetic, written here rather than imported: importing megatron.core for these few lines made the
+    trainer's "data loading" phase 3.1-3.6 s longer (2-core machine), time that is megatron.core's import, which
+    NeMo AutoModel's own imports (megatron_fsdp) would otherwise pay in "process start and imports": the run's
+    gpu-time artifact charged it to the wrong phase. tests/train/test_split_check.py checks the counts against
+    both builders' own functions on a grid.
+    The split string's numbers (any separator), padded to three with zeros, normalised in float64; a split's
+    bounds are the running sums, and an empty share has none.
+
     >>> split_counts(5, "98,1,1"), split_counts(100, "98,1,1"), split_counts(5, "80,20,0")
     ([5, 0, 0], [98, 1, 1], [4, 1, None])
     """
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
+    import re
 
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    return [
-        None if bounds is None else int(round(bounds[1] * float(sequences))) - int(round(bounds[0] * float(sequences)))
-        for bounds in matrix
-    ]
+    import numpy as np
+
+    shares = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    shares += [0.0] * (len(SPLIT_NAMES) - len(shares))
+    if len(shares) != len(SPLIT_NAMES) or any(x < 0.0 for x in shares):
+        raise ValueError(f"split {split!r}: expected up to {len(SPLIT_NAMES)} non-negative shares, e.g. '98,1,1'")
+    weights = np.array(shares, dtype=np.float64)
+    shares = (weights / np.sum(weights)).tolist()
+    ends = [0]
+    for share in shares:
+        ends.append(ends[-1] + share)
+    counts: list[int | None] = []
+    for low, high in zip(ends[:-1], ends[1:]):
+        counts.append(None if high <= low else int(round(high * float(sequences))) - int(round(low * float(sequences))))
+    return counts
 
 
 SPLIT_FIXES = {
