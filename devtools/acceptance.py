@@ -54,6 +54,7 @@ TARGETS = {
     "mixtral_2l_mb4_mfu": ("target", "Mixtral-8x7B 2-layer slice, micro batch 4: MFU (active)", 0.45, ">="),
     "serve_ttft_p99_c16_ms": ("target", "vLLM behind the proxy, concurrency 16: TTFT p99 (ms)", 100.0, "<="),
     "proxy_cost_c16_pct": ("target", "the proxy's cost at concurrency 16: % of output tokens/s", 5.0, "<="),
+    "proxy_ttft_cost_c16_pct": ("target", "the proxy's cost at concurrency 16: % added to TTFT p50", 5.0, "<="),
     "vllm_over_builtin_c16": (
         "target",
         "vLLM behind the proxy over the built-in engine, concurrency 16: output tokens/s (times)",
@@ -218,9 +219,11 @@ def serve_values(serve: dict) -> dict:
     direct16 = levels.get("vllm", {}).get("16", {}).get("output_throughput")
     builtin16 = levels.get("builtin", {}).get("16", {}).get("output_throughput")
     served16 = proxy16.get("output_throughput")
+    ttft16, direct_ttft16 = proxy16.get("p50_ttft_ms"), levels.get("vllm", {}).get("16", {}).get("p50_ttft_ms")
     return {
         "serve_ttft_p99_c16_ms": proxy16.get("p99_ttft_ms"),
         "proxy_cost_c16_pct": round(100 * (1 - served16 / direct16), 2) if served16 and direct16 else None,
+        "proxy_ttft_cost_c16_pct": round(100 * (ttft16 / direct_ttft16 - 1), 2) if ttft16 and direct_ttft16 else None,
         "vllm_over_builtin_c16": round(served16 / builtin16, 1) if served16 and builtin16 else None,
     }
 

@@ -174,8 +174,8 @@ def test_the_serving_benchmark_is_judged_against_the_builtin_engine_and_the_prox
     parts = _parts(tmp_path)
     serve = parts / "serve"
     levels = {
-        "proxy": {"16": {"output_throughput": 4000.0, "p99_ttft_ms": 40.0}},
-        "vllm": {"16": {"output_throughput": 4100.0, "p99_ttft_ms": 38.0}},
+        "proxy": {"16": {"output_throughput": 4000.0, "p99_ttft_ms": 40.0, "p50_ttft_ms": 30.0}},
+        "vllm": {"16": {"output_throughput": 4100.0, "p99_ttft_ms": 38.0, "p50_ttft_ms": 25.0}},
         "builtin": {"16": {"output_throughput": 100.0}},
     }
     bench = {"levels": levels}  # a run cut short by its time limit: no summary fields, the rows say it all
@@ -187,6 +187,9 @@ def test_the_serving_benchmark_is_judged_against_the_builtin_engine_and_the_prox
     assert _check(report, "vllm_over_builtin_c16")["passed"] is False  # 40x < 50x
     assert _check(report, "proxy_cost_c16_pct")["value"] == 2.44  # 1 - 4000 / 4100
     assert _check(report, "proxy_cost_c16_pct")["passed"] is True and _check(report, "serve_ttft_p99_c16_ms")["passed"]
+    # issue 32: the proxy costs at most 5 % of output tokens/s *and of TTFT p50*: 30 ms against 25 is 20 % more
+    assert _check(report, "proxy_ttft_cost_c16_pct")["value"] == 20.0
+    assert _check(report, "proxy_ttft_cost_c16_pct")["passed"] is False
     levels["builtin"]["1"] = {"error": "exit 1", "exit": 1}  # a client that failed at one level
     (serve / "bench_serve_vllm.json").write_text(json.dumps(bench))
     assert _check(acceptance.collect(parts, "abc1234"), "serve_ran")["passed"] is False
