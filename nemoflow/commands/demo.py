@@ -534,14 +534,15 @@ def run(args) -> int:
     os.environ.update(api.client_env())
     pl.ensure_pools(api)
     pl.ensure_zombie_automation(api)
-    if not pl.deploy_if_changed(api):
-        print("prefect.yaml is already deployed (unchanged)")
     # A server bound beyond loopback (a cluster node's) refuses to start without a key (tasks/serve.py)
     from tasks.serve import LOOPBACK
 
     public = executor.backend().bind_host not in LOOPBACK
     worker_env, key_where, key_shell = endpoint_key() if public else ({}, None, None)
-    pl.ensure_worker(pool, worker_type, api, extra_env=worker_env)
+    pl.ensure_worker(pool, worker_type, api, extra_env=worker_env)  # its start overlaps the deploy
+    pending = pl.deploy_if_changed(api, first=deployment)
+    if pending is None:
+        print("prefect.yaml is already deployed (unchanged)")
     ready = time.monotonic() - started  # the control plane (server, pools, deployments, worker) is up
 
     print(
@@ -555,6 +556,7 @@ def run(args) -> int:
         on_run=lambda run_id: print(f"\n  watch it in the UI: {pl.ui_url(api, run_id)}\n"),
     )
     elapsed = time.monotonic() - started
+    deployed = pending is None or pending.wait()  # the rest of prefect.yaml, deployed beside the run
     if flow_run_id is None:
         print("could not start the deployment run", file=sys.stderr)
         return code or 1
@@ -589,4 +591,4 @@ def run(args) -> int:
     print(f"smoke test:  {summary['prompt']!r} -> {answer[:160]!r}{more if len(answer) > 160 else ''}")
     print(f"total:       {elapsed:.0f} s (control plane {ready:.0f} s, then the flow run {elapsed - ready:.0f} s)")
     print("stop everything with: nemoflow demo --down")
-    return 0
+    return 0 if deployed else 1

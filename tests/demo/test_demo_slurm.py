@@ -114,6 +114,15 @@ def test_demo_on_slurm_generates_a_key_and_completes(newcomer_env, local_demo_po
     assert proc.returncode == 0, out[-6000:] + "\nworker log:\n" + worker_log
     print(f"`{COMMAND}` took {took:.0f} s")
     assert re.search(r"^training:\s+40 steps, ", out, re.M), out[-3000:]  # the demo's own training, as printed
+    # A new server: the demo's own deployment first, the other deployments of prefect.yaml beside the run (a user's
+    # next `prefect deployment run` finds them), and the stamp that spares the next demo the deploy.
+    assert "deployed end-to-end/slurm; the other deployments of prefect.yaml deploy in the background" in out
+    assert "deployed prefect.yaml (every deployment)" in out, out[-3000:]
+    assert os.path.exists(os.path.join(env["HOME"], ".nemoflow/prefect/deployed.sha256"))
+    listed = subprocess.run(
+        ["prefect", "deployment", "ls"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    ).stdout
+    assert all(name in listed for name in ("end-to-end/local", "end-to-end/k8s", "cpt-refresh/nightly-slurm")), listed
 
     # The key: generated once, the owner's alone, named in the summary with how to send it, never printed.
     key_file = os.path.join(env["HOME"], ".nemoflow", "serve-api-key")
