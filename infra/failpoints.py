@@ -30,7 +30,6 @@ KNOWN: dict[str, str] = {
     "train.slow_checkpoint_write_at_step": "the snapshot writer (ckpt_snapshots) pauses 4 s half-way through "
     "persisting the snapshot of step N ('N+': every snapshot from step N on), so later snapshots replace the one "
     "waiting",
-    "train.snapshot_room_mib": "the host memory the snapshot check (ckpt_snapshots) sees is at most N MiB",
     "consolidate.crash_before_manifest": "SIGKILL the export after its weights are written, before MANIFEST.json",
     "consolidate.pause_before_manifest": "the export sleeps 120 s after writing its weights, before MANIFEST.json",
     "serve.step_delay_ms": "the built-in engine sleeps N ms before each token it generates (a slow model: "

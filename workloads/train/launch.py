@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from infra import failpoints, storage
+from infra import storage
 from infra.configs.train import TrainConfig, estimate_parameters, resolve_strategy
 from workloads import checkpoint as ckpt
 from workloads import staging
@@ -113,9 +113,6 @@ def snapshots_fit(
     needed = 3 * per_rank * min(config.procs_per_node, world_size) * 1.1  # 10 % for the files' metadata
     if room is None:
         room = host_memory_available()
-        capped = failpoints.value("train.snapshot_room_mib")
-        if capped:
-            room = min(room, float(capped) * 2**20)
     if needed <= room:
         return True, None
     return False, (
