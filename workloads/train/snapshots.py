@@ -171,7 +171,7 @@ class _Writer:
         self.run_dir, self.save_top_k = run_dir, save_top_k
         self.root = shm_root(run_dir)
         self.checkpoints = ckpt.checkpoints_dir(run_dir)
-        self.lifecycle = None  # AutoModel's, imported at the first persist (the trainer's first save never waits)
+        self.lifecycle = None  # AutoModel's, made at the first persist
         self.lock = threading.Condition()
         self.filling: set[int] = set()
         self.waiting: dict | None = None
@@ -228,6 +228,8 @@ class _Writer:
 
     def run(self) -> None:
         threading.Thread(target=self.commands, name="commands", daemon=True).start()
+        # AutoModel's lifecycle (torch and all: seconds of imports) while the trainer builds, not at the first persist
+        _import_lifecycle()
         while True:
             with self.lock:
                 while self.waiting is None and not self.closed:
@@ -243,9 +245,7 @@ class _Writer:
                     self.persisting = None
 
     def persist(self, job: dict) -> None:
-        from nemo_automodel.components.checkpoint.lifecycle import CheckpointLifecycle
-        from nemo_automodel.components.checkpoint.utils import read_checkpoint_metric
-
+        CheckpointLifecycle, read_checkpoint_metric = _import_lifecycle()
         if self.lifecycle is None:  # no process group: this process alone publishes
             self.lifecycle = CheckpointLifecycle(config=_LifecycleConfig(str(self.checkpoints)))
         step, name = job["step"], job["name"]
@@ -292,6 +292,13 @@ class _Writer:
                 "lag_s": time.time() - job["taken"],
             }
         )
+
+
+def _import_lifecycle():
+    from nemo_automodel.components.checkpoint.lifecycle import CheckpointLifecycle
+    from nemo_automodel.components.checkpoint.utils import read_checkpoint_metric
+
+    return CheckpointLifecycle, read_checkpoint_metric
 
 
 class _LifecycleConfig:
