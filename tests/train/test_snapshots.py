@@ -57,15 +57,15 @@ def _incomplete(run_dir) -> list[str]:
 def test_a_slow_writer_has_snapshots_replaced_and_every_persisted_one_is_complete(
     tmp_path, train_dataset, reference_run
 ):
-    """A snapshot at every step; the writer's first persist (step 1) pauses 4 s: the snapshots that arrive
-    meanwhile replace one another, the newest is persisted after it, and the last (step 12) at the end.
+    """A snapshot at every step; every persist pauses 4 s half-way: the snapshots that arrive meanwhile replace
+    one another, the newest waiting is persisted next, and the last (step 12) at the end.
     metrics.jsonl records each snapshot as taken, then persisted or replaced, never both; every persisted one is
     a complete published checkpoint; training is the reference run's."""
     run_dir = tmp_path / "run"
     config = tiny_config_file(
         train_dataset, run_dir, tmp_path / "config.json", ckpt_snapshots=True, ckpt_every_n_steps=1, save_top_k=-1
     )
-    proc = run_trainer(config, **failpoints.env(train__slow_checkpoint_write_at_step=1))
+    proc = run_trainer(config, **failpoints.env(train__slow_checkpoint_write_at_step="1+"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "checkpoint snapshots need" not in proc.stdout  # it did not fall back
     metrics = read_metrics(run_dir)
@@ -75,10 +75,10 @@ def test_a_slow_writer_has_snapshots_replaced_and_every_persisted_one_is_complet
     assert taken == list(range(1, 13))
     assert not [m for m in metrics if "checkpoint_save_s" in m]  # no ordinary save ran
     assert set(persisted) | set(replaced) == set(taken) and not set(persisted) & set(replaced)
-    assert 1 in persisted and 12 in persisted
-    assert persisted[1]["snapshot_persisted_s"] >= snapshots.SLOW_WRITE_S
-    assert 2 in replaced, replaced  # arrived during the slow write of step 1, replaced before it was written
-    assert all(by > step for step, by in replaced.items())
+    assert 12 in persisted and len(persisted) < 12
+    assert all(m["snapshot_persisted_s"] >= snapshots.SLOW_WRITE_S for m in persisted.values())
+    # arrived while another was written, replaced before their own write by the next snapshot
+    assert replaced and all(by == step + 1 for step, by in replaced.items()), replaced
     for m in persisted.values():
         assert m["snapshot_lag_s"] >= m["snapshot_persisted_s"] > 0
     # on disk: exactly the persisted snapshots, each published and intact, LATEST at the last
