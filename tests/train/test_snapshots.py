@@ -147,6 +147,10 @@ def test_a_killed_trainer_loses_no_snapshot_the_writer_received(tmp_path, train_
     # the writer outlived the kill: it finished the snapshot it was writing then (and any it had waiting), and exited
     assert in_flight >= 4 and in_flight in persisted and newest >= in_flight, output[-3000:]
     assert not processes.pid_alive(int(writer))
+    # what it persisted after the trainer died is on record: it wrote metrics.jsonl itself then
+    metrics = read_metrics(run_dir)
+    after_kill = [m["step"] for m in metrics if "snapshot_persisted_s" in m and m["step"] <= newest]
+    assert in_flight in after_kill, metrics
     assert f"waiting for the snapshot writer (pid {writer}) of {run_dir}" in resumed.stdout, resumed.stdout[-3000:]
     assert f"resuming from {ckpt.checkpoints_dir(run_dir) / ckpt.step_dir_name(newest)} at step {newest} " in (
         resumed.stdout

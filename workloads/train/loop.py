@@ -346,15 +346,11 @@ def build_recipe(
             for event in self.snapshots.drain() if events is None else events:
                 kind, step = event["event"], event["step"]
                 if kind == "persisted":
-                    record = {"snapshot_persisted_s": event["persisted_s"], "snapshot_lag_s": event["lag_s"]}
                     say(f"saved checkpoint {event['path']} (step {step}, val_loss {event['val_loss']})")
-                elif kind == "replaced":
-                    record = {"snapshot_replaced_by": event["replaced_by"]}
-                else:
-                    record = {"snapshot_failed": event["error"]}
+                elif kind == "failed":
                     say(f"warning: the snapshot of step {step} was not persisted: {event['error']}; training continues")
                 if self.metrics is not None:
-                    self.metrics.log({"step": step, **record})
+                    self.metrics.log(snapshots.metrics_record(event))
                 if kind == "persisted" and mirror is not None:
                     uri = mirror.push_checkpoint(Path(event["path"]))
                     say(f"uploaded checkpoint {uri}")

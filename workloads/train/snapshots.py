@@ -62,6 +62,16 @@ def pidfile(run_dir: Path) -> Path:
     return ckpt.checkpoints_dir(run_dir) / PIDFILE
 
 
+def metrics_record(event: dict) -> dict:
+    """A writer's event as its metrics.jsonl record."""
+    kind, step = event["event"], event["step"]
+    if kind == "persisted":
+        return {"step": step, "snapshot_persisted_s": event["persisted_s"], "snapshot_lag_s": event["lag_s"]}
+    if kind == "replaced":
+        return {"step": step, "snapshot_replaced_by": event["replaced_by"]}
+    return {"step": step, "snapshot_failed": event["error"]}
+
+
 def wait_for_writer(run_dir: Path, timeout_s: float = 3600) -> float:
     """Before a run resumes: wait while a snapshot writer of this run directory (a killed run's) is still
     persisting; returns the seconds waited (0 when none runs: the default path, one file read)."""
@@ -182,14 +192,19 @@ class _Writer:
 
     def emit(self, message: dict) -> None:
         with self.out_lock:
-            if not self.out_open:
-                return
-            try:
-                sys.stdout.write(json.dumps(message) + "\n")
-                sys.stdout.flush()
-            except OSError:  # the trainer is gone (a broken pipe): persisting goes on, its reports nowhere
-                self.out_open = False
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            if self.out_open:
+                try:
+                    sys.stdout.write(json.dumps(message) + "\n")
+                    sys.stdout.flush()
+                    return
+                except OSError:  # the trainer is gone (a broken pipe): persisting goes on
+                    self.out_open = False
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            if "event" in message:
+                # what the trainer would have logged, into metrics.jsonl itself: no trainer writes it now (the next
+                # run of this run directory opens it only after this process exits: wait_for_writer)
+                with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(metrics_record(message)) + "\n")
 
     def log(self, line: str) -> None:
         try:
