@@ -201,6 +201,8 @@ def run_nemoflow(args, prefix: str, out: Path, moe_impl: str | None = None, ckpt
         "precision": args.precision,
         "enable_compile": cuda and not args.no_compile,
         "ckpt_async_save": not args.sync_save,
+        # the saving run only: the no-save comparison (one save at the end) is today's path
+        **({"ckpt_snapshots": True} if args.snapshots and ckpt_every < args.steps else {}),
         **({"ckpt_write_threads": args.ckpt_write_threads} if args.ckpt_write_threads else {}),
         "strategy": args.strategy,
         **moe_fields(args.model, moe_impl, cuda and not args.no_compile),
@@ -440,6 +442,11 @@ def main() -> None:
     parser.add_argument("--strategy", default="auto", choices=["auto", "fsdp2", "ddp"], help="TrainConfig.strategy")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--sync-save", action="store_true", help="synchronous checkpoints (default: async)")
+    parser.add_argument(
+        "--snapshots",
+        action="store_true",
+        help="the saving run with ckpt_snapshots: each save a copy to host memory, persisted by a writer process",
+    )
     parser.add_argument(
         "--ckpt-write-threads", type=int, help="files each rank writes in parallel per save (default: TrainConfig's)"
     )

@@ -133,6 +133,13 @@ class TrainConfig(BaseModel, RunLayout):
         description="a failed background save is reported and training continues (the previous checkpoint stays "
         "the newest); this many failed saves in a row stop the run",
     )
+    ckpt_snapshots: bool = Field(
+        False,
+        description="each save is a snapshot copied into host shared memory (/dev/shm, three slots of the state a "
+        "rank) and training goes on at once; a writer process of its own persists the newest snapshot at the "
+        "storage's pace (one that arrives while another waits replaces it) and outlives a killed trainer. Needs "
+        "the memory (checked before the run, else saves as without it) and one node",
+    )
     strategy: Literal["auto", "fsdp2", "ddp"] = Field(
         "auto",
         description="data-parallel engine (NeMo / AutoModel distributed.strategy): ddp = a full replica per rank, "

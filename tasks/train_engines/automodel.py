@@ -366,6 +366,22 @@ def loss_curve_markdown(metrics: list[dict], best: CheckpointRef | None, run_dir
             f"checkpoints: {len(failed)} failed save{'s' if len(failed) != 1 else ''} ({listed}); training "
             "continued from each, the previous checkpoint staying the newest",
         ]
+    snapshots = [m for m in metrics if "snapshot_copy_s" in m]
+    if snapshots:
+        # ckpt_snapshots (workloads/train/snapshots.py): each save a copy to host memory, persisted by a writer process
+        persisted = [m for m in metrics if "snapshot_persisted_s" in m]
+        replaced = [m for m in metrics if "snapshot_replaced_by" in m]
+        failed_snapshots = [m for m in metrics if "snapshot_failed" in m]
+        copies = sorted(m["snapshot_copy_s"] for m in snapshots)
+        lag = max((m["snapshot_lag_s"] for m in persisted), default=None)
+        lines += [
+            "",
+            f"checkpoint snapshots: {len(snapshots)} taken (training blocked {sum(copies):.2f} s in all, median "
+            f"{copies[len(copies) // 2]:.2f} s a snapshot), {len(persisted)} persisted"
+            + (f" (at most {lag:.1f} s after the save)" if lag is not None else "")
+            + f", {len(replaced)} replaced by a newer snapshot before their write"
+            + (f", {len(failed_snapshots)} failed" if failed_snapshots else ""),
+        ]
     lines += ["", f"run directory: `{run_dir}` (metrics.jsonl has every logged step)"]
     return "\n".join(lines)
 

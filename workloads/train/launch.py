@@ -80,6 +80,48 @@ def async_save_fits(config: TrainConfig, vocab_size: int, world_size: int, cuda:
     )
 
 
+def state_bytes_per_rank(config: TrainConfig, vocab_size: int, world_size: int, cuda: bool) -> float:
+    """One rank's model and optimizer state in bytes (bf16-mixed / fp32: fp32 weights and two fp32 AdamW moments,
+    12 bytes a parameter; bf16: 6), divided over the ranks when FSDP2 shards it."""
+    per_param = 6 if (cuda and config.precision == "bf16") else 12
+    strategy = resolve_strategy(config, world_size, vocab_size)
+    shards = world_size if (strategy == "fsdp2" and world_size > 1) else 1
+    return estimate_parameters(config, vocab_size) * per_param / shards
+
+
+def snapshots_fit(
+    config: TrainConfig, vocab_size: int, world_size: int, cuda: bool, room: float | None = None
+) -> tuple[bool, str | None]:
+    """Whether saves can be snapshots in host memory (``ckpt_snapshots``); (False, the one line saying why not).
+
+    Snapshots hold three copies of each local rank's state in /dev/shm (workloads/train/snapshots.py: one being
+    persisted, one waiting, one being filled), against the least of MemAvailable, the cgroup's headroom and
+    /dev/shm's free space (:func:`host_memory_available`, or ``room``). Without the room, or on several nodes or a
+    run directory in object storage, saves are what they are without ``ckpt_snapshots``.
+    """
+    if not config.ckpt_snapshots:
+        return False, None
+    fallback = "saving as without ckpt_snapshots"
+    if config.num_nodes > 1:
+        return False, f"warning: checkpoint snapshots need one node (num_nodes={config.num_nodes}): {fallback}"
+    if staging.is_remote(config.run_dir):
+        return False, (
+            f"warning: checkpoint snapshots need a run_dir on a file system ({config.run_dir} is in object "
+            f"storage): {fallback}"
+        )
+    per_rank = state_bytes_per_rank(config, vocab_size, world_size, cuda)
+    needed = 3 * per_rank * min(config.procs_per_node, world_size) * 1.1  # 10 % for the files' metadata
+    if room is None:
+        room = host_memory_available()
+    if needed <= room:
+        return True, None
+    return False, (
+        f"warning: checkpoint snapshots need {needed / 2**30:.2f} GiB of host memory on this node (3 slots of "
+        f"{per_rank / 2**30:.2f} GiB a local rank in /dev/shm) but {room / 2**30:.2f} GiB is available "
+        f"(MemAvailable, the cgroup limit, free /dev/shm): {fallback}"
+    )
+
+
 def host_memory_available(root: Path = Path("/")) -> float:
     """Bytes a staging copy may take: the least of MemAvailable, the cgroup's headroom (cgroup v2, or v1's memory
     controller) and /dev/shm's free space. ``root``: where /proc, /sys and /dev are (tests lay out a tree)."""

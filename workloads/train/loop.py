@@ -15,6 +15,7 @@ from infra import failpoints, phases
 from infra.configs.train import TrainConfig
 from workloads import checkpoint as ckpt
 from workloads import staging
+from workloads.train import snapshots
 from workloads.train.checkpoints import CheckpointFinisher, checkpoint_meta
 from workloads.train.errors import CheckpointSaveError, disk_full, one_line, run_dir_full
 from workloads.train.output import MetricsLog, peak_flops, say, scalar
@@ -59,6 +60,8 @@ def build_recipe(
         staged_report: bool = False  # the first save after pre-staging records the buffers it used
         write_marks: dict | None = None  # when the pending save's copies and writes ended (perf_counter)
         agree_group = None  # ranks agree on publishing a written save (publish_written_save)
+        snapshot_saves: bool = False  # ckpt_snapshots: each save a snapshot in host memory (save_snapshot)
+        snapshots = None  # snapshots.SnapshotWriter, rank 0's handle on the node's writer process
 
         def _make_progress_bar(self, *args, **kwargs):
             return None  # one log line per logged step instead of a redrawn bar in the job log
@@ -82,6 +85,7 @@ def build_recipe(
                 say(f"samples step={done} rank={self.dist_env.rank} {','.join(rows)}")
             self.step_lr = self.optimizer[0].param_groups[0]["lr"]  # the lr this step trains with
             self.publish_written_save()
+            self.log_snapshot_events()
             if self.saved_step is not None:
                 # The optimizer may not change the weights before the last save's copy to host memory is done:
                 # AutoModel waits for it before opt.step (maybe_wait_for_staging). Wait here first, timed, so the
@@ -303,6 +307,67 @@ def build_recipe(
                 ) from error
 
         # -------------------------------------------------- metrics
+        def save_snapshot(self, epoch, step, train_loss, val_loss, best_metric_key) -> None:
+            """``ckpt_snapshots``: AutoModel's own synchronous save, into a free slot in /dev/shm (host memory), then
+            the slot handed to the writer process (workloads/train/snapshots.py), which persists it into the run's
+            checkpoint directory at the storage's pace. The training loop waits for the copy only."""
+            done = step + 1
+            started = time.perf_counter()
+            slot = self.snapshots.acquire() if self.snapshots is not None else 0
+            if self.agree_group is not None:
+                # every rank writes its files of this save into the same slot (rank 0 asked the writer)
+                chosen = torch.tensor([slot if self.dist_env.is_main else 0])
+                torch.distributed.all_reduce(chosen, op=torch.distributed.ReduceOp.SUM, group=self.agree_group)
+                slot = int(chosen.item())
+            slot_root = snapshots.slot_dir(run_dir, slot)
+            checkpoint_config = self.checkpointer.config
+            persistent_dir, checkpoint_config.checkpoint_dir = checkpoint_config.checkpoint_dir, str(slot_root)
+            try:
+                super().save_checkpoint(epoch, step, train_loss, val_loss, best_metric_key)
+            finally:
+                checkpoint_config.checkpoint_dir = persistent_dir
+            if self.dist_env.is_main:
+                val = (val_loss or {}).get("default")
+                meta = checkpoint_meta(recorded, done, None if val is None else scalar(val), scalar(train_loss))
+                meta["world_size"] = self.dist_env.world_size
+                path = slot_root / f"epoch_{epoch}_step_{step}"
+                ckpt.write_text_atomic(path / ckpt.META, json.dumps(meta, indent=1, sort_keys=True, default=str))
+                self.snapshots.filled(slot, done, time.time())
+            blocked = time.perf_counter() - started
+            if self.metrics is not None:
+                self.metrics.log({"step": done, "snapshot_copy_s": blocked})
+            self.window_start += blocked  # tokens_per_s measures training steps only
+
+        def log_snapshot_events(self, events: list | None = None) -> None:
+            """The writer's reports since the last call into metrics.jsonl: a snapshot persisted (its write's
+            seconds and its lag behind the save), replaced by a newer one before it was written, or failed."""
+            if self.snapshots is None:
+                return
+            for event in self.snapshots.drain() if events is None else events:
+                kind, step = event["event"], event["step"]
+                if kind == "persisted":
+                    say(f"saved checkpoint {event['path']} (step {step}, val_loss {event['val_loss']})")
+                elif kind == "failed":
+                    say(f"warning: the snapshot of step {step} was not persisted: {event['error']}; training continues")
+                if self.metrics is not None:
+                    self.metrics.log(snapshots.metrics_record(event))
+                if kind == "persisted" and mirror is not None:
+                    uri = mirror.push_checkpoint(Path(event["path"]))
+                    say(f"uploaded checkpoint {uri}")
+
+        def finish_snapshots(self) -> None:
+            """The end of training: the writer persists what it holds (the last save among it) and exits."""
+            if self.snapshots is not None:
+                self.log_snapshot_events()
+                self.log_snapshot_events(self.snapshots.finish())
+                say(
+                    f"checkpoint snapshots: {self.snapshots.taken} taken, {self.snapshots.persisted} persisted, "
+                    f"{self.snapshots.replaced} replaced by a newer one before their write, {self.snapshots.failed} "
+                    "failed"
+                )
+            if self.agree_group is not None:
+                torch.distributed.barrier(group=self.agree_group)  # no rank goes on before the last is persisted
+
         def start_metrics(self) -> None:
             self.window_start, self.window_steps = time.perf_counter(), 0
             self.max_steps = self.step_scheduler.max_steps
@@ -354,6 +419,8 @@ def build_recipe(
         @phases.timed(phases.SAVE)
         def _finalize_and_close_checkpointer(self):
             started = time.perf_counter()
+            if self.snapshot_saves:
+                self.finish_snapshots()
             self.publish_written_save(wait=True)  # the last save: published, or dropped as failed
             super()._finalize_and_close_checkpointer()  # closes the checkpointer
             done = self.step_scheduler.step
@@ -371,6 +438,8 @@ def build_recipe(
         # -------------------------------------------------- checkpoints
         @phases.timed(phases.SAVE)
         def save_checkpoint(self, epoch, step, train_loss, val_loss=None, best_metric_key="default"):
+            if self.snapshot_saves:
+                return self.save_snapshot(epoch, step, train_loss, val_loss, best_metric_key)
             done = step + 1
             path = Path(self.checkpointer.config.checkpoint_dir) / f"epoch_{epoch}_step_{step}"
             if failpoints.at("train.crash_in_save_at_step", done):

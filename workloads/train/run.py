@@ -36,10 +36,12 @@ from workloads.train.launch import (
     localize,
     prepare_run_dir,
     run_mirror,
+    snapshots_fit,
 )
 from workloads.train.loop import build_recipe
 from workloads.train.output import finish_wandb, log_phases, model_flops_per_token, prefix_output_with_rank
 from workloads.train.recipe import recipe_config
+from workloads.train.snapshots import SnapshotWriter, wait_for_writer
 
 
 def train(config: TrainConfig) -> int:
@@ -59,6 +61,7 @@ def train(config: TrainConfig) -> int:
     phases.switch(phases.DATA)  # the run directory, the inputs staged in and checked
     mirror = run_mirror(config)
     run_dir = prepare_run_dir(config, mirror)
+    wait_for_writer(run_dir)  # a killed run's snapshot writer still persisting (ckpt_snapshots): resume after it
     recorded, config = config, localize(config)  # meta.json records the URIs given; AutoModel reads local files
     if config.init_from and not (Path(config.init_from) / "config.json").is_file():
         raise FileNotFoundError(f"init_from {recorded.init_from} has no config.json: not a checkpoint directory")
@@ -82,9 +85,15 @@ def train(config: TrainConfig) -> int:
     automodel_shim.pin_ninja()  # the helper cached by the install is the one found (no rebuild)
     if not cuda:
         automodel_shim.apply()
-    async_save, why_not = async_save_fits(config, vocab_size, world_size, cuda)
+    snapshot_saves, why_not = snapshots_fit(config, vocab_size, world_size, cuda)
     if why_not and rank == 0:
         print(why_not, flush=True)
+    if snapshot_saves:
+        async_save = False  # each save is AutoModel's synchronous save into host memory (/dev/shm)
+    else:
+        async_save, why_not = async_save_fits(config, vocab_size, world_size, cuda)
+        if why_not and rank == 0:
+            print(why_not, flush=True)
     if async_save:
         automodel_shim.keep_staging_buffers(cuda)
     automodel_shim.parallel_writes(config.ckpt_write_threads)
@@ -109,6 +118,10 @@ def train(config: TrainConfig) -> int:
     autocast_bf16 = cuda and config.precision == "bf16-mixed" and (world_size == 1 or strategy == "ddp")
     flops = model_flops_per_token(config, vocab_size)
     recipe = build_recipe(config, run_dir, cfg, autocast_bf16, recorded, mirror, flops)
+    if snapshot_saves:
+        recipe.snapshot_saves = True
+        if rank == 0:  # one writer for the node (snapshots need one node): every local rank's files in a slot
+            recipe.snapshots = SnapshotWriter.start(run_dir, config.save_top_k)
     phases.switch(phases.BUILD)
     recipe.setup()
     phases.switch(phases.BUILD)  # setup ends with the data loaders: what follows builds (compile, init_from)
@@ -118,6 +131,8 @@ def train(config: TrainConfig) -> int:
         recipe.prestage = automodel_shim.Prestage(recipe.checkpointer._model_ctx.stager, weights, cuda)
         if world_size > 1:
             recipe.agree_group = torch.distributed.new_group(backend="gloo")
+    if snapshot_saves and world_size > 1:
+        recipe.agree_group = torch.distributed.new_group(backend="gloo")  # the ranks agree on each save's slot
     if strategy == "ddp" and config.enable_compile:
         compile_decoder_layers(recipe.model_parts)
     if config.init_from and not config.reset_optimizer:
@@ -163,6 +178,8 @@ def train(config: TrainConfig) -> int:
         )
         return EXIT_OUT_OF_MEMORY
     finally:
+        if recipe.snapshots is not None and recipe.snapshots.proc.poll() is None:
+            recipe.snapshots.proc.stdin.close()  # an error ended training: the writer persists what it holds
         writer_start = getattr(recipe, "writer_start", None)
         if writer_start is not None:
             # A run with nothing left to train ends before the writer process it started is up: the start's
