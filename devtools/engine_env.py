@@ -5,7 +5,7 @@ packages (vLLM 0.26.0 pins numba 0.65.0; the node has 0.68.0), so it gets an env
 reuses the node's torch. Built on a machine that reaches PyPI:
 
     scripts/wheelhouse.sh build --engine vllm==0.26.0 --out .wheelhouse/vllm --python-version 3.12 \\
-        --glibc 2.35 --have deployments/nodes/h200-freeze.txt --split-mb 58
+        --glibc 2.35 --have deployments/nodes/h200-freeze.txt --split-mb 52
 
 installed on the node (one call per chunk; the last one finishes and checks):
 

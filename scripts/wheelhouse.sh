@@ -3,7 +3,7 @@
 #   scripts/wheelhouse.sh build --out DIR [--python-version 3.12] [--have node-freeze.txt]
 #                               [--without NAME,...] [--split-mb 60] [--torch cpu|cuNNN] [--glibc 2.28]
 #   scripts/wheelhouse.sh build --engine vllm==0.26.0 --out DIR --python-version 3.12 --glibc 2.35 \
-#                               --have deployments/nodes/h200-freeze.txt --split-mb 58 [--strip PKG:GLOB]
+#                               --have deployments/nodes/h200-freeze.txt --split-mb 52 [--strip PKG:GLOB]
 #                               a serving engine's own environment (devtools/engine_env.py), in parts and chunks
 #   scripts/wheelhouse.sh install-engine CHUNK... --venv PATH --reuse-torch PY   (scripts/setup.sh --engine-venv)
 #   scripts/wheelhouse.sh show DIR          what a wheelhouse holds (sizes, chunks, what the node supplies)
