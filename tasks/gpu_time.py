@@ -8,10 +8,11 @@ Each stage that holds accelerators (training, validation, the server's start, th
 measures the wall seconds of its job or service from this side (submitted -> done) and reads how the job
 itself spent them: the job writes its phases (infra/phases.py: process start and imports, model build and
 compile, data loading, training steps, checkpoint saves and export, validation) to the file named by
-``$NEMOFLOW_PHASES_FILE``, which :func:`run_timed` sets; the built-in server reports its start in
-``/health``. What lies outside the job's process is measured too: the queue and the launch (submitted ->
+``$NEMOFLOW_PHASES_FILE``, which :func:`run_timed` sets; a server reports its start in ``/health`` (the
+built-in engine's model load; the proxy in front of vLLM or Triton: its own start, the engine's start, the
+warm-up generation). What lies outside the job's process is measured too: the queue and the launch (submitted ->
 the process's start) and the exit (its last phase -> the backend saying done). A job that reports no
-phases (a command engine's own script, vLLM) shows its seconds as not itemised.
+phases (a command engine's own script) shows its seconds as not itemised.
 
 Held = accelerators x wall seconds: the job's GPUs (``gpus_per_node x nodes``), or on a run without GPUs its
 CPU cores (``cpus_per_task x ntasks_per_node x nodes``), so the CPU suite checks the same artifact. Goodput

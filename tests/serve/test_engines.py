@@ -300,6 +300,10 @@ def test_vllm_engine_behind_the_proxy(tmp_path, tiny_checkpoint, vllm_bin):
         warm = text.find("the vllm engine is warm (")
         assert warm > 0, text[-3000:]
         assert '"POST /v1/completions HTTP/1.1" 200' in text[:warm], text[:warm][-3000:]
+        # and /health says where the start went, for the deploy stage's gpu-time rows (vLLM's start "not itemised"
+        # before): the proxy's start and imports, the engine's start until its health answered, the warm-up
+        start = httpx.get(url + "/health", timeout=10).json()["phases"]["seconds"]
+        assert list(start) == ["process start and imports", "server start", "generation"], start
 
         # the seed's request, answered by the proxy from vLLM's /tokenize + /v1/completions
         seed = {"prompt": "In the beginning", "model": MODEL_NAME, "max-tokens": 2048, "top_p": 0, "top_k": 0.9}
@@ -329,7 +333,13 @@ def test_vllm_engine_behind_the_proxy(tmp_path, tiny_checkpoint, vllm_bin):
             client.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
-        assert httpx.get(url + "/health").json() == {"status": "ok", "model": MODEL_NAME, "engine": "vllm"}
+        health = httpx.get(url + "/health").json()
+        assert {k: health[k] for k in ("status", "model", "engine")} == {
+            "status": "ok",
+            "model": MODEL_NAME,
+            "engine": "vllm",
+        }
+        assert health["phases"] == httpx.get(url + "/health").json()["phases"]  # frozen once warm
         messages = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
         slash_chat = httpx.post(url + "/v1/chat/completions/", json=messages, headers=auth, timeout=60)
         assert slash_chat.status_code == 200 and slash_chat.json()["object"] == "chat.completion"

@@ -196,3 +196,45 @@ def test_an_engine_that_is_not_listening_is_a_503_that_says_so():
     assert answer.status_code == 503
     assert answer.json()["error"]["code"] == "engine_unavailable"
     assert "the relay engine is not answering" in answer.json()["error"]["message"]
+
+
+def test_health_reports_where_the_engines_start_went_once_warm():
+    """The deploy stage itemises a served engine's start from the proxy's /health (tasks/gpu_time.py): the proxy's
+    own start and imports, the engine's start (until its health answers), the warm-up generation; frozen once warm.
+    With vLLM the stage said "not itemised" (H200, f1327a3: 105.7 s of the cold demo's 273)."""
+    from infra import phases
+
+    async def health_app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def slow_warm_up(*args):
+        await asyncio.sleep(0.3)
+        return "warm"
+
+    engine = Served(health_app)
+    timer = phases.Timer(age_s=0.0)
+    time.sleep(0.1)  # the proxy's start and imports
+    timer.switch(phases.SERVER_START)  # as run_engine does when it launches the engine
+    target = EngineTarget("relay", [], {}, engine.url, "/health", MODEL, nemo=slow_warm_up, openai=True)
+    state = ProxyState(target=target, api_key=KEY, timer=timer)
+    proxy = Served(create_proxy_app(state))
+    try:
+        time.sleep(0.2)  # the engine's start
+        assert httpx.get(proxy.url + "/health", timeout=10).status_code == 503  # not alive yet: no phases
+        state.engine_alive.set()
+        first = httpx.get(proxy.url + "/health", timeout=10)
+        assert first.status_code == 200, first.text
+        seconds = first.json()["phases"]["seconds"]
+        assert list(seconds) == [phases.START, phases.SERVER_START, phases.GENERATION]
+        assert (
+            seconds[phases.START] >= 0.1 and seconds[phases.SERVER_START] >= 0.2 and seconds[phases.GENERATION] >= 0.3
+        )
+        time.sleep(0.2)
+        again = httpx.get(proxy.url + "/health", timeout=10).json()["phases"]
+        assert again == first.json()["phases"]  # stopped when warm: serving time is not the start's
+    finally:
+        proxy.stop()
+        engine.stop()

@@ -45,6 +45,7 @@ from typing import Any
 from fastapi import Request  # at module level: FastAPI resolves the handlers' string annotations here
 from starlette.responses import Response as StarletteResponse
 
+from infra import phases
 from workloads.serve_engines.base import ENGINE_HOST
 from workloads.serve_http import (
     DEFAULT_MAX_BODY_BYTES,
@@ -129,6 +130,10 @@ class ProxyState:
     engine_alive: threading.Event = field(default_factory=threading.Event)
     created: int = field(default_factory=lambda: int(time.time()))
     warmed: bool = False  # the warm-up generation ran (WARM_UP): /health says ok only after it
+    # where the server's start went: the proxy's start and imports, the engine's start (run_engine switches to
+    # "server start" as it launches the engine), the warm-up generation; /health reports them once ready, as the
+    # built-in engine does, so the deploy stage itemises an engine's start (tasks/gpu_time.py)
+    timer: phases.Timer = field(default_factory=phases.timer, repr=False)
 
 
 class Relay(StarletteResponse):
@@ -237,11 +242,16 @@ def create_proxy_app(state: ProxyState):
                 if response.status_code == 200:
                     async with warm_up_lock:
                         if not state.warmed:
+                            state.timer.switch(phases.GENERATION)  # the engine is up: the warm-up generation
                             await warm_up()
+                            state.timer.stop()  # the server's start ends here
                     status, detail = 200, "ok"
             except httpx.HTTPError:
                 pass
-        return JSONResponse({"status": detail, "model": target.model_name, "engine": target.kind}, status)
+        body = {"status": detail, "model": target.model_name, "engine": target.kind}
+        if status == 200:
+            body["phases"] = state.timer.report()
+        return JSONResponse(body, status)
 
     async def nemo(request: Request, body: dict[str, Any]):
         req = parse_nemo(body)
@@ -348,6 +358,7 @@ def run_engine(args: argparse.Namespace, target: EngineTarget, checkpoint: Path,
     )
     install_blue_green(args.host, args.join_port, args.port)
     log.info("starting the %s engine: %s", target.kind, " ".join(target.argv))
+    state.timer.switch(phases.SERVER_START)  # the proxy's own start and imports end here
     try:
         child = subprocess.Popen(target.argv, env=target.env, cwd=target.cwd)
     except OSError as exc:
