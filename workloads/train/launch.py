@@ -60,10 +60,7 @@ def async_save_fits(config: TrainConfig, vocab_size: int, world_size: int, cuda:
     """
     if not config.ckpt_async_save:
         return False, None
-    per_param = 6 if (cuda and config.precision == "bf16") else 12
-    strategy = resolve_strategy(config, world_size, vocab_size)
-    shards = world_size if (strategy == "fsdp2" and world_size > 1) else 1
-    per_rank = estimate_parameters(config, vocab_size) * per_param / shards
+    per_rank = state_bytes_per_rank(config, vocab_size, world_size, cuda)
     if per_rank < config.ckpt_async_min_mib * 2**20:
         return False, (
             f"checkpoints are saved synchronously: {per_rank / 2**20:.0f} MiB a rank is under ckpt_async_min_mib="
