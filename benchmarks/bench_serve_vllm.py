@@ -7,7 +7,10 @@
 128 tokens and 256 output tokens (``--ignore-eos``: every request generates all 256), at each concurrency:
 (a) nemoflow's deployed endpoint: ``python -m workloads.serve --engine vllm`` (the proxy, with an API key)
     -> vLLM on a loopback port;
-(b) that same vLLM's own port, directly (the proxy's cost is (a) against (b), same engine, same run);
+(b) that same vLLM's own port, directly (the proxy's cost is (a) against (b), same engine, same run): at the
+    ``--direct-concurrency`` levels one after the other, and in ``--paired-rounds`` rounds at each
+    ``--paired-concurrency`` with a client on (a) and one on (b) at the same time (the engine serves both in the
+    same steps, so its step time, which moves from level to level, is the same for both: the fair measure);
 (c) the built-in engine (``--engine builtin --device cuda``) on the same checkpoint: it generates one token
     per forward pass (~20 tokens/s on an H200), so it runs ``--builtin-requests`` requests per level, not 200
     (the JSON says how many), and only at the concurrencies in ``--builtin-concurrency``.
@@ -28,6 +31,7 @@ import platform
 import secrets
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -111,6 +115,49 @@ def stop(proc: subprocess.Popen) -> None:
 _SEEDS = itertools.count()  # one per level, in the order the levels run
 
 
+def bench_command(
+    vllm: list[str],
+    url: str,
+    tokenizer: str,
+    concurrency: int,
+    requests: int,
+    out: Path,
+    name: str,
+    output_len: int = 256,
+) -> tuple[list[str], int]:
+    """One ``vllm bench serve`` command line and the seed it draws its prompts with.
+
+    Each level draws its own prompts (a seed of its own) and warms up first with ``concurrency`` requests (vLLM's
+    ``--num-warmups``). With one seed for all levels (at 59069c5 and d1f5225) the level after the first met its
+    200 prompts already in vLLM's prefix cache (its log: hit rate 0.7 % after the first level, 44 % after the
+    second): vLLM's own port, measured second, was compared on cached prompts with the proxy on cold ones."""
+    cmd = [*vllm, "bench", "serve", "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions"]
+    cmd += ["--model", MODEL_NAME, "--tokenizer", tokenizer, "--dataset-name", "random"]
+    seed = next(_SEEDS)
+    cmd += ["--random-input-len", "128", "--random-output-len", str(output_len), "--ignore-eos", "--seed", str(seed)]
+    cmd += ["--num-prompts", str(requests), "--max-concurrency", str(concurrency), "--request-rate", "inf"]
+    cmd += ["--num-warmups", str(concurrency)]
+    cmd += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm"]
+    cmd += ["--ready-check-timeout-sec", "0", "--save-result", "--result-dir", str(out), "--result-filename", name]
+    return cmd, seed
+
+
+def bench_env(key: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OPENAI_API_KEY"] = key  # the bench client's bearer token (vLLM's benchmark reads this variable)
+    return env
+
+
+def result_row(out: Path, name: str, returncode: int, stderr: str) -> dict:
+    """The numbers of one finished ``vllm bench serve`` (its result JSON), or the error it ended with."""
+    if returncode != 0:
+        return {"error": (stderr.strip().splitlines() or ["?"])[-1], "exit": returncode}
+    r = json.loads((out / name).read_text())
+    keys = ["completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput"]
+    keys += [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("median", "p50", "p99", "mean")]
+    return {k: r[k] for k in keys if k in r}
+
+
 def bench(
     vllm: list[str],
     url: str,
@@ -122,34 +169,74 @@ def bench(
     key: str,
     output_len: int = 256,
 ):
-    """One ``vllm bench serve`` level; its result JSON's numbers.
-
-    Each level draws its own prompts (a seed of its own) and warms up first with ``concurrency`` requests (vLLM's
-    ``--num-warmups``). With one seed for all levels (at 59069c5 and d1f5225) the level after the first met its
-    200 prompts already in vLLM's prefix cache (its log: hit rate 0.7 % after the first level, 44 % after the
-    second): vLLM's own port, measured second, was compared on cached prompts with the proxy on cold ones."""
+    """One ``vllm bench serve`` level on its own; its result JSON's numbers."""
     name = f"{label}-c{concurrency}.json"
-    cmd = [*vllm, "bench", "serve", "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions"]
-    cmd += ["--model", MODEL_NAME, "--tokenizer", tokenizer, "--dataset-name", "random"]
-    seed = next(_SEEDS)
-    cmd += ["--random-input-len", "128", "--random-output-len", str(output_len), "--ignore-eos", "--seed", str(seed)]
-    cmd += ["--num-prompts", str(requests), "--max-concurrency", str(concurrency), "--request-rate", "inf"]
-    cmd += ["--num-warmups", str(concurrency)]
-    cmd += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm"]
-    cmd += ["--ready-check-timeout-sec", "0", "--save-result", "--result-dir", str(out), "--result-filename", name]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["OPENAI_API_KEY"] = key  # the bench client's bearer token (vLLM's benchmark reads this variable)
+    cmd, seed = bench_command(vllm, url, tokenizer, concurrency, requests, out, name, output_len)
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, env=bench_env(key), capture_output=True, text=True, timeout=900)
     (out / f"{label}-c{concurrency}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1], "exit": proc.returncode}
-    r = json.loads((out / name).read_text())
-    keys = ["completed", "failed", "request_throughput", "output_throughput", "total_token_throughput"]
-    keys += [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("median", "p50", "p99", "mean")]
-    row = {k: r[k] for k in keys if k in r}
-    row.update(requests=requests, concurrency=concurrency, seed=seed, wall_s=round(time.monotonic() - t0, 1))
+    row = result_row(out, name, proc.returncode, proc.stderr)
+    if "error" not in row:
+        row.update(requests=requests, concurrency=concurrency, seed=seed, wall_s=round(time.monotonic() - t0, 1))
     return row
+
+
+def bench_pair(
+    vllm: list[str],
+    targets: dict[str, str],
+    tokenizer: str,
+    concurrency: int,
+    requests: int,
+    out: Path,
+    key: str,
+    round_no: int,
+) -> dict:
+    """One round of the proxy's cost: a ``vllm bench serve`` client against each of ``targets`` (label -> URL:
+    the proxy and vLLM's own port) *at the same time*, each at ``concurrency``, on the one engine behind both.
+
+    Measured one after the other (as at f1327a3), the two paths met different engine step times: vLLM's TPOT
+    moved between 2.3 and 3.1 ms from level to level on the same node, more than the 5 % the proxy may cost, and
+    a repeat gave the opposite sign (-16 % and +14 %). Run together, every step serves both clients' requests in
+    one batch, so what differs between them is the path. The clients start in turn (the order alternates from
+    round to round, so neither is always alone first); each one's start-up (imports) and warm-up requests come
+    before its measured requests, and the round records when each process ran, so the overlap is on record."""
+    labels = list(targets) if round_no % 2 == 0 else list(reversed(targets))
+    runs = {}
+    for label in labels:
+        stem = f"paired-{label}-c{concurrency}-r{round_no}"
+        cmd, seed = bench_command(vllm, targets[label], tokenizer, concurrency, requests, out, stem + ".json")
+        with (out / f"{stem}.log").open("w") as log:
+            proc = subprocess.Popen(cmd, env=bench_env(key), stdout=log, stderr=subprocess.STDOUT)
+        runs[label] = {"proc": proc, "stem": stem, "seed": seed, "started": time.monotonic()}
+    deadline = time.monotonic() + 900
+    while any("ended" not in run for run in runs.values()):
+        for run in runs.values():
+            if "ended" not in run and run["proc"].poll() is not None:
+                run["ended"] = time.monotonic()
+        if time.monotonic() > deadline:
+            for run in runs.values():
+                run["proc"].kill()
+            raise RuntimeError(f"paired round {round_no}: a vllm bench client ran over 900 s")
+        time.sleep(0.05)
+    rows = {}
+    for label, run in runs.items():
+        log = (out / f"{run['stem']}.log").read_text()
+        rows[label] = result_row(out, run["stem"] + ".json", run["proc"].returncode, log)
+        rows[label].update(requests=requests, concurrency=concurrency, seed=run["seed"])
+    # when each client measured: its benchmark's duration, ending when its process ended (start-up and warm-up
+    # are before it); the overlap is the share of the two measured windows' union during which both measured
+    windows = {
+        label: (run["ended"] - rows[label].get("duration", run["ended"] - run["started"]), run["ended"])
+        for label, run in runs.items()
+    }
+    union = max(w[1] for w in windows.values()) - min(w[0] for w in windows.values())
+    both = min(w[1] for w in windows.values()) - max(w[0] for w in windows.values())
+    return {
+        "order": labels,
+        **rows,
+        "wall_s": {label: round(run["ended"] - run["started"], 1) for label, run in runs.items()},
+        "overlap": round(max(0.0, both) / union, 3) if union > 0 else 0.0,
+    }
 
 
 def run_vllm(args, report, save, serve, env, vllm, tokenizer, out, key) -> None:
@@ -183,14 +270,18 @@ def run_vllm(args, report, save, serve, env, vllm, tokenizer, out, key) -> None:
                 report["levels"].setdefault(label, {})[str(c)] = row
                 print(label, c, json.dumps(row), flush=True)
                 save()
+        targets = {"proxy": f"http://127.0.0.1:{port}", "vllm": f"http://127.0.0.1:{engine_port}"}
+        for c in args.paired_concurrency:
+            for round_no in range(args.paired_rounds):
+                pair = bench_pair(vllm, targets, tokenizer, c, max(args.requests, c), out, key, round_no)
+                report.setdefault("paired", {}).setdefault(str(c), []).append(pair)
+                print("paired", c, round_no, json.dumps(pair), flush=True)
+                save()
     finally:
         stop(proxy)
 
 
-def main() -> int:
-    from workloads.serve_engines.hf_tokenizer import tokenizer_dir
-    from workloads.serve_engines.vllm import vllm_command
-
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "serve-vllm")
     p.add_argument("--checkpoint", type=Path, help="a Hugging Face export (default: the GPU demo's shape, random)")
@@ -208,6 +299,15 @@ def main() -> int:
         nargs="*",
         help="the levels at which vLLM's own port is measured too (default: every level)",
     )
+    p.add_argument(
+        "--paired-concurrency",
+        type=int,
+        nargs="*",
+        default=[],
+        help="the proxy's cost measured fairly: at each of these, a client on the proxy and one on vLLM's own port at "
+        "the same time, each at this concurrency (the engine serves both in the same steps); --paired-rounds rounds",
+    )
+    p.add_argument("--paired-rounds", type=int, default=2, help="rounds per paired level (the start order alternates)")
     p.add_argument("--builtin-concurrency", type=int, nargs="*", default=[1, 16])
     p.add_argument("--builtin-requests", type=int, default=4, help="per level (at least the concurrency)")
     p.add_argument(
@@ -228,7 +328,14 @@ def main() -> int:
     p.add_argument("--skip-vllm", action="store_true", help="only the built-in engine (c)")
     p.add_argument("--builtin-device", default="cuda", help="the built-in engine's --device (default cuda)")
     p.add_argument("--model-dir", type=Path, help="where the random-weight model is made (default: under --out)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    from workloads.serve_engines.hf_tokenizer import tokenizer_dir
+    from workloads.serve_engines.vllm import vllm_command
+
+    args = parser().parse_args()
     # A time limit's SIGTERM (gpu_node.sh's acceptance bounds this part) ends the run through the `finally`s:
     # the servers stop and the levels measured so far stay in the JSON.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -296,18 +403,40 @@ def run_builtin(args, report, save, serve, env, vllm, tokenizer, out, key) -> No
 
 def summarize(report: dict) -> None:
     """The proxy's cost and vLLM over the built-in engine, from the levels measured so far (rewritten with
-    every save: a run its time limit cuts short keeps them)."""
+    every save: a run its time limit cuts short keeps them). The proxy's cost comes from the paired rounds where
+    they ran (the median of the rounds' costs: ``method: paired``), else from the two paths' levels measured one
+    after the other (``method: sequential``)."""
     levels = report["levels"]
     for c, a in levels.get("proxy", {}).items():
         b = levels.get("vllm", {}).get(c, {})
-        if a.get("output_throughput") and b.get("output_throughput"):
+        cost = path_cost(a, b)
+        if cost:
+            report.setdefault("proxy_cost", {})[c] = {**cost, "method": "sequential"}
+    for c, rounds in (report.get("paired") or {}).items():
+        costs = [cost for cost in (path_cost(r.get("proxy", {}), r.get("vllm", {})) for r in rounds) if cost]
+        if costs:
+            ttft = [x["ttft_p50_pct"] for x in costs if "ttft_p50_pct" in x]
             report.setdefault("proxy_cost", {})[c] = {
-                "output_tok_s_pct": round(100 * (1 - a["output_throughput"] / b["output_throughput"]), 2),
-                "ttft_p50_pct": round(100 * (a["median_ttft_ms"] / b["median_ttft_ms"] - 1), 2),
+                "output_tok_s_pct": round(statistics.median(x["output_tok_s_pct"] for x in costs), 2),
+                **({"ttft_p50_pct": round(statistics.median(ttft), 2)} if ttft else {}),
+                "method": "paired",
+                "rounds": costs,
             }
     builtin16 = levels.get("builtin", {}).get("16", {}).get("output_throughput")
     if builtin16 and levels.get("proxy", {}).get("16", {}).get("output_throughput"):
         report["vllm_over_builtin_c16"] = round(levels["proxy"]["16"]["output_throughput"] / builtin16, 1)
+
+
+def path_cost(proxy: dict, direct: dict) -> dict | None:
+    """What the proxy costs against vLLM's own port: % of output tokens/s lost, % added to TTFT p50."""
+    if "error" in proxy or "error" in direct:
+        return None
+    if not (proxy.get("output_throughput") and direct.get("output_throughput")):
+        return None
+    cost = {"output_tok_s_pct": round(100 * (1 - proxy["output_throughput"] / direct["output_throughput"]), 2)}
+    if proxy.get("median_ttft_ms") and direct.get("median_ttft_ms"):
+        cost["ttft_p50_pct"] = round(100 * (proxy["median_ttft_ms"] / direct["median_ttft_ms"] - 1), 2)
+    return cost
 
 
 if __name__ == "__main__":

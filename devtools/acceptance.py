@@ -220,10 +220,15 @@ def serve_values(serve: dict) -> dict:
     builtin16 = levels.get("builtin", {}).get("16", {}).get("output_throughput")
     served16 = proxy16.get("output_throughput")
     ttft16, direct_ttft16 = proxy16.get("p50_ttft_ms"), levels.get("vllm", {}).get("16", {}).get("p50_ttft_ms")
+    cost = round(100 * (1 - served16 / direct16), 2) if served16 and direct16 else None
+    ttft_cost = round(100 * (ttft16 / direct_ttft16 - 1), 2) if ttft16 and direct_ttft16 else None
+    paired = (r.get("proxy_cost") or {}).get("16") or {}
+    if paired.get("method") == "paired":  # both paths at once on one engine (the benchmark's summary, every round)
+        cost, ttft_cost = paired.get("output_tok_s_pct"), paired.get("ttft_p50_pct")
     return {
         "serve_ttft_p99_c16_ms": proxy16.get("p99_ttft_ms"),
-        "proxy_cost_c16_pct": round(100 * (1 - served16 / direct16), 2) if served16 and direct16 else None,
-        "proxy_ttft_cost_c16_pct": round(100 * (ttft16 / direct_ttft16 - 1), 2) if ttft16 and direct_ttft16 else None,
+        "proxy_cost_c16_pct": cost,
+        "proxy_ttft_cost_c16_pct": ttft_cost,
         "vllm_over_builtin_c16": round(served16 / builtin16, 1) if served16 and builtin16 else None,
     }
 
@@ -463,10 +468,29 @@ def serve_lines(serve: dict) -> list[str]:
                 f"{_fmt(row.get('output_throughput'))} | {_fmt(row.get('median_ttft_ms'))} / "
                 f"{_fmt(row.get('p99_ttft_ms'))} | {_fmt(row.get('median_tpot_ms'))} / {_fmt(row.get('p99_tpot_ms'))} |"
             )
+    for c, rounds in (r.get("paired") or {}).items():
+        for i, pair in enumerate(rounds):
+            for label in ("proxy", "vllm"):
+                row = pair.get(label) or {}
+                name = f"{names[label]}, paired round {i + 1} (overlap {_fmt(pair.get('overlap'))})"
+                if "error" in row:
+                    lines.append(f"| {name} | {c} | error: {row['error'][:80]} | | | |")
+                    continue
+                lines.append(
+                    f"| {name} | {c} | {row.get('completed')} ({row.get('failed', 0)}) | "
+                    f"{_fmt(row.get('output_throughput'))} | {_fmt(row.get('median_ttft_ms'))} / "
+                    f"{_fmt(row.get('p99_ttft_ms'))} | {_fmt(row.get('median_tpot_ms'))} / "
+                    f"{_fmt(row.get('p99_tpot_ms'))} |"
+                )
     for c, cost in (r.get("proxy_cost") or {}).items():
+        how = (
+            f"both paths at once on one engine, the median of {len(cost.get('rounds', []))} rounds"
+            if cost.get("method") == "paired"
+            else "the two paths' levels one after the other"
+        )
         lines.append(
-            f"\nThe proxy's cost at concurrency {c}: {cost['output_tok_s_pct']} % of output tokens/s, "
-            f"{cost['ttft_p50_pct']} % of TTFT p50."
+            f"\nThe proxy's cost at concurrency {c} ({how}): {cost['output_tok_s_pct']} % of output tokens/s, "
+            f"{cost.get('ttft_p50_pct')} % of TTFT p50."
         )
     return lines
 

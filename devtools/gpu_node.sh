@@ -216,10 +216,12 @@ print(int(b.parameters(*b.MODELS[sys.argv[1]][:5], b.MOE.get(sys.argv[1]))[0] * 
         # the SIGTERM and keeps the levels it measured
         # default levels sized to that bound and to the lease: the built-in engine first, at 16 only (the 50x
         # target), 16 requests of 32 output tokens (38 ms a step at 16 at d1f5225: 256 would take 160 s), then
-        # vLLM (start about 100 s; each `vllm bench serve` about 20 s of start-up) at 16 and 64, behind the proxy
-        # and on its own port (the proxy's cost); concurrency 1 (about 150 s at d1f5225) only when asked for
-        [ $# -gt 0 ] || set -- --concurrency 16 64 --direct-concurrency 16 64 --builtin-concurrency 16 \
-          --builtin-output-len 32 --builtin-first
+        # vLLM (start about 100 s; each `vllm bench serve` about 20 s of start-up) at 16 and 64 behind the proxy,
+        # then the proxy's cost at 16 in two paired rounds (a client on the proxy and one on vLLM's own port at the
+        # same time: one after the other, at f1327a3, the engine's step time moved more between the levels than the
+        # 5 % to measure); concurrency 1 (about 150 s at d1f5225) only when asked for
+        [ $# -gt 0 ] || set -- --concurrency 16 64 --direct-concurrency --paired-concurrency 16 --paired-rounds 2 \
+          --builtin-concurrency 16 --builtin-output-len 32 --builtin-first
         timeout -k 20 "${NEMOFLOW_SERVE_PART_S:-540}" "$0" vllm-bench "$dir" "$@" || rc=$? ;;
       *) echo "acceptance: unknown part $part (demo, tests, train, moe, serve)" >&2; exit 2 ;;
     esac

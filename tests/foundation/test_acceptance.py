@@ -190,19 +190,43 @@ def test_the_serving_benchmark_is_judged_against_the_builtin_engine_and_the_prox
     # issue 32: the proxy costs at most 5 % of output tokens/s *and of TTFT p50*: 30 ms against 25 is 20 % more
     assert _check(report, "proxy_ttft_cost_c16_pct")["value"] == 20.0
     assert _check(report, "proxy_ttft_cost_c16_pct")["passed"] is False
+    # paired rounds (both paths at once on one engine) are what the proxy's cost is judged on where they ran
+    rounds = [
+        {
+            "proxy": {"output_throughput": 4900.0, "median_ttft_ms": 52.0},
+            "vllm": {"output_throughput": 5000.0, "median_ttft_ms": 50.0},
+        },
+        {
+            "proxy": {"output_throughput": 4800.0, "median_ttft_ms": 53.0},
+            "vllm": {"output_throughput": 5000.0, "median_ttft_ms": 50.0},
+        },
+    ]
+    paired = {**bench, "paired": {"16": rounds}}
+    _bench_module().summarize(paired)
+    (serve / "bench_serve_vllm.json").write_text(json.dumps(paired))
+    report = acceptance.collect(parts, "abc1234")
+    assert _check(report, "proxy_cost_c16_pct")["value"] == 3.0  # the median of 2 % and 4 %, not 2.44
+    assert _check(report, "proxy_ttft_cost_c16_pct")["value"] == 5.0  # the median of 4 % and 6 %
+    assert _check(report, "proxy_ttft_cost_c16_pct")["passed"] is True
+    assert "both paths at once on one engine, the median of 2 rounds" in acceptance.render(report)
     levels["builtin"]["1"] = {"error": "exit 1", "exit": 1}  # a client that failed at one level
     (serve / "bench_serve_vllm.json").write_text(json.dumps(bench))
     assert _check(acceptance.collect(parts, "abc1234"), "serve_ran")["passed"] is False
 
 
-def test_the_serving_benchmark_keeps_its_summary_when_cut_short(tmp_path):
-    """bench_serve_vllm.py summarizes the levels at every save: a run its time limit stops keeps the proxy's cost
-    (the H200 run at 59069c5 lost it: the summary was computed only after the last level)."""
+def _bench_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_serve_vllm", REPO / "benchmarks" / "bench_serve_vllm.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_serving_benchmark_keeps_its_summary_when_cut_short(tmp_path):
+    """bench_serve_vllm.py summarizes the levels at every save: a run its time limit stops keeps the proxy's cost
+    (the H200 run at 59069c5 lost it: the summary was computed only after the last level)."""
+    bench = _bench_module()
     report = {
         "levels": {
             "proxy": {"16": {"output_throughput": 4644.0, "median_ttft_ms": 69.0}},
@@ -210,7 +234,7 @@ def test_the_serving_benchmark_keeps_its_summary_when_cut_short(tmp_path):
         }
     }
     bench.summarize(report)
-    assert report["proxy_cost"]["16"] == {"output_tok_s_pct": 9.74, "ttft_p50_pct": 35.29}
+    assert report["proxy_cost"]["16"] == {"output_tok_s_pct": 9.74, "ttft_p50_pct": 35.29, "method": "sequential"}
     assert "vllm_over_builtin_c16" not in report  # the built-in engine has not run yet
     report["levels"]["builtin"] = {"16": {"output_throughput": 25.0}}
     bench.summarize(report)
@@ -250,3 +274,20 @@ def test_reports_of_two_commits_do_not_merge(tmp_path, capsys):
     assert acceptance.main(["merge", str(tmp_path / "out.json"), str(first), str(second)]) == 2
     assert "the reports differ in commit" in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_the_serve_parts_default_arguments_are_the_benchmarks_own():
+    """gpu_node.sh's serve part passes its default levels to bench_serve_vllm.py on the node: a name the
+    benchmark's parser does not know would end the part there, after a lease's vLLM install (the GPU demo's
+    parameters failed that way at a43b68e, issue 31)."""
+    import re
+    import shlex
+
+    script = (REPO / "devtools" / "gpu_node.sh").read_text()
+    serve = script[script.index("      serve)\n") :]
+    line = re.search(r"\[ \$# -gt 0 \] \|\| set -- (.*?)\n\s+timeout", serve, re.S).group(1)
+    argv = shlex.split(line.replace("\\\n", " "))
+    args = _bench_module().parser().parse_args(argv)
+    assert args.paired_concurrency == [16] and args.paired_rounds == 2
+    assert args.direct_concurrency == []  # the proxy's cost comes from the paired rounds only
+    assert args.builtin_first and args.builtin_concurrency == [16]

@@ -4,6 +4,8 @@ and serves the routes the proxy uses with the built-in engine:
 
     python tests/serve/engine_standins.py vllm serve CKPT --host H --port P --served-model-name M \\
         --tensor-parallel-size N [...]                      # vLLM: OpenAI API, /tokenize, /health
+    python tests/serve/engine_standins.py vllm bench serve --base-url URL --num-prompts N \\
+        --max-concurrency C --result-dir D --result-filename F [...]   # vLLM's benchmark client
     python tests/serve/engine_standins.py triton --hf_model_id_path CKPT --triton_model_name M \\
         --service_port P [...]                              # NeMo's REST service: /v1/completions/,
                                                             # /v1/triton_health
@@ -41,9 +43,50 @@ def record(kind: str, argv: list[str]) -> None:
         Path(path).write_text(json.dumps(info))
 
 
+def vllm_bench(argv: list[str]) -> int:
+    """``vllm bench serve`` as benchmarks/bench_serve_vllm.py calls it: ``--num-warmups`` requests, then
+    ``--num-prompts`` streamed completions at ``--max-concurrency`` against ``--base-url``, each timed by
+    benchmarks/bench_proxy.py's client; vLLM's result fields (those the benchmark reads) in the result file."""
+    import asyncio
+    import time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_proxy
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("subcommand", choices=["bench"])
+    parser.add_argument("what", choices=["serve"])
+    parser.add_argument("--base-url", required=True)
+    parser.add_argument("--num-prompts", type=int, required=True)
+    parser.add_argument("--max-concurrency", type=int, required=True)
+    parser.add_argument("--num-warmups", type=int, default=0)
+    parser.add_argument("--random-output-len", type=int, default=256)
+    parser.add_argument("--result-dir", required=True)
+    parser.add_argument("--result-filename", required=True)
+    args, _ = parser.parse_known_args(argv)
+    url, c, tokens = args.base_url, args.max_concurrency, args.random_output_len
+    if args.num_warmups:
+        asyncio.run(bench_proxy.level(url, c, args.num_warmups, tokens))
+    started = time.perf_counter()
+    r = asyncio.run(bench_proxy.level(url, c, args.num_prompts, tokens))
+    result = {
+        "completed": r["requests"],
+        "failed": args.num_prompts - r["requests"],
+        "duration": time.perf_counter() - started,
+        "output_throughput": r["tokens_per_s"],
+        "median_ttft_ms": r["ttft_p50_ms"],
+        "p50_ttft_ms": r["ttft_p50_ms"],
+        "p99_ttft_ms": r["ttft_p99_ms"],
+    }
+    (Path(args.result_dir) / args.result_filename).write_text(json.dumps(result))
+    return 0
+
+
 def vllm(argv: list[str]) -> int:
     from workloads.serve import main
 
+    if argv[:1] == ["bench"]:
+        return vllm_bench(argv)
     parser = argparse.ArgumentParser()
     parser.add_argument("subcommand", choices=["serve"])
     parser.add_argument("model")
