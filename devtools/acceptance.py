@@ -439,6 +439,7 @@ def render(report: dict) -> str:
             "cache on the run's work dir as the pipeline sets it: a benchmark's second run of the same shape (no saves) "
             "loads the kernels its first run compiled."
         )
+        lines += [f"\n{name}: {r['recomputed']}" for _part, name, r in bench if r.get("recomputed")]
     lines += serve_lines(report.get("serve") or {})
     return "\n".join(lines) + "\n"
 
@@ -498,7 +499,7 @@ def serve_lines(serve: dict) -> list[str]:
 def _variants(result: dict):
     nemo = result.get("nemoflow") or {}
     if "tokens_per_s" in nemo or "error" in nemo:
-        yield "", nemo
+        yield " (snapshots)" if nemo.get("snapshots") else "", nemo
         if result.get("nemoflow_no_saves"):
             yield " (no saves)", result["nemoflow_no_saves"]
     else:
