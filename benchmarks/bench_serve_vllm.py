@@ -273,7 +273,8 @@ def run_vllm(args, report, save, serve, env, vllm, tokenizer, out, key) -> None:
         targets = {"proxy": f"http://127.0.0.1:{port}", "vllm": f"http://127.0.0.1:{engine_port}"}
         for c in args.paired_concurrency:
             for round_no in range(args.paired_rounds):
-                pair = bench_pair(vllm, targets, tokenizer, c, max(args.requests, c), out, key, round_no)
+                requests = max(args.paired_requests or args.requests, c)
+                pair = bench_pair(vllm, targets, tokenizer, c, requests, out, key, round_no)
                 report.setdefault("paired", {}).setdefault(str(c), []).append(pair)
                 print("paired", c, round_no, json.dumps(pair), flush=True)
                 save()
@@ -308,6 +309,13 @@ def parser() -> argparse.ArgumentParser:
         "the same time, each at this concurrency (the engine serves both in the same steps); --paired-rounds rounds",
     )
     p.add_argument("--paired-rounds", type=int, default=2, help="rounds per paired level (the start order alternates)")
+    p.add_argument(
+        "--paired-requests",
+        type=int,
+        help="requests per client in a paired round (default --requests): each client starts for about 25 s before "
+        "its requests, and the two starts differ by seconds, so longer rounds overlap more (at e5b86ee: 200 requests, "
+        "10-13 s of them, overlap 0.50 and 0.86)",
+    )
     p.add_argument("--builtin-concurrency", type=int, nargs="*", default=[1, 16])
     p.add_argument("--builtin-requests", type=int, default=4, help="per level (at least the concurrency)")
     p.add_argument(

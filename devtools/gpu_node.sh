@@ -220,8 +220,10 @@ print(int(b.parameters(*b.MODELS[sys.argv[1]][:5], b.MOE.get(sys.argv[1]))[0] * 
         # then the proxy's cost at 16 in two paired rounds (a client on the proxy and one on vLLM's own port at the
         # same time: one after the other, at f1327a3, the engine's step time moved more between the levels than the
         # 5 % to measure); concurrency 1 (about 150 s at d1f5225) only when asked for
+        # (600 requests a paired client: about 30 s of requests against its 25 s start, so that a few seconds between
+        # the two clients' starts leave most of the windows overlapping; 200 overlapped 0.50 and 0.86 at e5b86ee)
         [ $# -gt 0 ] || set -- --concurrency 16 64 --direct-concurrency --paired-concurrency 16 --paired-rounds 2 \
-          --builtin-concurrency 16 --builtin-output-len 32 --builtin-first
+          --paired-requests 600 --builtin-concurrency 16 --builtin-output-len 32 --builtin-first
         timeout -k 20 "${NEMOFLOW_SERVE_PART_S:-540}" "$0" vllm-bench "$dir" "$@" || rc=$? ;;
       *) echo "acceptance: unknown part $part (demo, tests, train, moe, serve)" >&2; exit 2 ;;
     esac

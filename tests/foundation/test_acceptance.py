@@ -288,6 +288,6 @@ def test_the_serve_parts_default_arguments_are_the_benchmarks_own():
     line = re.search(r"\[ \$# -gt 0 \] \|\| set -- (.*?)\n\s+timeout", serve, re.S).group(1)
     argv = shlex.split(line.replace("\\\n", " "))
     args = _bench_module().parser().parse_args(argv)
-    assert args.paired_concurrency == [16] and args.paired_rounds == 2
+    assert args.paired_concurrency == [16] and args.paired_rounds == 2 and args.paired_requests == 600
     assert args.direct_concurrency == []  # the proxy's cost comes from the paired rounds only
     assert args.builtin_first and args.builtin_concurrency == [16]
