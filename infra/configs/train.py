@@ -135,10 +135,11 @@ class TrainConfig(BaseModel, RunLayout):
     )
     ckpt_snapshots: bool = Field(
         False,
-        description="each save is a snapshot copied into host shared memory (/dev/shm, three slots of the state a "
-        "rank) and training goes on at once; a writer process of its own persists the newest snapshot at the "
-        "storage's pace (one that arrives while another waits replaces it) and outlives a killed trainer. Needs "
-        "the memory (checked before the run, else saves as without it) and one node",
+        description="each save is a snapshot: AutoModel's save into host shared memory (/dev/shm, three slots of "
+        "the state a rank), which the loop waits for (1.1B on an H200: 11 s a save, slower than the default "
+        "asynchronous saves), then training goes on; a writer process of its own persists the newest snapshot at "
+        "the storage's pace (one that arrives while another waits replaces it) and outlives a killed trainer. "
+        "Needs the memory (checked before the run, else saves as without it) and one node",
     )
     strategy: Literal["auto", "fsdp2", "ddp"] = Field(
         "auto",
