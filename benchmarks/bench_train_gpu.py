@@ -203,6 +203,7 @@ def run_nemoflow(args, prefix: str, out: Path, moe_impl: str | None = None, ckpt
         "ckpt_async_save": not args.sync_save,
         # the saving run only: the no-save comparison (one save at the end) is today's path
         **({"ckpt_snapshots": True} if args.snapshots and ckpt_every < args.steps else {}),
+        **({"ckpt_while_writing": "skip"} if args.skip_while_writing and ckpt_every < args.steps else {}),
         **({"ckpt_write_threads": args.ckpt_write_threads} if args.ckpt_write_threads else {}),
         "strategy": args.strategy,
         **moe_fields(args.model, moe_impl, cuda and not args.no_compile),
@@ -250,6 +251,7 @@ def run_nemoflow(args, prefix: str, out: Path, moe_impl: str | None = None, ckpt
         "peak_mem_gib": max((r.get("peak_mem_gib", 0.0) for r in records if "loss" in r), default=None),
         "ckpt_every": ckpt_every,
         **({"snapshots": True} if config.get("ckpt_snapshots") else {}),
+        **({"skip_while_writing": True} if config.get("ckpt_while_writing") == "skip" else {}),
         **stats,
         "final_loss": [r for r in records if "loss" in r][-1]["loss"],
         # the trainer's own phase seconds (infra/phases.py: imports, build and compile, data, steps, saves)
@@ -293,6 +295,8 @@ def checkpoint_stats(records: list[dict], warmup: int, tokens_per_step: int) -> 
     return {
         "steady_tokens_per_s": steady_tps,
         "checkpoints": len(blocked),
+        # ckpt_while_writing: skip — saves due while the previous one was still being written, not taken
+        "skipped_saves": sum(1 for r in records if "checkpoint_skipped_while_writing" in r),
         "blocked_per_save_s": [round(intermediate[s], 4) for s in sorted(intermediate)],
         "blocked_median_s": statistics.median(intermediate.values()) if intermediate else None,
         "final_save_s": blocked.get(last),
@@ -450,6 +454,12 @@ def main() -> None:
         "--snapshots",
         action="store_true",
         help="the saving run with ckpt_snapshots: each save a copy to host memory, persisted by a writer process",
+    )
+    parser.add_argument(
+        "--skip-while-writing",
+        action="store_true",
+        help="the saving run with ckpt_while_writing: skip (a save due while the previous one is still being "
+        "written is skipped, not waited for; the result counts them: skipped_saves)",
     )
     parser.add_argument(
         "--ckpt-write-threads", type=int, help="files each rank writes in parallel per save (default: TrainConfig's)"

@@ -499,7 +499,10 @@ def serve_lines(serve: dict) -> list[str]:
 def _variants(result: dict):
     nemo = result.get("nemoflow") or {}
     if "tokens_per_s" in nemo or "error" in nemo:
-        yield " (snapshots)" if nemo.get("snapshots") else "", nemo
+        label = " (snapshots)" if nemo.get("snapshots") else ""
+        if nemo.get("skip_while_writing"):
+            label = f" (skip while writing: {nemo.get('skipped_saves')} of {nemo.get('skipped_saves', 0) + nemo.get('checkpoints', 0)} saves skipped)"
+        yield label, nemo
         if result.get("nemoflow_no_saves"):
             yield " (no saves)", result["nemoflow_no_saves"]
     else:

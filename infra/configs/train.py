@@ -133,6 +133,14 @@ class TrainConfig(BaseModel, RunLayout):
         description="a failed background save is reported and training continues (the previous checkpoint stays "
         "the newest); this many failed saves in a row stop the run",
     )
+    ckpt_while_writing: Literal["wait", "skip"] = Field(
+        "wait",
+        description="a save due while the previous background save is still being written: wait for that write "
+        "(every save happens; the loop stalls when saves come faster than the storage writes them), or skip this "
+        "one (reported in metrics.jsonl and the run's artifact; saves then happen at the storage's pace, the "
+        "newest checkpoint at most one write and one save interval old, and the loop never waits for a write). "
+        "The last step's save and a save on a signal are never skipped",
+    )
     ckpt_snapshots: bool = Field(
         False,
         description="each save is a snapshot: AutoModel's save into host shared memory (/dev/shm, three slots of "
@@ -192,6 +200,16 @@ class TrainConfig(BaseModel, RunLayout):
     def _check_length(self) -> TrainConfig:
         if (self.max_steps is None) == (self.max_tokens is None):
             raise ValueError("set exactly one of max_steps and max_tokens")
+        return self
+
+    @model_validator(mode="after")
+    def _check_while_writing(self) -> TrainConfig:
+        if self.ckpt_while_writing == "skip" and (not self.ckpt_async_save or self.ckpt_snapshots):
+            other = "ckpt_async_save: false" if not self.ckpt_async_save else "ckpt_snapshots: true"
+            raise ValueError(
+                f"ckpt_while_writing: skip skips a save while a background save is being written; with {other} "
+                "no save is written in the background: drop one of the two"
+            )
         return self
 
     @property

@@ -357,6 +357,16 @@ def loss_curve_markdown(metrics: list[dict], best: CheckpointRef | None, run_dir
             f"checkpoints: {len(saves)} saves, training blocked {sum(blocked):.2f} s in all "
             f"(median {sorted(blocked)[len(blocked) // 2]:.2f} s a save; the writes ran in the background)",
         ]
+    skipped = [m for m in metrics if "checkpoint_skipped_while_writing" in m]
+    if skipped:
+        # ckpt_while_writing: skip (workloads/train/loop.py): saves due while the previous one was being written
+        lines += [
+            "",
+            f"checkpoints: {len(skipped)} save{'s' if len(skipped) != 1 else ''} skipped while the previous one was "
+            f"still being written (ckpt_while_writing: skip; steps {', '.join(str(m['step']) for m in skipped[:10])}"
+            + (", ..." if len(skipped) > 10 else "")
+            + ")",
+        ]
     failed = [m for m in metrics if "checkpoint_failed" in m]
     if failed:
         # A failed background save does not end the run (workloads/train/loop.py): the artifact says which were lost.

@@ -133,6 +133,18 @@ def test_a_complete_run_passes_and_each_target_is_judged(tmp_path):
     assert "| 1.1B, a save every 10 steps: share of the no-save rate | target | >= 90.0% | 80.0% | missed |" in text
 
 
+def test_the_train_table_names_how_the_saving_run_saved(tmp_path):
+    parts = _parts(tmp_path)
+    result = json.loads((parts / "train" / "ckpt10.json").read_text())
+    result["nemoflow"].update(skip_while_writing=True, skipped_saves=3, checkpoints=1)
+    (parts / "train" / "ckpt10.json").write_text(json.dumps(result))
+    text = acceptance.render(acceptance.collect(parts, "abc1234"))
+    assert "| ckpt10 (skip while writing: 3 of 4 saves skipped) | 1.1b |" in text
+    result["nemoflow"] = {"tokens_per_s": 66e3, "snapshots": True}
+    (parts / "train" / "ckpt10.json").write_text(json.dumps(result))
+    assert "| ckpt10 (snapshots) | 1.1b |" in acceptance.render(acceptance.collect(parts, "abc1234"))
+
+
 def test_a_multiline_answer_stays_in_its_table_row(tmp_path):
     # the H200's smoke answer at cbcee70 held a newline: its row was cut in two in docs/benchmarks.md
     report = acceptance.collect(_parts(tmp_path, answer=" the LORD.\nAnd | the LORD said"), "abc1234")

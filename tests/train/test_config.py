@@ -346,3 +346,11 @@ def test_a_small_state_is_saved_synchronously_and_a_large_one_in_the_background(
         hidden_size=2048, num_layers=16, num_attention_heads=16, ffn_hidden_size=8192, max_steps=4, run_dir="/r"
     )
     assert async_save_fits(big, vocab_size=32000, world_size=1, cuda=False)[0] is True  # 1.1B: 13 GB a save
+
+
+def test_skipping_saves_while_writing_needs_background_saves():
+    tiny = dict(max_steps=4, data_prefix=["/d"], tokenizer_model="/t", run_dir="/r")
+    assert TrainConfig(**tiny, ckpt_while_writing="skip").ckpt_while_writing == "skip"
+    for other in ({"ckpt_async_save": False}, {"ckpt_snapshots": True}):
+        with pytest.raises(ValueError, match="ckpt_while_writing: skip skips a save while a background save"):
+            TrainConfig(**tiny, ckpt_while_writing="skip", **other)

@@ -196,6 +196,27 @@ def build_recipe(
                 self.record_write(Path(path))
                 self.finisher.finish_published()
 
+        def skip_while_writing(self, done: int) -> bool:
+            """``ckpt_while_writing: skip``: while the previous background save is still being written (on any
+            rank: the ranks agree in :meth:`publish_written_save`), this save is skipped, on record, and the loop
+            goes on without waiting. Saves then happen at the storage's pace. Never the last step's save, nor one
+            on a signal (the run ends after it)."""
+            if config.ckpt_while_writing != "skip" or not self.checkpointer.config.is_async:
+                return False
+            scheduler = self.step_scheduler
+            if scheduler.is_last_step or scheduler.sigterm_flag:
+                return False
+            self.publish_written_save()  # published now if its write has ended
+            pending = self.checkpointer.lifecycle._pending_checkpoint_dir
+            if pending is None:
+                return False
+            writing = ckpt.step_of(Path(pending))
+            if self.metrics is not None:
+                self.metrics.log({"step": done, "checkpoint_skipped_while_writing": writing})
+            if self.dist_env.is_main:
+                say(f"checkpoint of step {done} skipped: the save of step {writing} is still being written")
+            return True
+
         def record_write(self, path: Path) -> None:
             """The background write's time and rate (metrics.jsonl ``checkpoint_write_s``, ``checkpoint_gb``,
             ``checkpoint_write_gbps``): from the end of the first copy to host memory to the end of the last write,
@@ -448,6 +469,8 @@ def build_recipe(
                     os.kill(os.getpid(), signal.SIGKILL)
 
                 self.checkpointer.save_optimizer = die
+            if self.skip_while_writing(done):
+                return
             started = time.perf_counter()
             # The previous save's write, if still running, ends first: published, or dropped as failed (AutoModel's
             # own wait would raise its error and end the run).
