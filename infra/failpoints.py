@@ -27,10 +27,12 @@ KNOWN: dict[str, str] = {
     "error after writing part of a file ('N+': every save from step N on)",
     "train.kill_checkpoint_writer_at_step": "the background checkpoint writer process SIGKILLs itself half-way "
     "through writing the save of step N",
-    "train.slow_checkpoint_write_at_step": "the save of step N is written slowly ('N+': every save from step N "
-    "on): the snapshot writer (ckpt_snapshots) pauses 4 s half-way through persisting it, so later snapshots "
-    "replace the one waiting; the background checkpoint writer waits 6 s before writing it, so later saves find "
-    "it still being written (ckpt_while_writing)",
+    "train.slow_checkpoint_write_at_step": "the snapshot writer (ckpt_snapshots) pauses 4 s half-way through "
+    "persisting the snapshot of step N ('N+': every snapshot from step N on), so later snapshots replace the one "
+    "waiting",
+    "train.slow_background_write_at_step": "the background checkpoint writer process waits 6 s before writing the "
+    "save of step N ('N+': every save from step N on), so later saves find it still being written "
+    "(ckpt_while_writing)",
     "consolidate.crash_before_manifest": "SIGKILL the export after its weights are written, before MANIFEST.json",
     "consolidate.pause_before_manifest": "the export sleeps 120 s after writing its weights, before MANIFEST.json",
     "serve.step_delay_ms": "the built-in engine sleeps N ms before each token it generates (a slow model: "

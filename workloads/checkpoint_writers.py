@@ -8,7 +8,7 @@ a rank's state into ``threads`` files of about equal size, written by as many th
 
 Instances are pickled into DCP's writer process, which imports this module to unpickle them; the failpoints of
 the background write (``train.fail_checkpoint_write_at_step``, ``train.kill_checkpoint_writer_at_step``,
-``train.slow_checkpoint_write_at_step``) fire there, in the process that really writes.
+``train.slow_background_write_at_step``) fire there, in the process that really writes.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.filesystem import _split_by_size_and_type
 from infra import failpoints
 
 _STEP = re.compile(r"epoch_\d+_step_(\d+)")
-SLOW_WRITE_S = 6.0  # train.slow_checkpoint_write_at_step: that save's write waits this long first (a slow storage)
+SLOW_WRITE_S = 6.0  # train.slow_background_write_at_step: that save's write waits this long first (a slow storage)
 _SLOWED: set[int] = set()  # the saves already slowed (the writer process writes several files a save)
 
 
@@ -81,7 +81,7 @@ def _failpoints(path, name: str) -> None:
     if match is None:
         return
     done = int(match.group(1)) + 1
-    if done not in _SLOWED and failpoints.hits("train.slow_checkpoint_write_at_step", done):
+    if done not in _SLOWED and failpoints.hits("train.slow_background_write_at_step", done):
         _SLOWED.add(done)  # once a save: its first file's write waits, as a slow storage would
         time.sleep(SLOW_WRITE_S)
     fail = failpoints.hits("train.fail_checkpoint_write_at_step", done)

@@ -35,7 +35,7 @@ def test_saves_due_while_the_previous_is_written_are_skipped_and_the_loop_does_n
         save_top_k=-1,
         ckpt_while_writing="skip",
     )
-    proc = run_trainer(config_path, **failpoints.env(train__slow_checkpoint_write_at_step=2))
+    proc = run_trainer(config_path, **failpoints.env(train__slow_background_write_at_step=2))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = read_metrics(run_dir)
 
