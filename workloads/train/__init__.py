@@ -39,6 +39,9 @@ AutoModel's; this module adds what the pipeline needs around them:
   training continues: the failed save is removed (it was never published), the previous checkpoint stays the
   newest, a dead writer process is replaced; ``ckpt_max_failed_saves`` failures in a row, or a failed last
   save, stop the run (exit 1, one line that says why);
+* ``ckpt_while_writing: skip`` (opt-in; default ``wait``): a save due while the previous background save is
+  still being written is skipped instead of waited for ("checkpoint of step N skipped" lines, a
+  ``checkpoint_skipped_while_writing`` record in metrics.jsonl); never the last step's save or one on a signal;
 * ``ckpt_snapshots: true`` (opt-in): each save is a snapshot in /dev/shm that a writer process of its own
   session persists at the storage's pace (a newer snapshot replaces the one waiting; ``snapshot_*`` records in
   metrics.jsonl); it outlives a killed trainer, and the next run waits for it (workloads/train/snapshots.py);
