@@ -463,14 +463,14 @@ def build_recipe(
                 return self.save_snapshot(epoch, step, train_loss, val_loss, best_metric_key)
             done = step + 1
             path = Path(self.checkpointer.config.checkpoint_dir) / f"epoch_{epoch}_step_{step}"
+            if self.skip_while_writing(done):
+                return
             if failpoints.at("train.crash_in_save_at_step", done):
                 # Die inside AutoModel's save: weights written, optimizer not, checkpoint never published.
                 def die(*args, **kwargs):
                     os.kill(os.getpid(), signal.SIGKILL)
 
                 self.checkpointer.save_optimizer = die
-            if self.skip_while_writing(done):
-                return
             started = time.perf_counter()
             # The previous save's write, if still running, ends first: published, or dropped as failed (AutoModel's
             # own wait would raise its error and end the run).
