@@ -190,6 +190,7 @@ def bench_pair(
     out: Path,
     key: str,
     round_no: int,
+    timeout_s: float = 900,
 ) -> dict:
     """One round of the proxy's cost: a ``vllm bench serve`` client against each of ``targets`` (label -> URL:
     the proxy and vLLM's own port) *at the same time*, each at ``concurrency``, on the one engine behind both.
@@ -208,16 +209,20 @@ def bench_pair(
         with (out / f"{stem}.log").open("w") as log:
             proc = subprocess.Popen(cmd, env=bench_env(key), stdout=log, stderr=subprocess.STDOUT)
         runs[label] = {"proc": proc, "stem": stem, "seed": seed, "started": time.monotonic()}
-    deadline = time.monotonic() + 900
-    while any("ended" not in run for run in runs.values()):
-        for run in runs.values():
-            if "ended" not in run and run["proc"].poll() is not None:
-                run["ended"] = time.monotonic()
-        if time.monotonic() > deadline:
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any("ended" not in run for run in runs.values()):
             for run in runs.values():
+                if "ended" not in run and run["proc"].poll() is not None:
+                    run["ended"] = time.monotonic()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"paired round {round_no}: a vllm bench client ran over {timeout_s:g} s")
+            time.sleep(0.05)
+    finally:  # a time limit's SIGTERM (sys.exit in main) or the deadline: no client outlives the round
+        for run in runs.values():
+            if run["proc"].poll() is None:
                 run["proc"].kill()
-            raise RuntimeError(f"paired round {round_no}: a vllm bench client ran over 900 s")
-        time.sleep(0.05)
+                run["proc"].wait()
     rows = {}
     for label, run in runs.items():
         log = (out / f"{run['stem']}.log").read_text()

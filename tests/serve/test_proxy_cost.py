@@ -99,3 +99,34 @@ def test_a_paired_round_whose_client_failed_is_an_error_not_a_cost(tmp_path):
     report = {"levels": {}, "paired": {"2": [pair]}}
     bench.summarize(report)
     assert "proxy_cost" not in report
+
+
+def _children() -> set[int]:
+    """This process's live child processes (from /proc: their parent pid), zombies excluded."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[1]) == os.getpid():
+            found.add(int(stat.parent.name))
+    return found
+
+
+def test_a_paired_round_over_its_time_leaves_no_client_running(tmp_path):
+    """Paths that accept a connection and never answer: the round ends at its time limit and kills both clients
+    (a serve part's time limit ends the benchmark the same way: no client may outlive it)."""
+    import socket
+
+    bench = _module("bench_serve_vllm", REPO / "benchmarks" / "bench_serve_vllm.py")
+    silent = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]  # listening, never accepting
+    try:
+        targets = {label: f"http://127.0.0.1:{s.getsockname()[1]}" for label, s in zip(("proxy", "vllm"), silent)}
+        before = _children()
+        with pytest.raises(RuntimeError, match="paired round 0: a vllm bench client ran over 5 s"):
+            bench.bench_pair([sys.executable, str(STANDINS), "vllm"], targets, "unused", 2, 4, tmp_path, "k", 0, 5)
+        assert _children() - before == set()
+    finally:
+        for s in silent:
+            s.close()
