@@ -460,29 +460,13 @@ def serve_lines(serve: dict) -> list[str]:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for label, rows in levels.items():
-        for c, row in rows.items():
-            if "error" in row:
-                lines.append(f"| {names.get(label, label)} | {c} | error: {row['error'][:80]} | | | |")
-                continue
-            lines.append(
-                f"| {names.get(label, label)} | {c} | {row.get('completed')} ({row.get('failed', 0)}) | "
-                f"{_fmt(row.get('output_throughput'))} | {_fmt(row.get('median_ttft_ms'))} / "
-                f"{_fmt(row.get('p99_ttft_ms'))} | {_fmt(row.get('median_tpot_ms'))} / {_fmt(row.get('p99_tpot_ms'))} |"
-            )
+        lines += [_level_row(names.get(label, label), c, row) for c, row in rows.items()]
     for c, rounds in (r.get("paired") or {}).items():
         for i, pair in enumerate(rounds):
-            for label in ("proxy", "vllm"):
-                row = pair.get(label) or {}
-                name = f"{names[label]}, paired round {i + 1} (overlap {_fmt(pair.get('overlap'))})"
-                if "error" in row:
-                    lines.append(f"| {name} | {c} | error: {row['error'][:80]} | | | |")
-                    continue
-                lines.append(
-                    f"| {name} | {c} | {row.get('completed')} ({row.get('failed', 0)}) | "
-                    f"{_fmt(row.get('output_throughput'))} | {_fmt(row.get('median_ttft_ms'))} / "
-                    f"{_fmt(row.get('p99_ttft_ms'))} | {_fmt(row.get('median_tpot_ms'))} / "
-                    f"{_fmt(row.get('p99_tpot_ms'))} |"
-                )
+            round_name = f"paired round {i + 1} (overlap {_fmt(pair.get('overlap'))})"
+            lines += [
+                _level_row(f"{names[label]}, {round_name}", c, pair.get(label) or {}) for label in ("proxy", "vllm")
+            ]
     for c, cost in (r.get("proxy_cost") or {}).items():
         how = (
             f"both paths at once on one engine, the median of {len(cost.get('rounds', []))} rounds"
@@ -496,12 +480,24 @@ def serve_lines(serve: dict) -> list[str]:
     return lines
 
 
+def _level_row(name: str, concurrency: str, row: dict) -> str:
+    """One `vllm bench serve` level as a row of the serving table (or the error its client ended with)."""
+    if "error" in row:
+        return f"| {name} | {concurrency} | error: {row['error'][:80]} | | | |"
+    return (
+        f"| {name} | {concurrency} | {row.get('completed')} ({row.get('failed', 0)}) | "
+        f"{_fmt(row.get('output_throughput'))} | {_fmt(row.get('median_ttft_ms'))} / "
+        f"{_fmt(row.get('p99_ttft_ms'))} | {_fmt(row.get('median_tpot_ms'))} / {_fmt(row.get('p99_tpot_ms'))} |"
+    )
+
+
 def _variants(result: dict):
     nemo = result.get("nemoflow") or {}
     if "tokens_per_s" in nemo or "error" in nemo:
         label = " (snapshots)" if nemo.get("snapshots") else ""
         if nemo.get("skip_while_writing"):
-            label = f" (skip while writing: {nemo.get('skipped_saves')} of {nemo.get('skipped_saves', 0) + nemo.get('checkpoints', 0)} saves skipped)"
+            skipped = nemo.get("skipped_saves", 0)
+            label = f" (skip while writing: {skipped} of {skipped + nemo.get('checkpoints', 0)} saves skipped)"
         yield label, nemo
         if result.get("nemoflow_no_saves"):
             yield " (no saves)", result["nemoflow_no_saves"]
