@@ -297,6 +297,10 @@ def checkpoint_stats(records: list[dict], warmup: int, tokens_per_step: int) -> 
         "checkpoints": len(blocked),
         # ckpt_while_writing: skip — saves due while the previous one was still being written, not taken
         "skipped_saves": sum(1 for r in records if "checkpoint_skipped_while_writing" in r),
+        # ckpt_while_writing: replace — saves taken while the previous one was being written, then replaced by a
+        # newer one before their own write began (the others were written when that write ended)
+        "replaced_saves": sum(1 for r in records if "checkpoint_replaced_by" in r),
+        "delayed_writes": sum(1 for r in records if "checkpoint_write_delayed_s" in r),
         "blocked_per_save_s": [round(intermediate[s], 4) for s in sorted(intermediate)],
         "blocked_median_s": statistics.median(intermediate.values()) if intermediate else None,
         "final_save_s": blocked.get(last),

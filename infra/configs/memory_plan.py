@@ -33,6 +33,9 @@ seq_length / context_parallel tokens per GPU; tp, pp, cp, ep, dp the parallel si
   and the activations are never at full size at once (zero_grad frees the gradients, the backward pass frees
   activations as it creates gradients), so its peak is the larger of the end of the forward pass and the end of
   the backward pass (``_moe_replica_peak``; measured on H200: tests/train/test_moe_memory.py).
+* **A save's snapshot** (``ckpt_while_writing: replace``): one more copy of the saved state on the GPU, the
+  fp32 weights and AdamW m and v (weights + optimizer above), into which each save copies before DCP writes it.
+  Without the room for it the trainer saves as with ``wait`` (one line says so): the layout is not refused.
 * **Reserve**: 2 GiB for the CUDA context, NCCL buffers and allocator fragmentation.
 
 Checked against measurements on H200 (README, "Training on H200"): Llama 1.1B, seq 2048, micro batch 4, one GPU
@@ -109,14 +112,24 @@ class MemoryPlan:
     activations: float
     gpu_memory_gib: float | None
     notes: tuple[str, ...] = ()
+    snapshot: float = 0.0  # ckpt_while_writing: replace — a copy of the saved state (weights and optimizer)
 
     @property
     def total(self) -> float:
+        return self.training + self.snapshot
+
+    @property
+    def training(self) -> float:
+        """The memory per GPU without the save's snapshot."""
         return self.weights + self.gradients + self.optimizer + self.working + self.activations + RESERVE_GIB * GIB
 
     @property
     def fits(self) -> bool:
         return self.gpu_memory_gib is None or self.total <= self.gpu_memory_gib * GIB
+
+    @property
+    def fits_without_snapshot(self) -> bool:
+        return self.gpu_memory_gib is None or self.training <= self.gpu_memory_gib * GIB
 
     def summary(self) -> str:
         layout = " ".join(f"{k}={v}" for k, v in self.layout.items())
@@ -136,6 +149,7 @@ class MemoryPlan:
             f"  working      {self.working / g:8.1f}  (gathered / cast weight copies, gradient buffers, dispatch)",
             f"  activations  {self.activations / g:8.1f}",
             f"  reserve      {RESERVE_GIB:8.1f}  (CUDA context, NCCL, fragmentation)",
+            *([f"  snapshot     {self.snapshot / g:8.1f}  (ckpt_while_writing: replace)"] if self.snapshot else []),
             f"  total        {self.total / g:8.1f}"
             + (
                 f" of {self.gpu_memory_gib:.1f}: {'fits' if self.fits else 'DOES NOT FIT'}"
@@ -197,6 +211,7 @@ def plan_memory(
         shard = tp * pp
     local = total / shard
     weights, gradients, optimizer = w * local, w * local, 2 * w * local
+    saved_state = weights + optimizer  # what a checkpoint holds of this rank (a snapshot copies it)
 
     if strategy == "fsdp2":
         p_layer = layer_dense / tp + (counts["mlp"] / ep if E else 0)
@@ -271,6 +286,7 @@ def plan_memory(
         activations=activations,
         gpu_memory_gib=gpu_memory_gib,
         notes=tuple(notes),
+        snapshot=saved_state if config.ckpt_while_writing == "replace" else 0.0,
     )
 
 
@@ -346,7 +362,7 @@ def check_memory(
     if not memory or not config.gpus_per_node:
         return None
     plan = plan_memory(config, gpu_memory_gib=memory, world_size=world_size)
-    if not plan.fits:
+    if not plan.fits_without_snapshot:  # without the snapshot's room the trainer saves without it (one line)
         raise ParallelismError("invalid training configuration:\n  - " + memory_error(plan, config))
     return plan
 

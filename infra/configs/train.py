@@ -133,13 +133,16 @@ class TrainConfig(BaseModel, RunLayout):
         description="a failed background save is reported and training continues (the previous checkpoint stays "
         "the newest); this many failed saves in a row stop the run",
     )
-    ckpt_while_writing: Literal["wait", "skip"] = Field(
+    ckpt_while_writing: Literal["wait", "skip", "replace"] = Field(
         "wait",
         description="a save due while the previous background save is still being written: wait for that write "
         "(every save happens; the loop stalls when saves come faster than the storage writes them), or skip this "
         "one (reported in metrics.jsonl and the run's artifact; saves then happen at the storage's pace, the "
-        "newest checkpoint at most one write and one save interval old, and the loop never waits for a write). "
-        "The last step's save and a save on a signal are never skipped",
+        "newest checkpoint at most one write and one save interval old, and the loop never waits for a write), "
+        "or replace: every save is first copied within the GPU's memory (one more copy of the model and optimizer "
+        "state per GPU, checked before the run), so the loop waits neither for the copy to host memory nor for a "
+        "write; a save due during a write waits in that copy and is written when the write ends, and a newer save "
+        "replaces it (reported). The last step's save and a save on a signal are never skipped or replaced",
     )
     ckpt_snapshots: bool = Field(
         False,
@@ -204,11 +207,12 @@ class TrainConfig(BaseModel, RunLayout):
 
     @model_validator(mode="after")
     def _check_while_writing(self) -> TrainConfig:
-        if self.ckpt_while_writing == "skip" and (not self.ckpt_async_save or self.ckpt_snapshots):
+        if self.ckpt_while_writing != "wait" and (not self.ckpt_async_save or self.ckpt_snapshots):
             other = "ckpt_async_save: false" if not self.ckpt_async_save else "ckpt_snapshots: true"
+            what = {"skip": "skips", "replace": "keeps the newest"}[self.ckpt_while_writing]
             raise ValueError(
-                f"ckpt_while_writing: skip skips a save while a background save is being written; with {other} "
-                "no save is written in the background: drop one of the two"
+                f"ckpt_while_writing: {self.ckpt_while_writing} {what} a save while a background save is being "
+                f"written; with {other} no save is written in the background: drop one of the two"
             )
         return self
 

@@ -367,6 +367,19 @@ def loss_curve_markdown(metrics: list[dict], best: CheckpointRef | None, run_dir
             + (", ..." if len(skipped) > 10 else "")
             + ")",
         ]
+    waiting = [m for m in metrics if "checkpoint_waiting_for" in m]
+    if waiting:
+        # ckpt_while_writing: replace (workloads/train/device_snapshot.py): saves taken during a write waited in GPU
+        # memory; each was written when that write ended, or replaced by a newer one first
+        replaced = [m for m in metrics if "checkpoint_replaced_by" in m]
+        delays = [m["checkpoint_write_delayed_s"] for m in metrics if "checkpoint_write_delayed_s" in m]
+        lines += [
+            "",
+            f"checkpoints: {len(waiting)} save{'s' if len(waiting) != 1 else ''} taken while the previous one was "
+            f"being written (ckpt_while_writing: replace): {len(delays)} written when that write ended"
+            + (f" (at most {max(delays):.1f} s later)" if delays else "")
+            + f", {len(replaced)} replaced by a newer save before their write",
+        ]
     failed = [m for m in metrics if "checkpoint_failed" in m]
     if failed:
         # A failed background save does not end the run (workloads/train/loop.py): the artifact says which were lost.

@@ -86,6 +86,52 @@ def state_bytes_per_rank(config: TrainConfig, vocab_size: int, world_size: int, 
     return estimate_parameters(config, vocab_size) * per_param / shards
 
 
+def replace_fits(
+    config: TrainConfig,
+    vocab_size: int,
+    world_size: int,
+    cuda: bool,
+    gpu_memory_gib: float | None = None,
+    room: float | None = None,
+) -> tuple[bool, str | None]:
+    """Whether saves can be copied on the device first (``ckpt_while_writing: replace``, asynchronous saves only);
+    (False, the one line saying why not): the trainer then saves as with ``wait``.
+
+    The copy is one more copy of a rank's saved state (fp32 weights and AdamW moments) on its device: on a GPU,
+    the memory plan with it (infra/configs/memory_plan.py) against the GPU's memory (``gpu_memory_gib``, else
+    the config's, else what CUDA reports); on CPU (the device is host memory), against
+    :func:`host_memory_available` (or ``room``) per local rank.
+    """
+    if config.ckpt_while_writing != "replace":
+        return False, None
+    fallback = "saving as with ckpt_while_writing: wait"
+    if cuda:
+        from infra.configs.memory_plan import GIB, plan_memory
+
+        memory = gpu_memory_gib or config.gpu_memory_gib
+        if memory is None:
+            import torch
+
+            memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+        plan = plan_memory(config, vocab_size, gpu_memory_gib=memory, world_size=world_size)
+        if plan.fits:
+            return True, None
+        return False, (
+            f"warning: ckpt_while_writing: replace needs {plan.snapshot / GIB:.1f} GiB more per GPU for a copy of the "
+            f"saved state, {plan.total / GIB:.1f} GiB in all by the memory plan, but the GPU has {memory:.1f} GiB: "
+            f"{fallback}"
+        )
+    needed = state_bytes_per_rank(config, vocab_size, world_size, cuda) * min(config.procs_per_node, world_size)
+    if room is None:
+        room = host_memory_available()
+    if needed <= room:
+        return True, None
+    return False, (
+        f"warning: ckpt_while_writing: replace needs {needed / 2**30:.2f} GiB of memory for a copy of the saved "
+        f"state but {room / 2**30:.2f} GiB is available (MemAvailable, the cgroup limit): {fallback}"
+    )
+
+
 def snapshots_fit(
     config: TrainConfig, vocab_size: int, world_size: int, cuda: bool, room: float | None = None
 ) -> tuple[bool, str | None]:

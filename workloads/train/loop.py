@@ -62,6 +62,10 @@ def build_recipe(
         agree_group = None  # ranks agree on publishing a written save (publish_written_save)
         snapshot_saves: bool = False  # ckpt_snapshots: each save a snapshot in host memory (save_snapshot)
         snapshots = None  # snapshots.SnapshotWriter, rank 0's handle on the node's writer process
+        device_snapshot = (
+            None  # ckpt_while_writing: replace (device_snapshot.DeviceSnapshot): saves copied on the device
+        )
+        waiting: dict | None = None  # and the save taken while the previous one was written: written when it ends
 
         def _make_progress_bar(self, *args, **kwargs):
             return None  # one log line per logged step instead of a redrawn bar in the job log
@@ -155,7 +159,7 @@ def build_recipe(
                 Path(name).write_text(f"steps {first}-{last}, sorted by {sort}\n{table}\n")
                 self.step_profiler = None
 
-        def publish_written_save(self, wait: bool = False) -> None:
+        def publish_written_save(self, wait: bool = False, launch: bool = True) -> None:
             """Publish the last asynchronous save as soon as its files are written, or drop it if its write failed.
 
             AutoModel publishes an asynchronous save (removes its ``.incomplete`` marker, moves LATEST) only at the
@@ -167,9 +171,18 @@ def build_recipe(
             A write that failed on any rank (the storage, a full disk, the writer process killed) used to raise
             here and end the run (issue 34: one background write's error ended a 1.1B run): it is
             :meth:`drop_failed_save` instead, on every rank at the same step.
+
+            ``ckpt_while_writing: replace``: once the write has ended, the save waiting for it (if any) is handed to
+            the writer (:meth:`write_waiting`), unless ``launch`` is false (a newer save is about to replace it).
             """
             lifecycle = self.checkpointer.lifecycle
-            if not self.checkpointer.config.is_async or lifecycle._pending_checkpoint_dir is None:
+            if not self.checkpointer.config.is_async:
+                return
+            if lifecycle._pending_checkpoint_dir is None:
+                if launch and self.waiting is not None:
+                    self.write_waiting()  # the previous write failed and was dropped: the waiting save goes now
+                    if wait:
+                        self.publish_written_save(wait=True)
                 return
             contexts = (self.checkpointer._model_ctx, self.checkpointer._optim_ctx)
             writes = [c.future.upload_completion for c in contexts if c.future is not None]
@@ -187,14 +200,18 @@ def build_recipe(
                 return
             if flags[1]:
                 self.drop_failed_save(errors[0] if errors else None, replace_writer=bool(flags[2]))
-                return
-            self.checkpointer.async_wait()  # returns at once: the writes are done
-            path = lifecycle._pending_checkpoint_dir
-            lifecycle.complete_pending()
-            self.failed_in_row = 0
-            if self.dist_env.is_main:
-                self.record_write(Path(path))
-                self.finisher.finish_published()
+            else:
+                self.checkpointer.async_wait()  # returns at once: the writes are done
+                path = lifecycle._pending_checkpoint_dir
+                lifecycle.complete_pending()
+                self.failed_in_row = 0
+                if self.dist_env.is_main:
+                    self.record_write(Path(path))
+                    self.finisher.finish_published()
+            if launch and self.waiting is not None:
+                self.write_waiting()
+                if wait:
+                    self.publish_written_save(wait=True)
 
         def skip_while_writing(self, done: int) -> bool:
             """``ckpt_while_writing: skip``: while the previous background save is still being written (on any
@@ -326,6 +343,148 @@ def build_recipe(
                     "stopping: the newest complete checkpoint is kept, fix the storage and run again to resume",
                     disk_full=self.failed_disk_full,
                 ) from error
+
+        # -------------------------------------------------- ckpt_while_writing: replace
+        def save_replacing(self, epoch, step, train_loss, val_loss, best_metric_key) -> None:
+            """``ckpt_while_writing: replace`` (workloads/train/device_snapshot.py): AutoModel's save, its model and
+            optimizer state first copied into buffers on the device, so the loop waits for neither the copy to host
+            memory (the stager reads the buffers, not the weights) nor the previous save's write: a save due while
+            that write runs waits in the buffers (:meth:`take_waiting`) and is written when it ends; a newer one
+            replaces it. The last step's save and one on a signal wait for the previous write, as without it."""
+            done = step + 1
+            started = time.perf_counter()
+            scheduler = self.step_scheduler
+            last = scheduler.is_last_step or scheduler.sigterm_flag
+            # The previous write published if it has ended, and the save waiting for it handed to the writer (this
+            # one then waits in its place): a save is never lost to a race between a write's end and the next save.
+            # The last save waits for that write, and replaces the waiting one instead (the run ends after it).
+            self.publish_written_save(wait=last, launch=not last)
+            copying = self.wait_for_snapshot_copy()  # the stager still copying the buffers out (rare: < 1 s on an H200)
+            if self.waiting is not None:
+                self.replace_waiting(done)
+            lifecycle = self.checkpointer.lifecycle
+            writing = lifecycle._pending_checkpoint_dir
+            path = Path(self.checkpointer.config.checkpoint_dir) / f"epoch_{epoch}_step_{step}"
+            if writing is None:
+                checkpointer, snapshot = self.checkpointer, self.device_snapshot
+                real = checkpointer._do_save
+
+                def save_from_snapshot(state_dict, path, storage_writer=None):
+                    return real(snapshot.copy(Path(path).name, state_dict), path, storage_writer)
+
+                checkpointer._do_save = save_from_snapshot
+                try:
+                    super().save_checkpoint(epoch, step, train_loss, val_loss, best_metric_key)
+                finally:
+                    del checkpointer._do_save
+                self.snapshot_written(self.checkpointer_contexts())
+            else:
+                self.take_waiting(epoch, step, train_loss, val_loss, best_metric_key, path)
+            if self.dist_env.is_main:
+                val = (val_loss or {}).get("default")
+                meta = checkpoint_meta(recorded, done, None if val is None else scalar(val), scalar(train_loss))
+                meta["world_size"] = self.dist_env.world_size
+                ckpt.write_text_atomic(path / ckpt.META, json.dumps(meta, indent=1, sort_keys=True, default=str))
+                if writing is None:
+                    self.finisher.pending.append(path)
+            if writing is None:
+                self.mark_writes()
+            blocked = time.perf_counter() - started
+            if self.metrics is not None:
+                record = {"step": done, "checkpoint_save_s": blocked}
+                if copying > 0.001:
+                    record["checkpoint_snapshot_copy_wait_s"] = copying
+                if writing is not None:
+                    record["checkpoint_waiting_for"] = ckpt.step_of(Path(writing))
+                if not getattr(self, "snapshot_reported", False):
+                    self.snapshot_reported = True
+                    record["checkpoint_snapshot_gib"] = self.device_snapshot.bytes / 2**30
+                self.metrics.log(record)
+            if writing is not None and self.dist_env.is_main:
+                say(
+                    f"checkpoint of step {done} taken; its write starts when the save of step "
+                    f"{ckpt.step_of(Path(writing))} is written"
+                )
+            self.window_start += blocked  # tokens_per_s measures training steps only
+
+        def checkpointer_contexts(self) -> tuple:
+            return self.checkpointer._model_ctx, self.checkpointer._optim_ctx
+
+        @staticmethod
+        def snapshot_written(contexts) -> None:
+            """A save handed to DCP from the snapshot's buffers: the next optimizer step need not wait for the copy
+            to host memory (AutoModel's maybe_wait_for_staging), since it reads the buffers, not the weights."""
+            for context in contexts:
+                context.staging_active = False
+
+        def wait_for_snapshot_copy(self) -> float:
+            """Wait until DCP's stager has copied the buffers to host memory (they are about to be overwritten)."""
+            started = time.perf_counter()
+            futures = [c.future.staging_completion for c in self.checkpointer_contexts() if c.future is not None]
+            concurrent.futures.wait(futures)
+            return time.perf_counter() - started
+
+        def take_waiting(self, epoch, step, train_loss, val_loss, best_metric_key, path: Path) -> None:
+            """A save due while the previous one is being written: AutoModel's save runs as always (the step
+            directory reserved, unpublished; the data loader's position, the RNG, the schedule and the losses written
+            now), except that the model's and the optimizer's state go into the snapshot's buffers instead of to DCP,
+            and the write being in progress is neither waited for nor published. :meth:`write_waiting` hands them to
+            DCP when that write ends."""
+            checkpointer, lifecycle, snapshot = self.checkpointer, self.checkpointer.lifecycle, self.device_snapshot
+            contexts = self.checkpointer_contexts()
+            in_progress = [(c.future, c.staging_active) for c in contexts]
+            pending = (lifecycle._pending_checkpoint_dir, lifecycle._pending_best_checkpoint)
+            writes: list = []
+
+            def keep(state_dict, path, storage_writer=None):
+                writes.append((snapshot.copy(Path(path).name, state_dict), path, storage_writer))
+                return None  # no write yet (AutoModel stores it as the context's future: put back below)
+
+            checkpointer._do_save = keep
+            checkpointer.async_wait = lambda: None  # the write in progress goes on
+            lifecycle.complete_pending = lambda: None  # and is published when written, not before
+            try:
+                super().save_checkpoint(epoch, step, train_loss, val_loss, best_metric_key)
+            finally:
+                del checkpointer._do_save, checkpointer.async_wait, lifecycle.complete_pending
+                publication = (lifecycle._pending_checkpoint_dir, lifecycle._pending_best_checkpoint)
+                lifecycle._pending_checkpoint_dir, lifecycle._pending_best_checkpoint = pending
+                for context, (future, staging) in zip(contexts, in_progress):
+                    context.future, context.staging_active = future, staging
+            self.waiting = {
+                "step": step + 1,
+                "path": path,
+                "writes": writes,
+                "publication": publication,
+                "taken": time.perf_counter(),
+            }
+
+        def write_waiting(self) -> None:
+            """The previous write has ended: the save waiting in the snapshot's buffers is handed to DCP (every rank
+            at the same step: publish_written_save's agreement), and published when written, as any save."""
+            waiting, self.waiting = self.waiting, None
+            checkpointer, lifecycle = self.checkpointer, self.checkpointer.lifecycle
+            for state_dict, path, storage_writer in waiting["writes"]:
+                context = checkpointer._model_ctx if Path(path).name == "model" else checkpointer._optim_ctx
+                context.future = checkpointer._do_save(state_dict, path, storage_writer)
+            self.snapshot_written(self.checkpointer_contexts())
+            lifecycle._pending_checkpoint_dir, lifecycle._pending_best_checkpoint = waiting["publication"]
+            self.mark_writes()
+            if self.dist_env.is_main:
+                self.finisher.pending.append(waiting["path"])
+            if self.metrics is not None:
+                delay = time.perf_counter() - waiting["taken"]
+                self.metrics.log({"step": waiting["step"], "checkpoint_write_delayed_s": delay})
+
+        def replace_waiting(self, done: int) -> None:
+            """A newer save replaces the one waiting for the previous write: its step directory (reserved, never
+            published) is removed, and the replacement is on record."""
+            waiting, self.waiting = self.waiting, None
+            if self.dist_env.is_main:
+                ckpt.remove_unpublished(waiting["path"])
+                say(f"checkpoint of step {waiting['step']} replaced by the save of step {done} before its write began")
+            if self.metrics is not None:
+                self.metrics.log({"step": waiting["step"], "checkpoint_replaced_by": done})
 
         # -------------------------------------------------- metrics
         def save_snapshot(self, epoch, step, train_loss, val_loss, best_metric_key) -> None:
@@ -461,6 +620,8 @@ def build_recipe(
         def save_checkpoint(self, epoch, step, train_loss, val_loss=None, best_metric_key="default"):
             if self.snapshot_saves:
                 return self.save_snapshot(epoch, step, train_loss, val_loss, best_metric_key)
+            if self.device_snapshot is not None:
+                return self.save_replacing(epoch, step, train_loss, val_loss, best_metric_key)
             done = step + 1
             path = Path(self.checkpointer.config.checkpoint_dir) / f"epoch_{epoch}_step_{step}"
             if self.skip_while_writing(done):

@@ -35,6 +35,7 @@ from workloads.train.launch import (
     launch_world,
     localize,
     prepare_run_dir,
+    replace_fits,
     run_mirror,
     snapshots_fit,
 )
@@ -94,8 +95,12 @@ def train(config: TrainConfig) -> int:
         async_save, why_not = async_save_fits(config, vocab_size, world_size, cuda)
         if why_not and rank == 0:
             print(why_not, flush=True)
+    replace = False
     if async_save:
         automodel_shim.keep_staging_buffers(cuda)
+        replace, why_not = replace_fits(config, vocab_size, world_size, cuda)
+        if why_not and rank == 0:
+            print(why_not, flush=True)
     automodel_shim.parallel_writes(config.ckpt_write_threads)
     if resolve_moe_impl(config.arch, config.moe_impl) == "grouped":
         from workloads import moe_model
@@ -127,8 +132,14 @@ def train(config: TrainConfig) -> int:
     phases.switch(phases.BUILD)  # setup ends with the data loaders: what follows builds (compile, init_from)
     if async_save:
         recipe.writer_start = automodel_shim.start_checkpoint_process(recipe.checkpointer._model_ctx.process_group)
-        weights = [p for part in recipe.model_parts for p in part.parameters()]
-        recipe.prestage = automodel_shim.Prestage(recipe.checkpointer._model_ctx.stager, weights, cuda)
+        if replace:
+            # every save copies the state within the device first (its staging buffers are made for that copy)
+            from workloads.train.device_snapshot import DeviceSnapshot
+
+            recipe.device_snapshot = DeviceSnapshot()
+        else:
+            weights = [p for part in recipe.model_parts for p in part.parameters()]
+            recipe.prestage = automodel_shim.Prestage(recipe.checkpointer._model_ctx.stager, weights, cuda)
         if world_size > 1:
             recipe.agree_group = torch.distributed.new_group(backend="gloo")
     if snapshot_saves and world_size > 1:

@@ -1,0 +1,143 @@
+"""``ckpt_while_writing: replace`` (workloads/train/device_snapshot.py): every save's state is copied within the
+device first, a save due while the previous one is being written waits in that copy and is written when the
+write ends, and a newer save replaces the waiting one (issue 34, item 5: a save every 10 steps at 1.1B waited
+10-16 s for the previous write on an H200).
+
+The write is slowed for real, in torch.distributed.checkpoint's background writer process (a failpoint there
+waits 6 s before the step-2 save's first file), so the saves of the next steps find it still being written. On
+CPU the "device" is host memory: the same code, the copy a memcpy."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from infra import failpoints
+from tests.train.helpers import read_metrics, run_trainer, tiny_config_file
+from workloads import checkpoint as ckpt
+from workloads.checkpoint_writers import SLOW_WRITE_S
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*Transformer Engine and Apex")
+
+
+def _training(metrics: list[dict], after: int = 0) -> list[dict]:
+    """The optimizer steps' records without wall-clock fields (validation runs at every save, so it differs)."""
+    return [{k: v for k, v in m.items() if k != "tokens_per_s"} for m in metrics if "loss" in m and m["step"] > after]
+
+
+@pytest.mark.slow
+def test_saves_during_a_write_wait_in_device_memory_the_newest_is_written_and_resumes_exactly(tmp_path, train_dataset):
+    run_dir = tmp_path / "run"
+    last = 64  # long enough on 2 cores (~15 s of steps) for the slow write (~8 s) to end while training goes on
+    config_path = tiny_config_file(
+        train_dataset,
+        run_dir,
+        tmp_path / "config.json",
+        max_steps=last,
+        val_check_interval=12,
+        ckpt_every_n_steps=2,
+        save_top_k=-1,
+        ckpt_while_writing="replace",
+    )
+    proc = run_trainer(config_path, **failpoints.env(train__slow_background_write_at_step=2))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+
+    waiting = {m["step"]: m["checkpoint_waiting_for"] for m in metrics if "checkpoint_waiting_for" in m}
+    replaced = {m["step"]: m["checkpoint_replaced_by"] for m in metrics if "checkpoint_replaced_by" in m}
+    delayed = {m["step"]: m["checkpoint_write_delayed_s"] for m in metrics if "checkpoint_write_delayed_s" in m}
+    assert waiting, "no save found the step-2 save still being written"
+    assert 2 in waiting.values()  # saves were taken while the slow one was written
+    assert replaced, "no waiting save was replaced by a newer one"
+    for step, by in replaced.items():
+        assert by > step and step in waiting  # only a waiting save is replaced, by a later one
+        assert f"checkpoint of step {step} replaced by the save of step {by} before its write began" in proc.stdout
+        assert not ckpt.checkpoints_dir(run_dir).joinpath(ckpt.step_dir_name(step)).exists()
+    assert delayed, "no waiting save was written after the slow write"
+
+    saved = [c.step for c in ckpt.saved_checkpoints(run_dir)]
+    assert saved[0] == 2 and saved[-1] == last  # the slow one was published; the last step's save is never replaced
+    # every save is either written or replaced, never both, never lost without a record
+    taken = {m["step"] for m in metrics if "checkpoint_save_s" in m}
+    assert set(saved) | set(replaced) == taken and not set(saved) & set(replaced)
+    # a save that waited in device memory was then written and published
+    written_late = sorted(set(delayed) & set(saved))
+    assert written_late and all(delayed[s] > 0 for s in written_late)
+
+    # the loop never waited for the slow write (the last save may: it must be written before the run ends)
+    blocked = {m["step"]: m["checkpoint_save_s"] for m in metrics if "checkpoint_save_s" in m}
+    assert all(seconds < SLOW_WRITE_S / 2 for step, seconds in blocked.items() if step != last), blocked
+    assert not any("checkpoint_wait_s" in m for m in metrics)  # no wait for the copy to host memory either
+
+    # The save written after waiting holds the state of its own step (weights, optimizer, data position,
+    # schedule), not of the later step it was written at: a run resumed from it trains exactly the steps
+    # the uninterrupted run trained after it.
+    resume_from = written_late[0]
+    for later in ckpt.saved_checkpoints(run_dir):
+        if later.step > resume_from:
+            shutil.rmtree(later.step_dir)
+    for pointer in ("LATEST", "LOWEST_VAL"):
+        ckpt.checkpoints_dir(run_dir).joinpath(pointer).unlink(missing_ok=True)
+    resumed = run_trainer(config_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"at step {resume_from} " in resumed.stdout
+    after = read_metrics(run_dir)  # the resumed run keeps the records up to its step and appends its own
+    assert _training(after, resume_from) == _training(metrics, resume_from)
+    assert len(_training(after, resume_from)) == last - resume_from
+
+    # benchmarks/bench_train_gpu.py's accounting of the same records, and the run's artifact
+    import importlib.util
+
+    from tests.train.helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_train_gpu", REPO / "benchmarks" / "bench_train_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    stats = bench.checkpoint_stats(metrics, warmup=1, tokens_per_step=8 * 64)
+    assert stats["replaced_saves"] == len(replaced) and stats["checkpoints"] == len(blocked)
+
+    from tasks.train_engines.automodel import loss_curve_markdown
+
+    markdown = loss_curve_markdown(metrics, None, str(run_dir))
+    assert f"{len(replaced)} replaced by a newer save before their write" in markdown
+
+
+def test_replace_falls_back_to_waiting_without_the_memory_for_the_copy():
+    from infra.configs.train import TrainConfig
+    from workloads.train.launch import replace_fits
+
+    config = TrainConfig(
+        arch="llama",
+        hidden_size=2048,
+        num_layers=22,
+        num_attention_heads=32,
+        ffn_hidden_size=5632,
+        seq_length=2048,
+        global_batch_size=8,
+        micro_batch_size=8,
+        max_steps=10,
+        data_prefix=["1.0", "/data/x"],
+        tokenizer_model="/t.model",
+        gpus_per_node=1,
+        ckpt_while_writing="replace",
+    )
+    from infra.configs.memory_plan import GIB, check_memory, plan_memory
+
+    # the 1.1B's saved state (fp32 weights, AdamW m and v) beside training: on an H200 it fits
+    fits, why = replace_fits(config, 32000, 1, cuda=True, gpu_memory_gib=139.8)
+    assert fits and why is None
+    # on a GPU where training fits but not the copy too: the trainer saves as with wait, and the layout is not refused
+    plan = plan_memory(config, 32000)
+    assert plan.snapshot == plan.weights + plan.optimizer and plan.total == plan.training + plan.snapshot
+    between = (plan.training + plan.snapshot / 2) / GIB
+    fits, why = replace_fits(config, 32000, 1, cuda=True, gpu_memory_gib=between)
+    assert not fits
+    assert why.startswith(f"warning: ckpt_while_writing: replace needs {plan.snapshot / GIB:.1f} GiB more per GPU")
+    assert f"but the GPU has {between:.1f} GiB" in why and why.endswith("saving as with ckpt_while_writing: wait")
+    assert check_memory(config, gpu_memory_gib=between, world_size=1).snapshot == plan.snapshot
+    # on CPU the copy is in host memory
+    fits, why = replace_fits(config, 32000, 1, cuda=False, room=8 * 2**30)
+    state = 12 * plan.parameters / 2**30  # fp32 weights and two fp32 moments
+    assert not fits and f"needs {state:.2f} GiB of memory" in why and "8.00 GiB is available" in why
+    assert replace_fits(config.model_copy(update={"ckpt_while_writing": "wait"}), 32000, 1, cuda=True) == (False, None)
