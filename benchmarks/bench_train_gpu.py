@@ -204,6 +204,7 @@ def run_nemoflow(args, prefix: str, out: Path, moe_impl: str | None = None, ckpt
         # the saving run only: the no-save comparison (one save at the end) is today's path
         **({"ckpt_snapshots": True} if args.snapshots and ckpt_every < args.steps else {}),
         **({"ckpt_while_writing": "skip"} if args.skip_while_writing and ckpt_every < args.steps else {}),
+        **({"ckpt_while_writing": "replace"} if args.replace_while_writing and ckpt_every < args.steps else {}),
         **({"ckpt_write_threads": args.ckpt_write_threads} if args.ckpt_write_threads else {}),
         "strategy": args.strategy,
         **moe_fields(args.model, moe_impl, cuda and not args.no_compile),
@@ -252,6 +253,7 @@ def run_nemoflow(args, prefix: str, out: Path, moe_impl: str | None = None, ckpt
         "ckpt_every": ckpt_every,
         **({"snapshots": True} if config.get("ckpt_snapshots") else {}),
         **({"skip_while_writing": True} if config.get("ckpt_while_writing") == "skip" else {}),
+        **({"replace_while_writing": True} if config.get("ckpt_while_writing") == "replace" else {}),
         **stats,
         "final_loss": [r for r in records if "loss" in r][-1]["loss"],
         # the trainer's own phase seconds (infra/phases.py: imports, build and compile, data, steps, saves)
@@ -466,6 +468,13 @@ def main() -> None:
         "written is skipped, not waited for; the result counts them: skipped_saves)",
     )
     parser.add_argument(
+        "--replace-while-writing",
+        action="store_true",
+        help="the saving run with ckpt_while_writing: replace (each save copied within the GPU first; one due "
+        "during a write waits in that copy, written when the write ends or replaced by a newer one: the result "
+        "counts them: replaced_saves, delayed_writes)",
+    )
+    parser.add_argument(
         "--ckpt-write-threads", type=int, help="files each rank writes in parallel per save (default: TrainConfig's)"
     )
     parser.add_argument(
@@ -485,6 +494,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "train_gpu"))
     parser.add_argument("--reference-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if sum((args.snapshots, args.skip_while_writing, args.replace_while_writing)) > 1:
+        parser.error("--snapshots, --skip-while-writing and --replace-while-writing are ways to save: give one")
     if args.reference_worker:
         reference_worker(args)
         return

@@ -498,6 +498,9 @@ def _variants(result: dict):
         if nemo.get("skip_while_writing"):
             skipped = nemo.get("skipped_saves", 0)
             label = f" (skip while writing: {skipped} of {skipped + nemo.get('checkpoints', 0)} saves skipped)"
+        if nemo.get("replace_while_writing"):
+            replaced = nemo.get("replaced_saves", 0)
+            label = f" (replace while writing: {replaced} of {nemo.get('checkpoints', 0)} saves replaced)"
         yield label, nemo
         if result.get("nemoflow_no_saves"):
             yield " (no saves)", result["nemoflow_no_saves"]

@@ -143,6 +143,10 @@ def test_the_train_table_names_how_the_saving_run_saved(tmp_path):
     result["nemoflow"] = {"tokens_per_s": 66e3, "snapshots": True}
     (parts / "train" / "ckpt10.json").write_text(json.dumps(result))
     assert "| ckpt10 (snapshots) | 1.1b |" in acceptance.render(acceptance.collect(parts, "abc1234"))
+    result["nemoflow"] = {"tokens_per_s": 66e3, "replace_while_writing": True, "replaced_saves": 2, "checkpoints": 4}
+    (parts / "train" / "ckpt10.json").write_text(json.dumps(result))
+    text = acceptance.render(acceptance.collect(parts, "abc1234"))
+    assert "| ckpt10 (replace while writing: 2 of 4 saves replaced) | 1.1b |" in text
 
 
 def test_a_multiline_answer_stays_in_its_table_row(tmp_path):
