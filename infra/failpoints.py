@@ -33,6 +33,9 @@ KNOWN: dict[str, str] = {
     "train.slow_background_write_at_step": "the background checkpoint writer process waits 6 s before writing the "
     "save of step N ('N+': every save from step N on), so later saves find it still being written "
     "(ckpt_while_writing)",
+    "train.kill_trainer_during_write_at_step": "the background checkpoint writer process SIGKILLs the trainer "
+    "when it receives the optimizer part of the save of step N, then writes it (ckpt_while_writing: replace: the "
+    "next run publishes it)",
     "consolidate.crash_before_manifest": "SIGKILL the export after its weights are written, before MANIFEST.json",
     "consolidate.pause_before_manifest": "the export sleeps 120 s after writing its weights, before MANIFEST.json",
     "serve.step_delay_ms": "the built-in engine sleeps N ms before each token it generates (a slow model: "

@@ -350,12 +350,13 @@ def unlock_started_saves() -> None:
     executor_class._nemoflow_unlocked = True
 
 
-def parallel_writes(threads: int) -> None:
+def parallel_writes(threads: int, keep_writing: bool = False) -> None:
     """Every checkpoint save writes ``threads`` files per rank at once (workloads/checkpoint_writers.py).
 
     AutoModel's ``_do_save`` passes each save's storage writer through ``_maybe_msc_writer`` (None for the
     optimizer state: DCP then builds a one-file-per-rank ``FileSystemWriter``; AutoModel's safetensors writer for
     the weights); the wrapper returns the parallel writers instead. Synchronous saves use them too.
+    ``keep_writing`` (``ckpt_while_writing: replace``): a save the writer process received outlives the trainer.
     """
     import nemo_automodel.components.checkpoint.checkpointing as checkpointing
 
@@ -364,7 +365,7 @@ def parallel_writes(threads: int) -> None:
     real = getattr(checkpointing._maybe_msc_writer, "__wrapped__", checkpointing._maybe_msc_writer)
 
     def maybe_msc_writer(path, storage_writer):
-        return checkpoint_writers.parallel(real(path, storage_writer), path, threads)
+        return checkpoint_writers.parallel(real(path, storage_writer), path, threads, keep_writing)
 
     maybe_msc_writer.__wrapped__ = real
     checkpointing._maybe_msc_writer = maybe_msc_writer

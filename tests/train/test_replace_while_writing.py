@@ -14,7 +14,8 @@ import shutil
 import pytest
 
 from infra import failpoints
-from tests.train.helpers import read_metrics, run_trainer, tiny_config_file
+from tests.support import fault_ledger
+from tests.train.helpers import checkpoints_now, read_metrics, record_saves, run_trainer, tiny_config_file
 from workloads import checkpoint as ckpt
 from workloads.checkpoint_writers import SLOW_WRITE_S
 
@@ -141,3 +142,61 @@ def test_replace_falls_back_to_waiting_without_the_memory_for_the_copy():
     state = 12 * plan.parameters / 2**30  # fp32 weights and two fp32 moments
     assert not fits and f"needs {state:.2f} GiB of memory" in why and "8.00 GiB is available" in why
     assert replace_fits(config.model_copy(update={"ckpt_while_writing": "wait"}), 32000, 1, cuda=True) == (False, None)
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_a_trainer_killed_during_a_write_loses_no_save_its_writer_received(tmp_path, train_dataset, reference_run):
+    """SIGKILL of the trainer once DCP's writer process has received the last save (step 12, both parts): the
+    writer leaves the trainer's session, finishes the save and marks it written; the next run waits for the
+    writer and publishes that save instead of resuming from an earlier one and training those steps again."""
+    from workloads.checkpoint_writers import WRITTEN, writer_pidfiles
+
+    run_dir = tmp_path / "run"
+    config_path = tiny_config_file(train_dataset, run_dir, tmp_path / "config.json", ckpt_while_writing="replace")
+    row = fault_ledger.open_row("training job SIGKILLed while its writer holds the last save (while_writing replace)")
+    killed = run_trainer(config_path, **failpoints.env(train__kill_trainer_during_write_at_step=12))
+    row.injected += killed.returncode == -9
+    assert killed.returncode == -9, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert "SIGKILL of the trainer (failpoint)" in killed.stderr
+    step12 = ckpt.checkpoints_dir(run_dir) / ckpt.step_dir_name(12)
+    # the trainer never published it; its writer finished it after the trainer's death
+    assert (step12 / ckpt.INCOMPLETE).exists()
+    assert (step12 / "model" / WRITTEN).exists() and (step12 / "optim" / WRITTEN).exists()
+    record_saves(row, run_dir, killed.stdout)  # what the killed run said it saved is intact
+    before = [c.step for c in ckpt.saved_checkpoints(run_dir)]
+    assert 12 not in before
+    assert writer_pidfiles(ckpt.checkpoints_dir(run_dir))  # the writer put its pid on record for the next run
+
+    resumed = run_trainer(config_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"recovered checkpoint {step12} (step 12): its writer finished it after the trainer was killed" in (
+        resumed.stdout
+    )
+    assert "at step 12 (consumed_samples=96)" in resumed.stdout
+    assert "step=9 loss" not in resumed.stdout  # nothing trained again
+    assert _training(read_metrics(run_dir)) == _training(reference_run["metrics"])
+    assert [c.step for c in ckpt.saved_checkpoints(run_dir)] == [*before, 12]
+    assert checkpoints_now(run_dir)[12] == "intact"  # every file the recovered save's metadata names, whole
+    assert ckpt.latest_checkpoint(run_dir) is not None  # and the export of it was made
+    assert not writer_pidfiles(ckpt.checkpoints_dir(run_dir))  # the dead writer's pid file is gone
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_without_replace_the_same_kill_resumes_from_the_save_before(tmp_path, train_dataset, reference_run):
+    """The same kill with the default saves: the writer marks nothing (and dies with the trainer's session), so
+    nothing is recovered and the next run resumes from the save before (the marks decide, not files found)."""
+    from tests.train.helpers import deterministic_part
+
+    run_dir = tmp_path / "run"
+    config_path = tiny_config_file(train_dataset, run_dir, tmp_path / "config.json")
+    row = fault_ledger.open_row("training job SIGKILLed while its writer holds the last save (default saves)")
+    killed = run_trainer(config_path, **failpoints.env(train__kill_trainer_during_write_at_step=12))
+    row.injected += killed.returncode == -9
+    record_saves(row, run_dir, killed.stdout)
+    assert killed.returncode == -9, killed.stdout[-3000:] + killed.stderr[-3000:]
+    resumed = run_trainer(config_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "recovered checkpoint" not in resumed.stdout and "at step 8 (consumed_samples=64)" in resumed.stdout
+    assert deterministic_part(read_metrics(run_dir)) == deterministic_part(reference_run["metrics"])

@@ -6,8 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+from infra import processes
 from infra.configs.train import TrainConfig
 from workloads import checkpoint as ckpt
 from workloads import staging
@@ -35,6 +37,62 @@ def checkpoint_meta(config: TrainConfig, step: int, val_loss: float | None, trai
         "precision": config.precision,
         "engine": "nemo-automodel",
     }
+
+
+def recover_written_save(run_dir: Path, timeout_s: float = 3600) -> Path | None:
+    """``ckpt_while_writing: replace``: publish the save a killed trainer left unpublished although its writer
+    process finished it (workloads/checkpoint_writers.py ``keep_writing``); the step directory published, or None.
+
+    First waits while such a writer process (pid files in the checkpoint directory) still writes. Then the newest
+    unpublished save newer than the newest published one, whose model and optimizer parts are both marked written
+    and whose meta.json is there, is published as the trainer would have: AutoModel's ``.incomplete`` marker
+    removed, LATEST (and LOWEST_VAL) moved. Every rank calls it before anything loads a checkpoint; a lock makes
+    one of them publish and the others find it done. Without marked saves (every other mode) it only lists a
+    directory.
+    """
+    import fcntl
+
+    from workloads.checkpoint_writers import WRITTEN, writer_pidfiles
+
+    checkpoints = ckpt.checkpoints_dir(run_dir)
+    if not checkpoints.is_dir():
+        return None
+    started = time.monotonic()
+    for pidfile in writer_pidfiles(checkpoints):
+        pid = processes.read_pidfile(pidfile)
+        if pid is not None:
+            say(f"waiting for the checkpoint writer (pid {pid}) of a killed run to finish its save before resuming")
+        while processes.read_pidfile(pidfile) is not None and time.monotonic() - started < timeout_s:
+            time.sleep(0.1)
+    with open(checkpoints / ".recover.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for pidfile in writer_pidfiles(checkpoints):
+            if processes.read_pidfile(pidfile) is None:
+                pidfile.unlink(missing_ok=True)
+        saved = ckpt.saved_checkpoints(run_dir)
+        newest = saved[-1].step if saved else 0
+        unpublished = [
+            d for d in checkpoints.glob("epoch_*_step_*") if (d / ckpt.INCOMPLETE).exists() and ckpt.step_of(d) > newest
+        ]
+        for step_dir in sorted(unpublished, key=ckpt.step_of, reverse=True):
+            if not all((step_dir / part / WRITTEN).exists() for part in ("model", "optim")):
+                continue
+            if not (step_dir / ckpt.META).exists():
+                continue
+            from nemo_automodel.components.checkpoint.lifecycle import CheckpointLifecycle
+            from nemo_automodel.components.checkpoint.utils import read_checkpoint_metric
+
+            from workloads.train.snapshots import _LifecycleConfig
+
+            lifecycle = CheckpointLifecycle(config=_LifecycleConfig(str(checkpoints)))
+            best = read_checkpoint_metric(step_dir, "default")
+            lifecycle.publish(str(step_dir), best_val_metric=best, metric_key="default")
+            say(
+                f"recovered checkpoint {step_dir} (step {ckpt.step_of(step_dir)}): its writer finished it after the "
+                "trainer was killed"
+            )
+            return step_dir
+    return None
 
 
 class CheckpointFinisher:

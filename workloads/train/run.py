@@ -25,7 +25,7 @@ from workloads import checkpoint as ckpt
 from workloads import staging
 from workloads import train as train_package
 from workloads.data_loader import DatasetMissingError, SentencePieceInfo, check_prefixes
-from workloads.train.checkpoints import export_checkpoints, upload_unsent
+from workloads.train.checkpoints import export_checkpoints, recover_written_save, upload_unsent
 from workloads.train.errors import NO_SPACE, CheckpointSaveError, ExportError, disk_full, run_dir_full
 from workloads.train.launch import (
     async_save_fits,
@@ -63,6 +63,7 @@ def train(config: TrainConfig) -> int:
     mirror = run_mirror(config)
     run_dir = prepare_run_dir(config, mirror)
     wait_for_writer(run_dir)  # a killed run's snapshot writer still persisting (ckpt_snapshots): resume after it
+    recover_written_save(run_dir)  # a killed run's last save, written after its death (ckpt_while_writing: replace)
     recorded, config = config, localize(config)  # meta.json records the URIs given; AutoModel reads local files
     if config.init_from and not (Path(config.init_from) / "config.json").is_file():
         raise FileNotFoundError(f"init_from {recorded.init_from} has no config.json: not a checkpoint directory")
@@ -101,7 +102,7 @@ def train(config: TrainConfig) -> int:
         replace, why_not = replace_fits(config, vocab_size, world_size, cuda)
         if why_not and rank == 0:
             print(why_not, flush=True)
-    automodel_shim.parallel_writes(config.ckpt_write_threads)
+    automodel_shim.parallel_writes(config.ckpt_write_threads, keep_writing=replace)
     if resolve_moe_impl(config.arch, config.moe_impl) == "grouped":
         from workloads import moe_model
 
