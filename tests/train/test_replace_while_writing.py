@@ -70,6 +70,11 @@ def test_saves_during_a_write_wait_in_device_memory_the_newest_is_written_and_re
     blocked = {m["step"]: m["checkpoint_save_s"] for m in metrics if "checkpoint_save_s" in m}
     assert all(seconds < SLOW_WRITE_S / 2 for step, seconds in blocked.items() if step != last), blocked
     assert not any("checkpoint_wait_s" in m for m in metrics)  # no wait for the copy to host memory either
+    # the copy's buffers, and the stager's host buffers for them, were made before the first save, while training
+    first = next(m for m in metrics if "checkpoint_snapshot_gib" in m)
+    assert first["step"] == 2 and first["checkpoint_snapshot_prepared_gib"] == first["checkpoint_snapshot_gib"] > 0
+    prestaged = next(m for m in metrics if "checkpoint_prestage_gib" in m)
+    assert prestaged["step"] == 2 and prestaged["checkpoint_prestage_gib"] >= first["checkpoint_snapshot_gib"]
 
     # The save written after waiting holds the state of its own step (weights, optimizer, data position,
     # schedule), not of the later step it was written at: a run resumed from it trains exactly the steps
@@ -200,3 +205,30 @@ def test_without_replace_the_same_kill_resumes_from_the_save_before(tmp_path, tr
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "recovered checkpoint" not in resumed.stdout and "at step 8 (consumed_samples=64)" in resumed.stdout
     assert deterministic_part(read_metrics(run_dir)) == deterministic_part(reference_run["metrics"])
+
+
+def test_the_copy_uses_the_buffers_made_ahead_and_holds_the_values_of_its_time():
+    import torch
+
+    from workloads.train.device_snapshot import DeviceSnapshot
+
+    weight, moment = torch.randn(4, 3), torch.zeros(4, 3)
+    snapshot = DeviceSnapshot()
+    made = snapshot.prepare([weight, moment])
+    state = {"state": {"w": {"exp_avg": moment, "step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1}]}
+    copied = snapshot.copy("optim", {"model": weight, **state})
+    assert copied["model"] is made[0] and copied["state"]["w"]["exp_avg"] is made[1]
+    assert snapshot.prepared_used == 2 * weight.numel() * 4  # the step tensor had no buffer made ahead
+    # the copy keeps the values of its time: the live state changes after it
+    weight_then, moment_then = weight.clone(), moment.clone()
+    weight.add_(1.0)
+    moment.add_(2.0)
+    state["param_groups"][0]["lr"] = 0.05
+    assert torch.equal(copied["model"], weight_then) and torch.equal(copied["state"]["w"]["exp_avg"], moment_then)
+    assert copied["param_groups"][0]["lr"] == 0.1
+    # the next save reuses the same buffers
+    again = snapshot.copy("optim", {"model": weight, **state})
+    assert again["model"] is made[0] and torch.equal(again["model"], weight)
+    # a state of another shape gets buffers of its own
+    other = snapshot.copy("optim", {"model": torch.ones(2), **state})
+    assert other["model"].shape == (2,) and other["model"] is not made[0]

@@ -42,6 +42,11 @@ AutoModel's; this module adds what the pipeline needs around them:
 * ``ckpt_while_writing: skip`` (opt-in; default ``wait``): a save due while the previous background save is
   still being written is skipped instead of waited for ("checkpoint of step N skipped" lines, a
   ``checkpoint_skipped_while_writing`` record in metrics.jsonl); never the last step's save or one on a signal;
+* ``ckpt_while_writing: replace`` (opt-in): each save's state copied on the device first, so the loop waits for
+  neither the copy to host memory nor the previous write; a save due during a write waits in that copy and is
+  written when the write ends, a newer one replaces it (``checkpoint_waiting_for``, ``checkpoint_replaced_by``,
+  ``checkpoint_write_delayed_s`` in metrics.jsonl); a save the writer process received outlives a killed trainer
+  and the next run publishes it (workloads/train/device_snapshot.py, workloads/checkpoint_writers.py);
 * ``ckpt_snapshots: true`` (opt-in): each save is a snapshot in /dev/shm that a writer process of its own
   session persists at the storage's pace (a newer snapshot replaces the one waiting; ``snapshot_*`` records in
   metrics.jsonl); it outlives a killed trainer, and the next run waits for it (workloads/train/snapshots.py);

@@ -17,7 +17,10 @@ memory nor a write.
 
 One set of buffers: a save taken while the stager is still copying the previous one out of them (under a second
 on an H200, against saves at least several steps apart) waits for that copy, on record. The memory (one more
-copy of a rank's state on its device) is checked before the run (``launch.replace_fits``).
+copy of a rank's state on its device) is checked before the run (``launch.replace_fits``). The buffers are
+made before the first save (:meth:`DeviceSnapshot.prepare`: the weights' while the model compiles, the optimizer
+state's after the first optimizer step) so that the stager's pinned host copies of them are made in the
+background then too (``automodel_shim.Prestage``), not at the first save.
 
 Why our own code: neither AutoModel nor torch.distributed.checkpoint has a save that replaces a waiting one, and
 DCP's stager copies straight from the live weights, so the loop must wait for that copy before the next
@@ -37,6 +40,22 @@ class DeviceSnapshot:
 
     def __init__(self) -> None:
         self.buffers: dict[str, list] = {}
+        self.prepared: dict[tuple, torch.Tensor] = {}  # source tensor's key -> its buffer, made ahead of the first save
+        self.prepared_used = 0  # bytes of the buffers in use that were made ahead (all of them, when keys match)
+
+    def prepare(self, tensors) -> list[torch.Tensor]:
+        """Make the buffers of ``tensors`` (live weights or optimizer state) now; the first save's copy of a state
+        dict whose tensors are these (the same storage and layout) uses them. Returns the buffers."""
+        made = []
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or _local(tensor).data_ptr() == 0:
+                continue
+            key = _key(tensor)
+            if key not in self.prepared:
+                with torch.no_grad():
+                    self.prepared[key] = torch.empty_like(tensor.detach())
+            made.append(self.prepared[key])
+        return made
 
     @property
     def bytes(self) -> int:
@@ -48,9 +67,7 @@ class DeviceSnapshot:
         leaves, spec = pytree.tree_flatten(state_dict)
         buffers = self.buffers.get(kind)
         if buffers is None or len(buffers) != len(leaves) or not all(map(_fits, buffers, leaves)):
-            buffers = self.buffers[kind] = [
-                torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else None for leaf in leaves
-            ]
+            buffers = self.buffers[kind] = [self._buffer(leaf) for leaf in leaves]
         copied = []
         devices = set()
         with torch.no_grad():
@@ -67,6 +84,22 @@ class DeviceSnapshot:
                 # here on the training stream are finished first (milliseconds)
                 torch.cuda.current_stream(device).synchronize()
         return pytree.tree_unflatten(copied, spec)
+
+    def _buffer(self, leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return None
+        prepared = self.prepared.pop(_key(leaf), None) if _local(leaf).data_ptr() else None
+        if prepared is not None and _fits(prepared, leaf):
+            self.prepared_used += _nbytes(prepared)
+            return prepared
+        with torch.no_grad():
+            return torch.empty_like(leaf.detach())
+
+
+def _key(tensor: torch.Tensor) -> tuple:
+    """A tensor's identity as the state dicts hand it over: where its data is, and its layout."""
+    local = _local(tensor)
+    return (local.device, local.data_ptr(), tuple(local.shape), local.stride(), local.dtype)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -115,6 +115,8 @@ def build_recipe(
             if self.prestage is not None and not self.prestage.optimizer_ready.is_set():
                 # the optimizer's state exists from its first step on: its staging buffers can be prepared now
                 tensors = automodel_shim.optimizer_tensors(self.optimizer)
+                if self.device_snapshot is not None:  # ckpt_while_writing: replace: the stager copies from these
+                    tensors = self.device_snapshot.prepare(tensors)
                 self.prestage.optimizer(self.checkpointer._optim_ctx.stager, tensors)
             return result
 
@@ -359,6 +361,8 @@ def build_recipe(
             # one then waits in its place): a save is never lost to a race between a write's end and the next save.
             # The last save waits for that write, and replaces the waiting one instead (the run ends after it).
             self.publish_written_save(wait=last, launch=not last)
+            if self.prestage is not None:
+                self.join_prestage(done)  # the first save: the host buffers prepared in the background, on record
             copying = self.wait_for_snapshot_copy()  # the stager still copying the buffers out (rare: < 1 s on an H200)
             if self.waiting is not None:
                 self.replace_waiting(done)
@@ -399,6 +403,9 @@ def build_recipe(
                 if not getattr(self, "snapshot_reported", False):
                     self.snapshot_reported = True
                     record["checkpoint_snapshot_gib"] = self.device_snapshot.bytes / 2**30
+                    # of which made before this first save (with the stager's host buffers for them)
+                    record["checkpoint_snapshot_prepared_gib"] = self.device_snapshot.prepared_used / 2**30
+                    self.device_snapshot.prepared.clear()  # any not used by this save: none when the keys match
                 self.metrics.log(record)
             if writing is not None and self.dist_env.is_main:
                 say(

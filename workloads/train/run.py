@@ -133,14 +133,15 @@ def train(config: TrainConfig) -> int:
     phases.switch(phases.BUILD)  # setup ends with the data loaders: what follows builds (compile, init_from)
     if async_save:
         recipe.writer_start = automodel_shim.start_checkpoint_process(recipe.checkpointer._model_ctx.process_group)
+        weights = [p for part in recipe.model_parts for p in part.parameters()]
         if replace:
-            # every save copies the state within the device first (its staging buffers are made for that copy)
+            # every save copies the state within the device first: the stager copies from those buffers, so its
+            # host buffers are prepared for them (made now, while the model compiles)
             from workloads.train.device_snapshot import DeviceSnapshot
 
             recipe.device_snapshot = DeviceSnapshot()
-        else:
-            weights = [p for part in recipe.model_parts for p in part.parameters()]
-            recipe.prestage = automodel_shim.Prestage(recipe.checkpointer._model_ctx.stager, weights, cuda)
+            weights = recipe.device_snapshot.prepare(weights)
+        recipe.prestage = automodel_shim.Prestage(recipe.checkpointer._model_ctx.stager, weights, cuda)
         if world_size > 1:
             recipe.agree_group = torch.distributed.new_group(backend="gloo")
     if snapshot_saves and world_size > 1:
