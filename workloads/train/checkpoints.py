@@ -57,6 +57,16 @@ def recover_written_save(run_dir: Path, timeout_s: float = 3600) -> Path | None:
     checkpoints = ckpt.checkpoints_dir(run_dir)
     if not checkpoints.is_dir():
         return None
+
+    def marked() -> list[Path]:
+        return [
+            d
+            for d in checkpoints.glob(f"epoch_*_step_*/model/{WRITTEN}")
+            if (d.parent.parent / ckpt.INCOMPLETE).exists()
+        ]
+
+    if not writer_pidfiles(checkpoints) and not marked():
+        return None  # every run but a killed one of ckpt_while_writing: replace: nothing is written here
     started = time.monotonic()
     for pidfile in writer_pidfiles(checkpoints):
         pid = processes.read_pidfile(pidfile)
