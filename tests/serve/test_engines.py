@@ -69,7 +69,7 @@ def test_vllm_leaves_room_on_its_gpus_for_the_next_server_of_a_switch():
 
     def engine_argv(*extra: str) -> list[str]:
         args = parse_args(["--checkpoint", "/c", "--engine", "vllm", "--engine-arg=--tokenizer=/t", *extra])
-        return vllm_target(args, Path("/c"), "m", None).argv
+        return vllm_target(args, Path("/c"), "m").argv
 
     default = engine_argv()
     at = default.index("--gpu-memory-utilization")
@@ -81,14 +81,15 @@ def test_vllm_leaves_room_on_its_gpus_for_the_next_server_of_a_switch():
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.85" and argv.count("--gpu-memory-utilization") == 1
 
 
-def test_vllm_gets_the_key_in_its_environment_only():
+def test_vllm_gets_no_key_in_its_environment():
+    """vLLM 0.26 hashes its VLLM_* variables into its compile cache key and writes them, values included, to
+    cache_key_factors.json: a key there was a secret on disk (and a new cache key every deploy). The proxy
+    checks the key; vLLM listens on loopback behind it."""
     off = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}  # the engine environment carries no flashinfer
-    env = vllm_env("sk-secret", {"PATH": "/bin", "VLLM_API_KEY": "stale"})
-    assert env == {"PATH": "/bin", "VLLM_API_KEY": "sk-secret", **off}
-    # no key: a VLLM_API_KEY inherited from the caller's environment must not switch auth on silently
-    assert vllm_env(None, {"PATH": "/bin", "VLLM_API_KEY": "stale"}) == {"PATH": "/bin", **off}
+    # a VLLM_API_KEY inherited from the caller's environment is dropped too
+    assert vllm_env({"PATH": "/bin", "VLLM_API_KEY": "stale"}) == {"PATH": "/bin", **off}
     # a user's own choice stays; vLLM's own environment does not see nemoflow's PYTHONPATH
-    assert vllm_env(None, {"VLLM_USE_FLASHINFER_SAMPLER": "1", "PYTHONPATH": "/repo"}, own_environment=True) == {
+    assert vllm_env({"VLLM_USE_FLASHINFER_SAMPLER": "1", "PYTHONPATH": "/repo"}, own_environment=True) == {
         "VLLM_USE_FLASHINFER_SAMPLER": "1"
     }
 
@@ -278,7 +279,7 @@ def test_vllm_engine_behind_the_proxy(tmp_path, tiny_checkpoint, vllm_bin):
         env={KEY_ENV: key},
     )
     try:
-        # the engine got the command line vllm_argv renders, and the key only in its environment
+        # the engine got the command line vllm_argv renders, and no key: the proxy checks it
         engine_port = int(record["argv"][record["argv"].index("--port") + 1])
         assert (
             record["argv"][1:]
@@ -292,7 +293,7 @@ def test_vllm_engine_behind_the_proxy(tmp_path, tiny_checkpoint, vllm_bin):
                 executable=str(vllm_bin),
             )[1:]
         )
-        assert record["vllm_api_key_set"] is True and key not in json.dumps(record)
+        assert record["vllm_api_key_set"] is False and key not in json.dumps(record)
         auth = {"Authorization": f"Bearer {key}"}
 
         # ready only once warm: the proxy's /health said ok after one generation had gone through the engine

@@ -121,7 +121,7 @@ def test_auto_serves_through_the_proxy_with_vllm_from_its_environment(tmp_path, 
     try:
         wait_http(url + "/health", 120, proc, log)
         record = json.loads(record_file.read_text())
-        assert record["kind"] == "vllm" and record["vllm_api_key_set"] is True and key not in json.dumps(record)
+        assert record["kind"] == "vllm" and record["vllm_api_key_set"] is False and key not in json.dumps(record)
         assert record.get("via") == "python -m vllm.entrypoints.cli.main"
         assert record.get("pythonpath") == ""  # nemoflow's checkout does not shadow vLLM's packages
         argv = record["argv"]

@@ -20,8 +20,8 @@ answers the NeMo shape, ``/v1/models`` and ``/health``; OpenAI routes get a 404 
 The engine's command line comes from pure functions of its options (``vllm.vllm_argv``,
 ``triton.triton_argv``), and what differs between engines is a value (:class:`EngineTarget`: its
 command, health path, whether it speaks OpenAI, its NeMo-shape adapter): the proxy never asks which
-engine it fronts. The API key is never on it: vLLM reads it from ``VLLM_API_KEY`` in its environment (vLLM's
-own variable), NeMo's REST service has no key and listens on loopback only. The child stays in this
+engine it fronts. The API key is checked here only: the engines listen on loopback without one (vLLM would
+write a key in its environment to disk: ``vllm.vllm_env``), as NeMo's REST service has none. The child stays in this
 process's group (a group kill stops both); when the engine exits, the proxy exits with its code;
 when the proxy is told to stop (SIGTERM), it stops the engine.
 """

@@ -42,7 +42,7 @@ class Vllm(ServeEngine):
     def serve(self, args: argparse.Namespace, checkpoint: Path, model_name: str, api_key: str | None) -> int:
         from workloads.serve_engines.proxy import run_engine
 
-        return run_engine(args, vllm_target(args, checkpoint, model_name, api_key), checkpoint, api_key)
+        return run_engine(args, vllm_target(args, checkpoint, model_name), checkpoint, api_key)
 
 
 def vllm_argv(
@@ -119,10 +119,15 @@ def vllm_installed(python: str | None = None, executable: str = "vllm", environ=
     return shutil.which(executable) is not None or importlib.util.find_spec("vllm") is not None
 
 
-def vllm_env(
-    api_key: str | None, environ: dict[str, str] | None = None, own_environment: bool = False
-) -> dict[str, str]:
-    """The engine's environment: ours, plus the key as ``VLLM_API_KEY`` (never on its command line).
+def vllm_env(environ: dict[str, str] | None = None, own_environment: bool = False) -> dict[str, str]:
+    """The engine's environment: ours, without any ``VLLM_API_KEY``.
+
+    vLLM gets no API key: it listens on loopback behind the proxy, which checks the key (as NeMo's REST service
+    behind it does for Triton). vLLM 0.26 hashes every ``VLLM_*`` variable of its environment into its
+    torch.compile cache key and writes those factors, values included, to ``cache_key_factors.json`` in its cache
+    directory (``vllm/envs.py`` ``compile_factors``, ``vllm/compilation/backends.py``): a key in its environment
+    was written to disk in plain text, and a new key per deploy made every start compile again (the H200's
+    second start on the same checkpoint at e5b86ee: 19.7 s of torch.compile and 15 s of kernel warm-up again).
 
     Ours minus PYTHONPATH when vLLM runs from its own environment (nemoflow's checkout must not shadow its
     packages). ``VLLM_USE_FLASHINFER_SAMPLER=0`` unless set: vLLM's sampler imports flashinfer by default on a
@@ -130,16 +135,14 @@ def vllm_env(
     devtools/engine_env.py); sampling then runs in PyTorch.
     """
     env = dict(os.environ if environ is None else environ)
-    env.pop("VLLM_API_KEY", None)
+    env.pop("VLLM_API_KEY", None)  # an inherited one would be written to disk and switch auth on behind the proxy
     if own_environment:
         env.pop("PYTHONPATH", None)
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    if api_key:
-        env["VLLM_API_KEY"] = api_key
     return env
 
 
-def vllm_target(args: argparse.Namespace, checkpoint: Path, model_name: str, api_key: str | None):
+def vllm_target(args: argparse.Namespace, checkpoint: Path, model_name: str):
     from workloads.serve_engines.proxy import EngineTarget, free_port
 
     port = args.engine_port or free_port()
@@ -168,13 +171,12 @@ def vllm_target(args: argparse.Namespace, checkpoint: Path, model_name: str, api
     return EngineTarget(
         "vllm",
         argv,
-        vllm_env(api_key, own_environment=command != [args.vllm_executable]),
+        vllm_env(own_environment=command != [args.vllm_executable]),
         f"http://{ENGINE_HOST}:{port}",
         "/health",
         model_name,
         nemo=nemo_completion,
         openai=True,
-        api_key=api_key,
     )
 
 
