@@ -164,3 +164,28 @@ def test_two_ddp_ranks_killed_in_a_save_resume_with_the_same_numbers(tmp_path, r
     assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [c.step for c in ckpt.list_checkpoints(whole_dir)]
     for info in ckpt.list_checkpoints(run_dir):
         assert ckpt.verify_manifest(info.path) == []
+
+
+def test_two_fsdp2_ranks_replace_saves_while_writing_and_train_as_before(tmp_path, runs):
+    """``ckpt_while_writing: replace`` on two FSDP2 ranks (the state dicts hold DTensors: each rank copies its
+    shards): a save every step, the first one's write slowed in the writer processes, so later saves wait in the
+    copy and are replaced; every rank takes the same decisions (the ranks' training is the run without it)."""
+    _, whole_dir, config = runs("fsdp2")
+    run_dir = tmp_path / "run"
+    replacing = {**config, "run_dir": str(run_dir), "ckpt_every_n_steps": 1, "ckpt_while_writing": "replace"}
+    proc = run_trainer(
+        write_config(replacing, tmp_path / "config.json"),
+        nproc=2,
+        **failpoints.env(train__slow_background_write_at_step=1),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    replaced = [m["step"] for m in metrics if "checkpoint_replaced_by" in m]
+    assert replaced and all(s not in (1, 6) for s in replaced)
+    assert deterministic_part([m for m in metrics if "loss" in m]) == deterministic_part(
+        [m for m in read_metrics(whole_dir) if "loss" in m]
+    )
+    saved = [c.step for c in ckpt.saved_checkpoints(run_dir)]
+    assert saved[0] == 1 and saved[-1] == 6 and not set(saved) & set(replaced)
+    for info in ckpt.list_checkpoints(run_dir):  # the export of the last save: every rank's shards were written
+        assert ckpt.verify_manifest(info.path) == []
