@@ -158,7 +158,7 @@ sys.exit(e.check_imports(e.Path(sys.argv[2]), m["check_imports"]))' "$ROOT/vllm-
     commit=${3:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
     export NEMOFLOW_COMMIT=$commit  # the benchmarks' JSON names it (the copy's .git may be stale)
     shift $(( $# < 3 ? $# : 3 ))  # what is left goes to the part's benchmark (serve: bench_serve_vllm.py's options;
-    # train: bench_train_gpu.py's, e.g. --snapshots where the trainer has them)
+    # train: bench_train_gpu.py's, e.g. --replace-while-writing, --skip-while-writing or --snapshots)
     parts=$ROOT/acceptance; dir=$parts/$part
     rm -rf "$dir"; mkdir -p "$dir" "$out"
     start=$(date +%s); rc=0

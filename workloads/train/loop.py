@@ -62,9 +62,8 @@ def build_recipe(
         agree_group = None  # ranks agree on publishing a written save (publish_written_save)
         snapshot_saves: bool = False  # ckpt_snapshots: each save a snapshot in host memory (save_snapshot)
         snapshots = None  # snapshots.SnapshotWriter, rank 0's handle on the node's writer process
-        device_snapshot = (
-            None  # ckpt_while_writing: replace (device_snapshot.DeviceSnapshot): saves copied on the device
-        )
+        # ckpt_while_writing: replace (device_snapshot.DeviceSnapshot): each save's state copied on the device first
+        device_snapshot = None
         waiting: dict | None = None  # and the save taken while the previous one was written: written when it ends
 
         def _make_progress_bar(self, *args, **kwargs):
@@ -394,19 +393,21 @@ def build_recipe(
             if writing is None:
                 self.mark_writes()
             blocked = time.perf_counter() - started
+            first = not getattr(self, "snapshot_reported", False)
+            self.snapshot_reported = True
             if self.metrics is not None:
                 record = {"step": done, "checkpoint_save_s": blocked}
                 if copying > 0.001:
                     record["checkpoint_snapshot_copy_wait_s"] = copying
                 if writing is not None:
                     record["checkpoint_waiting_for"] = ckpt.step_of(Path(writing))
-                if not getattr(self, "snapshot_reported", False):
-                    self.snapshot_reported = True
+                if first:
                     record["checkpoint_snapshot_gib"] = self.device_snapshot.bytes / 2**30
                     # of which made before this first save (with the stager's host buffers for them)
                     record["checkpoint_snapshot_prepared_gib"] = self.device_snapshot.prepared_used / 2**30
-                    self.device_snapshot.prepared.clear()  # any not used by this save: none when the keys match
                 self.metrics.log(record)
+            if first:
+                self.device_snapshot.prepared.clear()  # any this save did not use (none when the keys match)
             if writing is not None and self.dist_env.is_main:
                 say(
                     f"checkpoint of step {done} taken; its write starts when the save of step "
