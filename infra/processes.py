@@ -171,6 +171,14 @@ def read_pidfile(path: str | Path, name: str | None = None) -> int | None:
     return pid
 
 
+def wait_pidfile(path: str | Path, timeout_s: float, poll_s: float = 0.1) -> float:
+    """Wait while the process recorded in ``path`` runs (at most ``timeout_s``); the seconds waited."""
+    started = time.monotonic()
+    while read_pidfile(path) is not None and time.monotonic() - started < timeout_s:
+        time.sleep(poll_s)
+    return time.monotonic() - started
+
+
 # ---------------------------------------------------------------- stopping
 
 

@@ -11,6 +11,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def bench_train_gpu():
+    """benchmarks/bench_train_gpu.py as a module (a script, not a package): its save accounting, tested on what the
+    trainer writes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_train_gpu", REPO / "benchmarks" / "bench_train_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def tiny_config(dataset: dict, run_dir: Path, **overrides) -> dict:
     """A Llama small enough to train a few steps in seconds on 2 shared cores."""
     config = dict(

@@ -7,19 +7,13 @@ only ``checkpoint_save_s`` and ``checkpoint_wait_s``, not ``snapshot_copy_s``.""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
+from tests.train.helpers import bench_train_gpu
+
 REPO = Path(__file__).resolve().parents[2]
 LOG = REPO / "benchmarks" / "results" / "h200-e5b86ee-snapshots-trainer.log"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_train_gpu", REPO / "benchmarks" / "bench_train_gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _records(text: str) -> list[dict]:
@@ -39,7 +33,7 @@ def test_a_snapshots_copy_is_time_the_loop_blocked():
     last = max(r["step"] for r in records if "loss" in r)
     assert len(copies) == 4 and last in copies  # the log has them: a save every 10 steps of 40
     tokens_per_step = 4 * 2048  # micro batch 4, sequence 2048, 1 GPU (the report's own numbers)
-    stats = _bench().checkpoint_stats(records, warmup=5, tokens_per_step=tokens_per_step)
+    stats = bench_train_gpu().checkpoint_stats(records, warmup=5, tokens_per_step=tokens_per_step)
     assert stats["blocked_per_save_s"] == [round(copies[s], 4) for s in sorted(copies) if s != last]
     assert stats["final_save_s"] == copies[last]
     # the rate counts the copies: far below the steps' own rate (99.5 % at e5b86ee, which left them out)

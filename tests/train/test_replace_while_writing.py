@@ -93,13 +93,9 @@ def test_saves_during_a_write_wait_in_device_memory_the_newest_is_written_and_re
     assert len(_training(after, resume_from)) == last - resume_from
 
     # benchmarks/bench_train_gpu.py's accounting of the same records, and the run's artifact
-    import importlib.util
+    from tests.train.helpers import bench_train_gpu
 
-    from tests.train.helpers import REPO
-
-    spec = importlib.util.spec_from_file_location("bench_train_gpu", REPO / "benchmarks" / "bench_train_gpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_train_gpu()
     stats = bench.checkpoint_stats(metrics, warmup=1, tokens_per_step=8 * 64)
     assert stats["replaced_saves"] == len(replaced) and stats["checkpoints"] == len(blocked)
 

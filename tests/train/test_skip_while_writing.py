@@ -59,13 +59,9 @@ def test_saves_due_while_the_previous_is_written_are_skipped_and_the_loop_does_n
     assert _training(metrics) == _training(reference_run["metrics"])
 
     # benchmarks/bench_train_gpu.py's accounting of the same records: the skipped saves counted, none of them blocked
-    import importlib.util
+    from tests.train.helpers import bench_train_gpu
 
-    from tests.train.helpers import REPO
-
-    spec = importlib.util.spec_from_file_location("bench_train_gpu", REPO / "benchmarks" / "bench_train_gpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_train_gpu()
     stats = bench.checkpoint_stats(metrics, warmup=1, tokens_per_step=8 * 64)
     assert stats["skipped_saves"] == len(skipped) and stats["checkpoints"] == len(blocked)
 

@@ -57,23 +57,16 @@ def recover_written_save(run_dir: Path, timeout_s: float = 3600) -> Path | None:
     checkpoints = ckpt.checkpoints_dir(run_dir)
     if not checkpoints.is_dir():
         return None
-
-    def marked() -> list[Path]:
-        return [
-            d
-            for d in checkpoints.glob(f"epoch_*_step_*/model/{WRITTEN}")
-            if (d.parent.parent / ckpt.INCOMPLETE).exists()
-        ]
-
-    if not writer_pidfiles(checkpoints) and not marked():
+    marked = [m.parent.parent for m in checkpoints.glob(f"epoch_*_step_*/model/{WRITTEN}")]
+    unpublished = [d for d in marked if (d / ckpt.INCOMPLETE).exists()]
+    if not writer_pidfiles(checkpoints) and not unpublished:
         return None  # every run but a killed one of ckpt_while_writing: replace: nothing is written here
-    started = time.monotonic()
+    deadline = time.monotonic() + timeout_s
     for pidfile in writer_pidfiles(checkpoints):
         pid = processes.read_pidfile(pidfile)
         if pid is not None:
             say(f"waiting for the checkpoint writer (pid {pid}) of a killed run to finish its save before resuming")
-        while processes.read_pidfile(pidfile) is not None and time.monotonic() - started < timeout_s:
-            time.sleep(0.1)
+            processes.wait_pidfile(pidfile, max(0.0, deadline - time.monotonic()))
     with open(checkpoints / ".recover.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         for pidfile in writer_pidfiles(checkpoints):
@@ -81,13 +74,12 @@ def recover_written_save(run_dir: Path, timeout_s: float = 3600) -> Path | None:
                 pidfile.unlink(missing_ok=True)
         saved = ckpt.saved_checkpoints(run_dir)
         newest = saved[-1].step if saved else 0
-        unpublished = [
-            d for d in checkpoints.glob("epoch_*_step_*") if (d / ckpt.INCOMPLETE).exists() and ckpt.step_of(d) > newest
-        ]
-        for step_dir in sorted(unpublished, key=ckpt.step_of, reverse=True):
-            if not all((step_dir / part / WRITTEN).exists() for part in ("model", "optim")):
+        # the writer may have finished a save after the first look: marked, still unpublished, newer than the newest
+        marked = [m.parent.parent for m in checkpoints.glob(f"epoch_*_step_*/model/{WRITTEN}")]
+        for step_dir in sorted(marked, key=ckpt.step_of, reverse=True):
+            if ckpt.step_of(step_dir) <= newest or not (step_dir / ckpt.INCOMPLETE).exists():
                 continue
-            if not (step_dir / ckpt.META).exists():
+            if not (step_dir / "optim" / WRITTEN).exists() or not (step_dir / ckpt.META).exists():
                 continue
             from nemo_automodel.components.checkpoint.lifecycle import CheckpointLifecycle
             from nemo_automodel.components.checkpoint.utils import read_checkpoint_metric

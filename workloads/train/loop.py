@@ -176,17 +176,20 @@ def build_recipe(
             ``ckpt_while_writing: replace``: once the write has ended, the save waiting for it (if any) is handed to
             the writer (:meth:`write_waiting`), unless ``launch`` is false (a newer save is about to replace it).
             """
-            lifecycle = self.checkpointer.lifecycle
             if not self.checkpointer.config.is_async:
                 return
-            if lifecycle._pending_checkpoint_dir is None:
-                if launch and self.waiting is not None:
-                    self.write_waiting()  # the previous write failed and was dropped: the waiting save goes now
-                    if wait:
-                        self.publish_written_save(wait=True)
-                return
-            contexts = (self.checkpointer._model_ctx, self.checkpointer._optim_ctx)
-            writes = [c.future.upload_completion for c in contexts if c.future is not None]
+            if self.checkpointer.lifecycle._pending_checkpoint_dir is not None and not self.end_write(wait):
+                return  # still being written
+            if launch and self.waiting is not None:
+                self.write_waiting()  # the write it waited for is published, or was dropped as failed
+                if wait:
+                    self.publish_written_save(wait=True)
+
+        def end_write(self, wait: bool) -> bool:
+            """The pending save: published if written on every rank, dropped if failed on any; False while it is
+            still being written (``wait``: until it is not)."""
+            lifecycle = self.checkpointer.lifecycle
+            writes = [c.future.upload_completion for c in self.checkpointer_contexts() if c.future is not None]
             if wait:
                 concurrent.futures.wait(writes)
             written = all(w.done() for w in writes)
@@ -198,21 +201,18 @@ def build_recipe(
                 torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.agree_group)
                 flags = flag.tolist()
             if flags[0]:
-                return
+                return False
             if flags[1]:
                 self.drop_failed_save(errors[0] if errors else None, replace_writer=bool(flags[2]))
-            else:
-                self.checkpointer.async_wait()  # returns at once: the writes are done
-                path = lifecycle._pending_checkpoint_dir
-                lifecycle.complete_pending()
-                self.failed_in_row = 0
-                if self.dist_env.is_main:
-                    self.record_write(Path(path))
-                    self.finisher.finish_published()
-            if launch and self.waiting is not None:
-                self.write_waiting()
-                if wait:
-                    self.publish_written_save(wait=True)
+                return True
+            self.checkpointer.async_wait()  # returns at once: the writes are done
+            path = lifecycle._pending_checkpoint_dir
+            lifecycle.complete_pending()
+            self.failed_in_row = 0
+            if self.dist_env.is_main:
+                self.record_write(Path(path))
+                self.finisher.finish_published()
+            return True
 
         def skip_while_writing(self, done: int) -> bool:
             """``ckpt_while_writing: skip``: while the previous background save is still being written (on any

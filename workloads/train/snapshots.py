@@ -82,10 +82,7 @@ def wait_for_writer(run_dir: Path, timeout_s: float = 3600) -> float:
         f"waiting for the snapshot writer (pid {pid}) of {run_dir} to persist what it holds before resuming",
         flush=True,
     )
-    started = time.monotonic()
-    while processes.read_pidfile(pidfile(run_dir)) is not None and time.monotonic() - started < timeout_s:
-        time.sleep(0.1)
-    return time.monotonic() - started
+    return processes.wait_pidfile(pidfile(run_dir), timeout_s)
 
 
 class SnapshotWriter:
