@@ -18,6 +18,17 @@ MODEL_NAME = "tiny-llama"
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture
+def vllm_bin(tmp_path) -> Path:
+    """A ``vllm`` command that runs the stand-in (engine_standins.py) with vLLM's command line."""
+    exe = tmp_path / "bin" / "vllm"
+    exe.parent.mkdir()
+    standins = Path(__file__).with_name("engine_standins.py")
+    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{standins}" vllm "$@"\n')
+    exe.chmod(0o755)
+    return exe
+
+
 def build_tiny_checkpoint(dest: Path, tokenizer_model: Path) -> Path:
     """The trainer's layout: save_pretrained of a random LlamaForCausalLM + the Mixtral tokenizer."""
     return tiny_llama(dest, tokenizer_model, seed=1234)

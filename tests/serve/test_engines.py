@@ -86,12 +86,21 @@ def test_vllm_gets_no_key_in_its_environment():
     cache_key_factors.json: a key there was a secret on disk (and a new cache key every deploy). The proxy
     checks the key; vLLM listens on loopback behind it."""
     off = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}  # the engine environment carries no flashinfer
+    triton = {"TRITON_CACHE_DIR": "/home/u/.cache/vllm/triton"}  # a stable one: see the next test
     # a VLLM_API_KEY inherited from the caller's environment is dropped too
-    assert vllm_env({"PATH": "/bin", "VLLM_API_KEY": "stale"}) == {"PATH": "/bin", **off}
+    assert vllm_env({"HOME": "/home/u", "VLLM_API_KEY": "stale"}) == {"HOME": "/home/u", **off, **triton}
     # a user's own choice stays; vLLM's own environment does not see nemoflow's PYTHONPATH
-    assert vllm_env({"VLLM_USE_FLASHINFER_SAMPLER": "1", "PYTHONPATH": "/repo"}, own_environment=True) == {
-        "VLLM_USE_FLASHINFER_SAMPLER": "1"
-    }
+    mine = {"VLLM_USE_FLASHINFER_SAMPLER": "1", "TRITON_CACHE_DIR": "/t"}
+    assert vllm_env({**mine, "PYTHONPATH": "/repo"}, own_environment=True) == mine
+
+
+def test_vllm_keeps_its_triton_kernels_in_one_place_outside_the_compile_key():
+    """Inductor points an unset TRITON_CACHE_DIR into the compile cache's hash-keyed directory, so vLLM's warm-up
+    kernels were compiled again whenever that key changed: the engine gets vLLM's cache root's triton/."""
+    assert vllm_env({"HOME": "/h"})["TRITON_CACHE_DIR"] == "/h/.cache/vllm/triton"
+    assert vllm_env({"HOME": "/h", "XDG_CACHE_HOME": "/x"})["TRITON_CACHE_DIR"] == "/x/vllm/triton"
+    assert vllm_env({"HOME": "/h", "VLLM_CACHE_ROOT": "~/vc"})["TRITON_CACHE_DIR"] == "/h/vc/triton"
+    assert not [k for k in vllm_env({"HOME": "/h"}) if k.startswith("VLLM_") and k != "VLLM_USE_FLASHINFER_SAMPLER"]
 
 
 # The ports and limits both Triton tests give triton_argv.
@@ -249,15 +258,6 @@ def pid_gone(pid: int, timeout: float = 40) -> bool:
     return False
 
 
-@pytest.fixture
-def vllm_bin(tmp_path) -> Path:
-    exe = tmp_path / "bin" / "vllm"
-    exe.parent.mkdir()
-    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STANDINS}" vllm "$@"\n')
-    exe.chmod(0o755)
-    return exe
-
-
 @pytest.mark.slow
 def test_vllm_engine_behind_the_proxy(tmp_path, tiny_checkpoint, vllm_bin):
     import openai
@@ -279,12 +279,15 @@ def test_vllm_engine_behind_the_proxy(tmp_path, tiny_checkpoint, vllm_bin):
         env={KEY_ENV: key},
     )
     try:
-        # the engine got the command line vllm_argv renders, and no key: the proxy checks it
+        # the engine got the command line vllm_argv renders, and no key: the proxy checks it; the model is the
+        # checkpoint through a stable path (test_vllm_model_paths.py)
         engine_port = int(record["argv"][record["argv"].index("--port") + 1])
+        model = record["argv"][2]
+        assert Path(model).resolve() == tiny_checkpoint.resolve() and model != str(tiny_checkpoint)
         assert (
             record["argv"][1:]
             == vllm_argv(
-                str(tiny_checkpoint),
+                model,
                 model_name=MODEL_NAME,
                 port=engine_port,
                 tensor_parallel_size=2,

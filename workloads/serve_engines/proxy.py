@@ -96,6 +96,7 @@ class EngineTarget:
     cwd: str | None = None
     max_output_len: int | None = None
     engine_url: str | None = None  # Triton itself, for the log line
+    pass_fds: tuple[int, ...] = ()  # open files the engine inherits (vLLM: its model path's lock)
 
     def auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -360,7 +361,7 @@ def run_engine(args: argparse.Namespace, target: EngineTarget, checkpoint: Path,
     log.info("starting the %s engine: %s", target.kind, " ".join(target.argv))
     state.timer.switch(phases.SERVER_START)  # the proxy's own start and imports end here
     try:
-        child = subprocess.Popen(target.argv, env=target.env, cwd=target.cwd)
+        child = subprocess.Popen(target.argv, env=target.env, cwd=target.cwd, pass_fds=target.pass_fds)
     except OSError as exc:
         print(f"serve: cannot start the {target.kind} engine ({target.argv[0]}): {exc}", file=sys.stderr, flush=True)
         return 4

@@ -5,8 +5,13 @@ API key check on every route and blue/green."""
 from __future__ import annotations
 
 import argparse
+import errno
+import logging
 import os
+import stat
+import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -14,12 +19,17 @@ from pydantic import Field
 
 from workloads.serve_engines.base import ENGINE_HOST, ServeEngine, visible_gpus
 
+log = logging.getLogger("nemoflow.serve")
+
 PYTHON_ENV = "NEMOFLOW_VLLM_PYTHON"  # vLLM's own environment (its pins differ from nemoflow's venv)
 # vLLM takes 0.9 of each GPU's memory unless told otherwise, and refuses to start where less is free: the
 # blue/green switch of a CPT refresh starts the next server beside the serving one on the same GPUs, so
 # nemoflow starts vLLM at a share that leaves room for the next one (--engine-arg=--gpu-memory-utilization=X
 # overrides it, for a server that is never switched on its own GPUs).
 SWITCH_MEMORY_SHARE = 0.45
+# Where the engine's stable model paths live (model_link), one directory per user; node-local by default.
+MODEL_LINKS_ENV = "NEMOFLOW_VLLM_MODEL_LINKS"
+MODEL_LINK_SLOTS = 8  # servers of one user on one node at once (a blue/green switch holds two)
 
 
 class Vllm(ServeEngine):
@@ -42,7 +52,11 @@ class Vllm(ServeEngine):
     def serve(self, args: argparse.Namespace, checkpoint: Path, model_name: str, api_key: str | None) -> int:
         from workloads.serve_engines.proxy import run_engine
 
-        return run_engine(args, vllm_target(args, checkpoint, model_name), checkpoint, api_key)
+        link = model_link(checkpoint)
+        try:
+            return run_engine(args, vllm_target(args, checkpoint, model_name, link), checkpoint, api_key)
+        finally:
+            link.release()
 
 
 def vllm_argv(
@@ -133,16 +147,112 @@ def vllm_env(environ: dict[str, str] | None = None, own_environment: bool = Fals
     packages). ``VLLM_USE_FLASHINFER_SAMPLER=0`` unless set: vLLM's sampler imports flashinfer by default on a
     GPU, and the engine environment leaves flashinfer out (its kernels are compiled with nvcc at first use;
     devtools/engine_env.py); sampling then runs in PyTorch.
+
+    ``TRITON_CACHE_DIR`` = ``<vLLM's cache root>/triton`` unless set: otherwise the first Inductor kernel sets it
+    to a directory under the compile cache's hash-keyed one (torch's triton_heuristics), so the V2 model runner's
+    own Triton kernels, JIT-compiled in its warm-up (15-21 s on the H200), were compiled again whenever that key
+    changed. It is not a ``VLLM_*`` variable: it does not enter vLLM's compile key.
     """
     env = dict(os.environ if environ is None else environ)
     env.pop("VLLM_API_KEY", None)  # an inherited one would be written to disk and switch auth on behind the proxy
     if own_environment:
         env.pop("PYTHONPATH", None)
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    env.setdefault("TRITON_CACHE_DIR", str(vllm_cache_root(env) / "triton"))
     return env
 
 
-def vllm_target(args: argparse.Namespace, checkpoint: Path, model_name: str):
+def vllm_cache_root(env: dict[str, str]) -> Path:
+    """vLLM's cache directory in ``env`` (``VLLM_CACHE_ROOT``, else ``$XDG_CACHE_HOME/vllm``, else
+    ``~/.cache/vllm``: vLLM 0.26's ``envs.py``)."""
+    home = env.get("HOME") or os.path.expanduser("~")
+    given = env.get("VLLM_CACHE_ROOT") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.join(home, ".cache"), "vllm"
+    )
+    return Path(given.replace("~", home, 1) if given.startswith("~") else given)
+
+
+@dataclass
+class ModelLink:
+    """The path vLLM is given for a checkpoint, and the lock that holds it while the engine runs."""
+
+    path: Path
+    fd: int | None = None  # the slot's lock (flock), passed to the engine so it is held as long as either lives
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def model_links_root(environ=None) -> Path:
+    environ = os.environ if environ is None else environ
+    given = environ.get(MODEL_LINKS_ENV)
+    return Path(given) if given else Path(tempfile.gettempdir()) / f"nemoflow-vllm-{os.getuid()}"
+
+
+def model_link(checkpoint: Path, root: Path | None = None, slots: int = MODEL_LINK_SLOTS) -> ModelLink:
+    """A stable path for ``checkpoint``: ``ROOT/model-N``, a symlink to it, N the first slot no running server holds.
+
+    vLLM keys its torch.compile cache on the model path as given (``ModelConfig.model`` is a hash factor; the
+    weights are not) and on config.json (vllm/config/model.py ``compute_hash``, vLLM 0.26): served from each
+    checkpoint's own directory, every nightly refresh compiles again (15-20 s on an H200) though its shape is the
+    same. Served from one of a few fixed paths, a new checkpoint of the same shape finds the compiled graphs. Each
+    server takes a slot with a lock (flock, held by the proxy and the engine, which inherits it, until both
+    exit), so the two servers of a blue/green switch hold two paths and a link is never re-pointed under a
+    running engine; the next refresh takes the slot the stopped server freed. Node-local by default
+    (``$TMPDIR/nemoflow-vllm-UID``; ``$NEMOFLOW_VLLM_MODEL_LINKS`` moves it): the same path string on every node,
+    so a compile cache on a shared ``VLLM_CACHE_ROOT`` serves them all. Where no slot can be had the checkpoint's
+    own path is used (the engine serves the same; only the cache misses), with one line that says why.
+    """
+    import fcntl
+
+    root = model_links_root() if root is None else root
+    try:
+        _private_dir(root)
+    except OSError as exc:
+        log.warning("vLLM is given the checkpoint's own path (its compile cache misses on a new path): %s", exc)
+        return ModelLink(checkpoint)
+    for n in range(slots):
+        fd = os.open(root / f"model-{n}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                continue  # a running server holds it
+            raise
+        link = root / f"model-{n}"
+        tmp = root / f".model-{n}.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        os.symlink(checkpoint, tmp)
+        os.replace(tmp, link)  # whole: a reader sees the old target or the new one
+        log.info("vLLM serves %s as %s (a stable path: its compile cache outlives the checkpoint)", checkpoint, link)
+        return ModelLink(link, fd)
+    log.warning(
+        "vLLM is given the checkpoint's own path (its compile cache misses on a new path): all %d model paths under "
+        "%s are held by running servers",
+        slots,
+        root,
+    )
+    return ModelLink(checkpoint)
+
+
+def _private_dir(root: Path) -> None:
+    """``root`` as a directory of this user only (it may sit in a shared /tmp: a planted link or a directory of
+    another user would let them redirect what vLLM loads)."""
+    try:
+        root.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    info = os.lstat(root)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o022:
+        raise PermissionError(f"{root} is not a directory of this user only (${MODEL_LINKS_ENV} moves it)")
+
+
+def vllm_target(args: argparse.Namespace, checkpoint: Path, model_name: str, link: ModelLink | None = None):
+    """The engine as the proxy runs it; vLLM is given ``link``'s stable path for the checkpoint (model_link) when
+    there is one."""
     from workloads.serve_engines.proxy import EngineTarget, free_port
 
     port = args.engine_port or free_port()
@@ -159,7 +269,7 @@ def vllm_target(args: argparse.Namespace, checkpoint: Path, model_name: str):
     if not _given("--gpu-memory-utilization", extra):
         extra = ["--gpu-memory-utilization", str(SWITCH_MEMORY_SHARE), *extra]
     argv = vllm_argv(
-        str(checkpoint),
+        str(link.path if link else checkpoint),
         model_name=model_name,
         port=port,
         tensor_parallel_size=args.tensor_parallel_size or max(1, visible_gpus()),
@@ -177,6 +287,7 @@ def vllm_target(args: argparse.Namespace, checkpoint: Path, model_name: str):
         model_name,
         nemo=nemo_completion,
         openai=True,
+        pass_fds=(link.fd,) if link and link.fd is not None else (),
     )
 
 
