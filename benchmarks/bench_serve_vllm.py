@@ -15,7 +15,10 @@
     per forward pass (~20 tokens/s on an H200), so it runs ``--builtin-requests`` requests per level, not 200
     (the JSON says how many), and only at the concurrencies in ``--builtin-concurrency``.
 Also: each server's start-to-ready time (process start -> /health 200) and the seed's request (NeMo REST
-shape, through the proxy) timed end to end. The model: ``--checkpoint`` (a Hugging Face export, e.g. the GPU
+shape, through the proxy) timed end to end; with ``--restart``, (d) the nightly refresh's start: vLLM again, after
+the first server stopped, on a new directory holding a checkpoint of the same shape (a copy), with whether vLLM
+loaded its compiled graphs from its cache (nemoflow serves every checkpoint from a few stable paths:
+workloads/serve_engines/vllm.py ``model_link``). The model: ``--checkpoint`` (a Hugging Face export, e.g. the GPU
 demo's ``model/consolidated``), else the GPU demo's architecture (0.25B Llama, hidden 1024, 16 layers, GQA
 16/8, SwiGLU 2816, Mixtral's 32000-token tokenizer) with random weights, made once under --out. Results:
 OUT/bench_serve_vllm.json, rewritten after every level (a run cut short keeps what it measured).
@@ -28,7 +31,9 @@ import itertools
 import json
 import os
 import platform
+import re
 import secrets
+import shutil
 import signal
 import socket
 import statistics
@@ -110,6 +115,44 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+# vLLM 0.26's log lines about its torch.compile cache (vllm/compilation/decorators.py, backends.py, monitor.py)
+COMPILE_LOADED = ("Directly load AOT compilation from path", "Directly load the compiled graph")
+COMPILED = ("Compiling a graph for compile range", "Compiling model again due to a load failure")
+
+
+def compile_cache(log_text: str) -> dict:
+    """What an engine's log says of vLLM's compile cache: ``hit`` (its compiled graphs loaded, none compiled),
+    ``miss`` (graphs compiled: ``graphs_compiled`` of them), ``unknown`` (neither line: no compile, or not vLLM's
+    log); torch.compile's seconds and the engine's init seconds as vLLM logs them; the model path it was given."""
+    loaded = sum(log_text.count(line) for line in COMPILE_LOADED)
+    compiled = sum(log_text.count(line) for line in COMPILED)
+    took = re.findall(r"torch\.compile took ([0-9.]+) s in total", log_text)
+    init = re.findall(r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s", log_text)
+    model = re.findall(r"Initializing a V1 LLM engine \(v[^)]*\) with config: model='([^']*)'", log_text)
+    return {
+        "compile_cache": "miss" if compiled else "hit" if loaded else "unknown",
+        "graphs_compiled": compiled,
+        "graphs_loaded": loaded,
+        "torch_compile_s": float(took[-1]) if took else None,
+        "engine_init_s": float(init[-1]) if init else None,
+        "model_path": model[-1] if model else None,
+    }
+
+
+def copy_checkpoint(source: Path, dest: Path) -> Path:
+    """A checkpoint of the same shape in a new directory, as the next night's export would be: the files
+    hard-linked where the file system allows (nothing vLLM reads differs), else copied."""
+
+    def link_or_copy(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(source, dest, copy_function=link_or_copy)
+    return dest
 
 
 _SEEDS = itertools.count()  # one per level, in the order the levels run
@@ -251,6 +294,7 @@ def run_vllm(args, report, save, serve, env, vllm, tokenizer, out, key) -> None:
     cmd += [f"--engine-arg={a}" for a in args.engine_arg]
     proxy, ready_s = start(cmd, env, out / "vllm-proxy.log", f"http://127.0.0.1:{port}", 600)
     report["vllm_start_to_ready_s"] = round(ready_s, 1)
+    report["vllm_start"] = compile_cache((out / "vllm-proxy.log").read_text(errors="replace"))
     print(f"vLLM behind the proxy ready in {ready_s:.1f} s", flush=True)
     save()
     try:
@@ -285,6 +329,43 @@ def run_vllm(args, report, save, serve, env, vllm, tokenizer, out, key) -> None:
                 save()
     finally:
         stop(proxy)
+
+
+def run_vllm_restart(args, report, save, serve, env, vllm, tokenizer, out, key) -> None:
+    """(d) the nightly refresh's start: the first server stopped, vLLM behind the proxy again on a copy of the
+    checkpoint in a new directory; start-to-ready, the seed's request, and its compile cache (compile_cache)."""
+    ckpt = Path(serve[serve.index("--checkpoint") + 1])
+    night = out / "next-checkpoint"
+    shutil.rmtree(night, ignore_errors=True)
+    copy = copy_checkpoint(ckpt, night / ckpt.name)
+    port = free_port()
+    cmd = [*serve[: serve.index("--checkpoint") + 1], str(copy), *serve[serve.index("--checkpoint") + 2 :]]
+    cmd += ["--port", str(port), "--engine", "vllm", *[f"--engine-arg={a}" for a in args.engine_arg]]
+    log = out / "vllm-restart.log"
+    try:
+        proxy, ready_s = start(cmd, env, log, f"http://127.0.0.1:{port}", 600)
+        try:
+            t0 = time.monotonic()
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions/",
+                json=SEED_REQUEST,
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=120,
+            )
+            r.raise_for_status()
+            seed_s = round(time.monotonic() - t0, 3)
+        finally:
+            stop(proxy)
+    finally:
+        shutil.rmtree(night, ignore_errors=True)
+    report["vllm_restart"] = {
+        "checkpoint": str(copy),
+        "start_to_ready_s": round(ready_s, 1),
+        "seed_request_s": seed_s,
+        **compile_cache(log.read_text(errors="replace")),
+    }
+    print("vLLM restarted on a new checkpoint directory:", json.dumps(report["vllm_restart"]), flush=True)
+    save()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -339,6 +420,12 @@ def parser() -> argparse.ArgumentParser:
         help="the built-in engine (c) before vLLM: a time limit then cuts vLLM's last levels, not (c)",
     )
     p.add_argument("--skip-vllm", action="store_true", help="only the built-in engine (c)")
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="(d) after vLLM's levels: vLLM again on a copy of the checkpoint in a new directory (the nightly "
+        "refresh's start): its start-to-ready time and whether its compiled graphs came from vLLM's cache",
+    )
     p.add_argument("--builtin-device", default="cuda", help="the built-in engine's --device (default cuda)")
     p.add_argument("--model-dir", type=Path, help="where the random-weight model is made (default: under --out)")
     return p
@@ -380,8 +467,14 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=str(REPO), **{KEY_ENV: key})
     serve = [sys.executable, "-m", "workloads.serve", "--checkpoint", str(ckpt)]
     serve += ["--model-name", MODEL_NAME, "--api-key-env", KEY_ENV]
-    order = [run_builtin, run_vllm] if args.builtin_first else [run_vllm, run_builtin]
-    skipped = {run_vllm: args.skip_vllm, run_builtin: args.skip_builtin}
+    order = (
+        [run_builtin, run_vllm, run_vllm_restart] if args.builtin_first else [run_vllm, run_vllm_restart, run_builtin]
+    )
+    skipped = {
+        run_vllm: args.skip_vllm,
+        run_vllm_restart: args.skip_vllm or not args.restart,
+        run_builtin: args.skip_builtin,
+    }
     for section in order:
         if not skipped[section]:
             section(args, report, save, serve, env, vllm, tokenizer, out, key)

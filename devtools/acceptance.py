@@ -61,6 +61,14 @@ TARGETS = {
         50.0,
         ">=",
     ),
+    # issue 31 item 4: a later run of the same shape (the nightly refresh) reuses the compiled kernels
+    "vllm_restart_graphs_compiled": (
+        "target",
+        "vLLM's start on a new checkpoint directory of the same shape (the nightly refresh): graphs compiled "
+        "again (0: all loaded from vLLM's compile cache)",
+        0,
+        "<=",
+    ),
 }
 
 
@@ -225,7 +233,12 @@ def serve_values(serve: dict) -> dict:
     paired = (r.get("proxy_cost") or {}).get("16") or {}
     if paired.get("method") == "paired":  # both paths at once on one engine (the benchmark's summary, every round)
         cost, ttft_cost = paired.get("output_tok_s_pct"), paired.get("ttft_p50_pct")
+    restart = r.get("vllm_restart") or {}
     return {
+        # only where vLLM's log said either way (its lines: bench_serve_vllm.compile_cache)
+        "vllm_restart_graphs_compiled": restart.get("graphs_compiled")
+        if restart.get("compile_cache") in ("hit", "miss")
+        else None,
         "serve_ttft_p99_c16_ms": proxy16.get("p99_ttft_ms"),
         "proxy_cost_c16_pct": cost,
         "proxy_ttft_cost_c16_pct": ttft_cost,
@@ -467,6 +480,20 @@ def serve_lines(serve: dict) -> list[str]:
             lines += [
                 _level_row(f"{names[label]}, {round_name}", c, pair.get(label) or {}) for label in ("proxy", "vllm")
             ]
+    restart = r.get("vllm_restart")
+    if restart:
+        first = r.get("vllm_start") or {}
+        lines.append(
+            f"\nvLLM's start on a new checkpoint directory of the same shape (the nightly refresh's; after the first "
+            f"server stopped, served from the stable path it freed, `{restart.get('model_path')}`): ready in "
+            f"{_fmt(restart.get('start_to_ready_s'), ' s')} (the first start: "
+            f"{_fmt(r.get('vllm_start_to_ready_s'), ' s')}), compile cache {restart.get('compile_cache')} "
+            f"({restart.get('graphs_loaded')} graphs loaded, {restart.get('graphs_compiled')} compiled; the first "
+            f"start: {first.get('compile_cache', 'not read')}), torch.compile "
+            f"{_fmt(restart.get('torch_compile_s'), ' s')} (first {_fmt(first.get('torch_compile_s'), ' s')}), "
+            f"engine init {_fmt(restart.get('engine_init_s'), ' s')} (first {_fmt(first.get('engine_init_s'), ' s')}), "
+            f"the seed's request {_fmt(restart.get('seed_request_s'), ' s')}."
+        )
     for c, cost in (r.get("proxy_cost") or {}).items():
         how = (
             f"both paths at once on one engine, the median of {len(cost.get('rounds', []))} rounds"

@@ -221,9 +221,11 @@ print(int(b.parameters(*b.MODELS[sys.argv[1]][:5], b.MOE.get(sys.argv[1]))[0] * 
         # same time: one after the other, at f1327a3, the engine's step time moved more between the levels than the
         # 5 % to measure); concurrency 1 (about 150 s at d1f5225) only when asked for
         # (600 requests a paired client: about 30 s of requests against its 25 s start, so that a few seconds between
-        # the two clients' starts leave most of the windows overlapping; 200 overlapped 0.50 and 0.86 at e5b86ee)
+        # the two clients' starts leave most of the windows overlapping; 200 overlapped 0.50 and 0.86 at e5b86ee);
+        # last, --restart: vLLM again on a copy of the checkpoint in a new directory, the nightly refresh's start
+        # (issue 31 item 4: are the compiled graphs loaded from vLLM's cache; about 40-90 s)
         [ $# -gt 0 ] || set -- --concurrency 16 64 --direct-concurrency --paired-concurrency 16 --paired-rounds 2 \
-          --paired-requests 600 --builtin-concurrency 16 --builtin-output-len 32 --builtin-first
+          --paired-requests 600 --builtin-concurrency 16 --builtin-output-len 32 --builtin-first --restart
         timeout -k 20 "${NEMOFLOW_SERVE_PART_S:-540}" "$0" vllm-bench "$dir" "$@" || rc=$? ;;
       *) echo "acceptance: unknown part $part (demo, tests, train, moe, serve)" >&2; exit 2 ;;
     esac

@@ -225,6 +225,22 @@ def test_the_serving_benchmark_is_judged_against_the_builtin_engine_and_the_prox
     assert _check(report, "proxy_ttft_cost_c16_pct")["value"] == 5.0  # the median of 4 % and 6 %
     assert _check(report, "proxy_ttft_cost_c16_pct")["passed"] is True
     assert "both paths at once on one engine, the median of 2 rounds" in acceptance.render(report)
+    # issue 31 item 4: the nightly refresh's vLLM start reuses the compiled graphs; judged only where vLLM's
+    # log said (compile_cache read it), and rendered with the first start's figures
+    assert _check(report, "vllm_restart_graphs_compiled")["passed"] is None  # no restart in this run
+    restart = {"compile_cache": "miss", "graphs_compiled": 1, "graphs_loaded": 0, "start_to_ready_s": 80.5}
+    for seen, passed in ((restart, False), ({**restart, "compile_cache": "unknown", "graphs_compiled": 0}, None)):
+        (serve / "bench_serve_vllm.json").write_text(json.dumps({**paired, "vllm_restart": seen}))
+        assert _check(acceptance.collect(parts, "abc1234"), "vllm_restart_graphs_compiled")["passed"] is passed
+    hit = {**restart, "compile_cache": "hit", "graphs_compiled": 0, "graphs_loaded": 2, "model_path": "/l/model-0"}
+    (serve / "bench_serve_vllm.json").write_text(
+        json.dumps({**paired, "vllm_restart": hit, "vllm_start_to_ready_s": 95.0, "vllm_start": restart})
+    )
+    report = acceptance.collect(parts, "abc1234")
+    assert _check(report, "vllm_restart_graphs_compiled")["passed"] is True
+    text = acceptance.render(report)
+    assert "served from the stable path it freed, `/l/model-0`): ready in 80 s (the first start: 95 s)" in text
+    assert "compile cache hit (2 graphs loaded, 0 compiled; the first start: miss)" in text
     levels["builtin"]["1"] = {"error": "exit 1", "exit": 1}  # a client that failed at one level
     (serve / "bench_serve_vllm.json").write_text(json.dumps(bench))
     assert _check(acceptance.collect(parts, "abc1234"), "serve_ran")["passed"] is False
