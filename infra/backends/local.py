@@ -112,8 +112,11 @@ class LocalBackend(Backend):
     bind_host = "127.0.0.1"
 
     def __init__(self, max_parallel: int | None = None, kill_grace_s: float = 5.0):
+        from infra import gpus
+
         self.max_parallel = max_parallel or max(1, os.cpu_count() or 1)
         self.kill_grace_s = kill_grace_s
+        gpus.prefetch()  # where there are GPUs: their probe runs beside the flow's first stages (check_gpus)
 
     # ------------------------------------------------------------------ jobs
 

@@ -7,6 +7,12 @@ for real (this machine has no NVIDIA GPU).
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
+import threading
+import time
+
 import pytest
 
 from infra import gpus
@@ -89,3 +95,67 @@ def test_the_local_backend_refuses_before_starting_anything(tmp_path):
     with pytest.raises(gpus.GpuRequestError, match="serve-x asks for 1 GPU"):
         LocalBackend().start_service(service)
     assert not marker.exists()
+
+
+def _machine_with_a_slow_torch(tmp_path, monkeypatch):
+    """An H200's nvidia-smi (its captured output) on PATH, and a Python whose torch takes 2 s to answer, each
+    start of it counted (the probe's subprocess, as slow as torch's import and CUDA's start on a node)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(
+        '#!/bin/sh\ncase "$1" in --query-gpu*) echo "NVIDIA H200, 580.159.03";; *) echo "| NVIDIA-SMI 580.159.03'
+        '             Driver Version: 580.159.03     CUDA Version: 13.0     |";; esac\n'
+    )
+    starts = tmp_path / "starts"
+    python = bin_dir / "python"
+    python.write_text(
+        f"#!/bin/sh\necho start >> {starts}\nsleep 2\n"
+        """echo '{"version": "2.11.0+cu130", "cuda": "13.0", "count": 1, "error": null}'\n"""
+    )
+    for exe in (smi, python):
+        exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    gpus.probe.cache_clear()
+    return str(python), starts
+
+
+def test_a_prefetched_probe_is_waited_for_not_run_again(tmp_path, monkeypatch):
+    """The probe started in the background (the local backend does, when it is made) is what the first GPU job's
+    check gets: once its torch has answered at once; while it is still running, the check waits for it (one
+    torch subprocess in all, not two)."""
+    python, starts = _machine_with_a_slow_torch(tmp_path, monkeypatch)
+    try:
+        gpus.prefetch(python)
+        gpus.prefetch(python)  # once per process
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        found = gpus.probe(python)  # in flight: waited for
+        waited = time.monotonic() - t0
+        assert found == dataclasses.replace(H200, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+        assert 0.5 < waited < 2.5  # what was left of the 2 s, not another 2 s
+        assert starts.read_text().splitlines() == ["start"]
+        gpus.prefetch(python)
+        t0 = time.monotonic()
+        assert gpus.probe(python) is found and time.monotonic() - t0 < 0.5  # cached
+        assert starts.read_text().splitlines() == ["start"]
+    finally:
+        gpus.probe.cache_clear()
+
+
+def test_without_nvidia_smi_nothing_is_prefetched(tmp_path, monkeypatch):
+    python, starts = _machine_with_a_slow_torch(tmp_path, monkeypatch)
+    (tmp_path / "bin" / "nvidia-smi").unlink()
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has an nvidia-smi of its own")
+    gpus.prefetch(python)
+    time.sleep(0.5)
+    assert not starts.exists() and not [t for t in threading.enumerate() if t.name == "gpu-probe"]
+    gpus.probe.cache_clear()
+
+
+def test_the_local_backend_prefetches_when_it_is_made(monkeypatch):
+    made = []
+    monkeypatch.setattr(gpus, "prefetch", lambda *a: made.append(a))
+    LocalBackend()
+    assert made == [()]
