@@ -354,4 +354,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from infra.processes import exit_now
+
+    exit_now(main())  # without the interpreter's teardown (CUDA, compiled kernels): see exit_now

@@ -142,3 +142,41 @@ def test_command_name_of_a_process_just_started():
             proc.kill()
             proc.wait()
     assert set(names) == {Path(sys.executable).name}, collections.Counter(names)
+
+
+EXITING = """
+import atexit, concurrent.futures, logging, sys, threading, time
+from pathlib import Path
+from infra.processes import exit_now
+
+out = Path(sys.argv[1])
+log = logging.getLogger("exit-test")
+log.addHandler(logging.FileHandler(out / "log.txt"))
+log.warning("logged")
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+pool = concurrent.futures.ThreadPoolExecutor(1)
+pool.submit(lambda: None).result()  # an idle worker: it waits for work until the exit callbacks wake it
+
+def late():
+    time.sleep(0.5)
+    (out / "thread").write_text("finished")
+
+threading.Thread(target=late).start()
+sys.stdout.write("buffered, no newline")
+exit_now(3)
+"""
+
+
+def test_exit_now_keeps_what_the_interpreters_exit_keeps(tmp_path):
+    """exit_now skips the interpreter's teardown, nothing else: a thread still working finishes, atexit handlers
+    and logging's flush run, buffered output comes out, an idle executor does not hang it, the code is kept."""
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    done = subprocess.run(
+        [sys.executable, "-c", EXITING, str(tmp_path)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "buffered, no newline"
+    assert (tmp_path / "thread").read_text() == "finished"
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "log.txt").read_text() == "logged\n"

@@ -121,7 +121,7 @@ def test_two_servers_at_once_get_two_paths_and_the_next_one_reuses_the_freed_pat
             stop(proc)
 
 
-# vLLM's own lines from the H200 (benchmarks' serve part at e5b86ee, vllm-proxy.log; the engine config line cut
+# vLLM's own lines from the H200 (the acceptance's serve part at f1327a3, vllm-proxy.log; the engine config line cut
 # after its model): a start that compiled.
 H200_COMPILED = """\
 (EngineCore pid=5447) INFO 12-04 16:59:49 [core.py:116] Initializing a V1 LLM engine (v0.26.0) with config: \

@@ -1,8 +1,7 @@
 """``python -m workloads.train``: see the package's docstring."""
 
-import sys
-
+from infra.processes import exit_now
 from workloads.train.run import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # without the interpreter's teardown (CUDA, NCCL, compiled kernels): see exit_now
