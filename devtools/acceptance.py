@@ -117,7 +117,12 @@ def demo_part(parts: Path) -> dict | None:
     times = [int(m) for m in re.findall(r"demo run \d+: (\d+) s", _read(base / "demo-times.txt"))]
     # which serving engine's environment the demo had (gpu_node.sh demo writes it; `auto` picks vLLM when there)
     serving = _read(base / "engine.txt").removeprefix("serving engine environment: ") or None
-    return {**report, "whole_s": times, "serving": serving}
+    # each run's control plane, step by step, from `nemoflow demo`'s last line (where that line itemises it)
+    plane = []
+    for n in range(1, len(times) + 1):
+        found = re.search(r"^total: .*\(control plane (\d+ s: [^;]*);", _read(base / f"demo-{n}.log"), re.M)
+        plane.append(found.group(1) if found else None)
+    return {**report, "whole_s": times, "serving": serving, "control_plane": plane}
 
 
 def tests_part(base: Path) -> dict | None:
@@ -409,6 +414,12 @@ def render(report: dict) -> str:
             )
         whole = demo.get("whole_s") or []
         lines.append("| `nemoflow demo`, whole | " + " | ".join(f"{w} s" for w in whole) + " |")
+        plane = [(n, text) for n, text in enumerate(demo.get("control_plane") or [], 1) if text]
+        if plane:
+            lines += [
+                "",
+                "Before each flow run, the control plane: " + "; ".join(f"run {n}, {t}" for n, t in plane) + ".",
+            ]
         t = demo.get("training") or {}
         if t.get("tokens_per_s"):
             lines += [
