@@ -5,7 +5,6 @@ API key check on every route and blue/green."""
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import os
 import stat
@@ -208,33 +207,32 @@ def model_link(checkpoint: Path, root: Path | None = None, slots: int = MODEL_LI
     import fcntl
 
     root = model_links_root() if root is None else root
+    why = f"all {slots} model paths under {root} are held by running servers"
+    held = None
     try:
         _private_dir(root)
-    except OSError as exc:
-        log.warning("vLLM is given the checkpoint's own path (its compile cache misses on a new path): %s", exc)
-        return ModelLink(checkpoint)
-    for n in range(slots):
-        fd = os.open(root / f"model-{n}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                continue  # a running server holds it
-            raise
-        link = root / f"model-{n}"
-        tmp = root / f".model-{n}.{os.getpid()}"
-        tmp.unlink(missing_ok=True)
-        os.symlink(checkpoint, tmp)
-        os.replace(tmp, link)  # whole: a reader sees the old target or the new one
-        log.info("vLLM serves %s as %s (a stable path: its compile cache outlives the checkpoint)", checkpoint, link)
-        return ModelLink(link, fd)
-    log.warning(
-        "vLLM is given the checkpoint's own path (its compile cache misses on a new path): all %d model paths under "
-        "%s are held by running servers",
-        slots,
-        root,
-    )
+        for n in range(slots):
+            held = os.open(root / f"model-{n}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a running server holds it
+                os.close(held)
+                held = None
+                continue
+            link = root / f"model-{n}"
+            tmp = root / f".model-{n}.{os.getpid()}"
+            tmp.unlink(missing_ok=True)
+            os.symlink(checkpoint, tmp)
+            os.replace(tmp, link)  # whole: a reader sees the old target or the new one
+            log.info(
+                "vLLM serves %s as %s (a stable path: its compile cache outlives the checkpoint)", checkpoint, link
+            )
+            return ModelLink(link, held)
+    except OSError as exc:  # a file system without locks or links: serving goes on, its cache misses
+        if held is not None:
+            os.close(held)
+        why = str(exc)
+    log.warning("vLLM is given the checkpoint's own path (its compile cache misses on a new path): %s", why)
     return ModelLink(checkpoint)
 
 
