@@ -117,12 +117,15 @@ def demo_part(parts: Path) -> dict | None:
     times = [int(m) for m in re.findall(r"demo run \d+: (\d+) s", _read(base / "demo-times.txt"))]
     # which serving engine's environment the demo had (gpu_node.sh demo writes it; `auto` picks vLLM when there)
     serving = _read(base / "engine.txt").removeprefix("serving engine environment: ") or None
-    # each run's control plane, step by step, from `nemoflow demo`'s last line (where that line itemises it)
-    plane = []
-    for n in range(1, len(times) + 1):
-        found = re.search(r"^total: .*\(control plane (\d+ s: [^;]*);", _read(base / f"demo-{n}.log"), re.M)
-        plane.append(found.group(1) if found else None)
+    plane = [control_plane(_read(base / f"demo-{n}.log")) for n in range(1, len(times) + 1)]
     return {**report, "whole_s": times, "serving": serving, "control_plane": plane}
+
+
+def control_plane(demo_output: str) -> str | None:
+    """The control plane's seconds, step by step, from `nemoflow demo`'s last line (None where it does not
+    itemise them: a demo before 75c8042)."""
+    found = re.search(r"^total: .*\(control plane (\d+ s: [^;]*);", demo_output, re.M)
+    return found.group(1) if found else None
 
 
 def tests_part(base: Path) -> dict | None:

@@ -137,6 +137,17 @@ def test_demo_on_slurm_generates_a_key_and_completes(newcomer_env, local_demo_po
     endpoint = re.search(r"^endpoint:\s+(\S+)", out, re.M).group(1)
     assert endpoint.endswith(f":{DEMO_PORT}")
     assert re.search(r"^smoke test:\s+'In the beginning[^']*' -> '.+", out, re.M), out[-3000:]
+    # the last line itemises the control plane, as the GPU acceptance report reads it (devtools/acceptance.py)
+    from devtools.acceptance import control_plane
+
+    steps = re.findall(r"([a-zA-Z][a-zA-Z ]+) [0-9.]+ s", control_plane(out) or "")
+    assert steps == [
+        "checks and GPU probe",
+        "backend setup",
+        "Prefect server",
+        "work pools and automation",
+        "worker and deployment",
+    ], out[-500:]
     assert _status(endpoint + "/v1/models") == 401
     assert _status(endpoint + "/v1/models", key) == 200
     jobs = subprocess.run(["squeue", "-h", "-n", "nemoflow-demo", "-o", "%T"], capture_output=True, text=True).stdout
