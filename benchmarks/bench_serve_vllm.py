@@ -342,8 +342,10 @@ def run_vllm_restart(args, report, save, serve, env, vllm, tokenizer, out, key) 
     cmd = [*serve[: serve.index("--checkpoint") + 1], str(copy), *serve[serve.index("--checkpoint") + 2 :]]
     cmd += ["--port", str(port), "--engine", "vllm", *[f"--engine-arg={a}" for a in args.engine_arg]]
     log = out / "vllm-restart.log"
+    restart: dict = {"checkpoint": str(copy)}
     try:
         proxy, ready_s = start(cmd, env, log, f"http://127.0.0.1:{port}", 600)
+        restart["start_to_ready_s"] = round(ready_s, 1)
         try:
             t0 = time.monotonic()
             r = httpx.post(
@@ -353,18 +355,18 @@ def run_vllm_restart(args, report, save, serve, env, vllm, tokenizer, out, key) 
                 timeout=120,
             )
             r.raise_for_status()
-            seed_s = round(time.monotonic() - t0, 3)
+            restart["seed_request_s"] = round(time.monotonic() - t0, 3)
         finally:
             stop(proxy)
+    except (RuntimeError, httpx.HTTPError) as exc:  # the levels measured stand; the report says what failed
+        text = str(exc)
+        restart["error"] = text if len(text) <= 1000 else f"{text[:300]} ... {text[-600:]}"  # what and how it ended
     finally:
         shutil.rmtree(night, ignore_errors=True)
-    report["vllm_restart"] = {
-        "checkpoint": str(copy),
-        "start_to_ready_s": round(ready_s, 1),
-        "seed_request_s": seed_s,
-        **compile_cache(log.read_text(errors="replace")),
-    }
-    print("vLLM restarted on a new checkpoint directory:", json.dumps(report["vllm_restart"]), flush=True)
+    if log.exists():
+        restart.update(compile_cache(log.read_text(errors="replace")))
+    report["vllm_restart"] = restart
+    print("vLLM restarted on a new checkpoint directory:", json.dumps(restart), flush=True)
     save()
 
 

@@ -495,7 +495,12 @@ def serve_lines(serve: dict) -> list[str]:
                 _level_row(f"{names[label]}, {round_name}", c, pair.get(label) or {}) for label in ("proxy", "vllm")
             ]
     restart = r.get("vllm_restart")
-    if restart:
+    if restart and restart.get("error"):
+        lines.append(
+            "\nvLLM's start on a new checkpoint directory of the same shape (the nightly refresh's) **failed**: "
+            + _cell(restart["error"].strip().splitlines()[-1] if restart["error"].strip() else "no message")
+        )
+    elif restart:
         first = r.get("vllm_start") or {}
         lines.append(
             f"\nvLLM's start on a new checkpoint directory of the same shape (the nightly refresh's; after the first "

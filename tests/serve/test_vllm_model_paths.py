@@ -213,3 +213,28 @@ def test_the_benchmarks_restart_serves_a_copy_from_the_freed_stable_path(tmp_pat
     assert engine["argv"][2] == str(root / "model-0")  # the path the first server freed
     assert os.readlink(root / "model-0") == restart["checkpoint"]
     assert not (tmp_path / "out" / "next-checkpoint").exists()  # the copy does not outlive the restart
+
+
+def test_a_restart_that_fails_is_reported_and_the_levels_measured_stand(tmp_path, tiny_checkpoint):
+    """The engine exits before it is ready (here: its command fails at once): the benchmark records the error
+    under vllm_restart, keeps going (the levels it measured before are saved), and the report says it failed."""
+    from devtools import acceptance
+
+    bench = _bench()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), **{bench.KEY_ENV: "k"})
+    env[MODEL_LINKS_ENV] = str(tmp_path / "links")
+    serve = [sys.executable, "-m", "workloads.serve", "--checkpoint", str(tiny_checkpoint)]
+    serve += ["--model-name", bench.MODEL_NAME, "--api-key-env", bench.KEY_ENV, "--vllm-executable", "false"]
+    report: dict = {"levels": {"proxy": {"16": {"output_throughput": 5000.0}}}}
+    out = tmp_path / "out"
+    out.mkdir()
+    args = bench.parser().parse_args(["--out", str(out)])
+    bench.run_vllm_restart(args, report, lambda: None, serve, env, None, None, out, "k")
+
+    restart = report["vllm_restart"]
+    assert "exited 1 before ready" in restart["error"] and "start_to_ready_s" not in restart
+    assert report["levels"]["proxy"]["16"]["output_throughput"] == 5000.0
+    assert not (out / "next-checkpoint").exists()
+    lines = acceptance.serve_lines({"bench_serve_vllm": report})
+    failed = [line for line in lines if "(the nightly refresh's) **failed**: " in line]
+    assert failed and failed[0].endswith("serve: the vllm engine exited with code 1"), lines  # its last line
