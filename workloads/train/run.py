@@ -148,6 +148,8 @@ def train(config: TrainConfig) -> int:
         recipe.agree_group = torch.distributed.new_group(backend="gloo")  # the ranks agree on each save's slot
     if strategy == "ddp" and config.enable_compile:
         compile_decoder_layers(recipe.model_parts)
+    if config.pipeline_model_parallel_size == 1:
+        without_kv_cache(recipe.model_parts)
     if config.init_from and not config.reset_optimizer:
         source = Path(config.init_from).parent.parent
         recipe.checkpointer.load_optimizer(recipe.optimizer, recipe.model_parts, str(source))
@@ -237,6 +239,29 @@ def compile_decoder_layers(model_parts: list) -> None:
 
     for part in model_parts:
         _apply_per_layer_compile(getattr(part, "module", part))
+
+
+def without_kv_cache(model_parts: list) -> None:
+    """Every forward of the training model with ``use_cache=False``.
+
+    transformers' Llama and Mixtral build a KV cache (a DynamicCache) in any forward unless told not to, training
+    included, and each decoder layer writes its keys and values into it; torch.compile (enable_compile: one
+    compiled region per decoder layer) then guards on that cache's state, so every layer compiled its own graph
+    (a 16-layer model: 15 recompilations in the first step, 16 more in the first validation) where one graph
+    serves them all. The config is left as it is (use_cache stays in the exported config.json, where generation
+    wants it); only the forward calls change. A model whose forward takes no ``use_cache`` is left alone.
+    """
+    import functools
+    import inspect
+
+    for part in model_parts:
+        inner = getattr(part, "module", part)  # DDP's wrapped model; FSDP2 wraps in place
+        try:
+            takes = "use_cache" in inspect.signature(inner.forward).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if takes:
+            part.forward = functools.partial(part.forward, use_cache=False)
 
 
 def _read_config(path: str) -> str:
