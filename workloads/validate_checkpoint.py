@@ -95,7 +95,7 @@ def lm_loss(model, tokens, labels, loss_mask):
     """Mean next-token cross-entropy over unmasked positions (the trainer's objective, without MoE aux loss)."""
     import torch.nn.functional as F
 
-    out = model(input_ids=tokens)
+    out = model(input_ids=tokens, use_cache=False)  # one forward: a KV cache would only hold memory
     per_token = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), reduction="none")
     return (per_token * loss_mask.flatten()).sum() / loss_mask.sum().clamp(min=1)
 
