@@ -537,7 +537,6 @@ def run(args) -> int:
         from nemoflow.cli import UserError
 
         raise UserError(str(exc)) from None
-    plane.mark("checks and GPU probe")
     params: list[str] = []
     try:
         steps = demo_steps(args.steps)

@@ -148,8 +148,7 @@ def train(config: TrainConfig) -> int:
         recipe.agree_group = torch.distributed.new_group(backend="gloo")  # the ranks agree on each save's slot
     if strategy == "ddp" and config.enable_compile:
         compile_decoder_layers(recipe.model_parts)
-    if config.pipeline_model_parallel_size == 1:
-        without_kv_cache(recipe.model_parts)
+    without_kv_cache(recipe.model_parts)  # pipeline parallel is refused: the parts are whole models
     if config.init_from and not config.reset_optimizer:
         source = Path(config.init_from).parent.parent
         recipe.checkpointer.load_optimizer(recipe.optimizer, recipe.model_parts, str(source))
