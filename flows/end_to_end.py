@@ -32,7 +32,8 @@ from tasks import gpu_time
 from tasks.checkpoint import validate_checkpoint
 from tasks.common import result_storage
 from tasks.image import ImageConfig, stage_image
-from tasks.serve import ServeConfig, deploy_inference
+from tasks.serve import ServeConfig, deploy_inference, start_inference_early
+from tasks.serve import stop_early as stop_standby
 from tasks.sft import SftStageConfig, run_sft
 from tasks.smoke import DEFAULT_PROMPT, SEED_MAX_TOKENS, smoke_test
 from tasks.train import pretrain
@@ -59,6 +60,7 @@ class Stage:
 STAGES: tuple[Stage, ...] = (
     Stage("stage-image", stage_image),
     Stage("prepare-dataset", prepare_dataset, submits="tokenize"),
+    Stage("start-inference-early", start_inference_early),  # only with serve.start_early, beside pretrain
     Stage("pretrain", pretrain, submits="pretrain"),
     Stage("validate", validate_checkpoint, submits="validate"),
     Stage("deploy", deploy_inference, submits="serve"),
@@ -141,7 +143,11 @@ def demo_gpu_config(gpus: int) -> dict:
     train = {k: v for k, v in demo_gpu_train_config(gpus).model_dump().items() if v != cpu.get(k)}
     return {
         "train": train,
-        "serve": {"engine": {"engine": "auto", "resources": {"gpus_per_node": 1, "cpus_per_task": 2}}},
+        # the server starts beside training (vLLM compiles and warms up meanwhile) and loads the validated checkpoint
+        "serve": {
+            "engine": {"engine": "auto", "resources": {"gpus_per_node": 1, "cpus_per_task": 2}},
+            "start_early": True,
+        },
     }
 
 
@@ -206,7 +212,9 @@ def end_to_end(config: EndToEndConfig | None = None) -> dict:
     config = config or EndToEndConfig()
     executor = config.executor
     results = result_storage()  # every stage persists its (small) result where NEMOFLOW_RESULT_STORAGE says
-    stage_image_, prepare_dataset_, pretrain_, validate_, deploy_, smoke_ = (stage.runner(results) for stage in STAGES)
+    stage_image_, prepare_dataset_, start_early_, pretrain_, validate_, deploy_, smoke_ = (
+        stage.runner(results) for stage in STAGES
+    )
 
     # 1. the image every later stage runs in (locally: this Python environment, recorded)
     image = stage_image_(config.image.source, config.image.dest, executor, config.image.convert)
@@ -214,13 +222,25 @@ def end_to_end(config: EndToEndConfig | None = None) -> dict:
     # 2. the dataset: raw shards -> Megatron .bin/.idx + NeMo blend
     dataset = prepare_dataset_(config.data, executor, image)
 
-    # 3. pretraining on the blend
-    checkpoint = pretrain_(config.train, dataset, image, executor)
+    # (serve.start_early: the server starts now, beside training, on the model's shape; it serves nothing until
+    # step 5 loads the validated checkpoint into it, and stops if training or validation fails)
+    early = start_early_.submit(**early_start(config, dataset, image)) if config.serve.start_early else None
+    try:
+        # 3. pretraining on the blend
+        checkpoint = pretrain_(config.train, dataset, image, executor)
 
-    # 4. validation: a failing check stops the flow here, before anything is deployed
-    report = validate_(
-        checkpoint, dataset, config.validation_threshold, executor, image, resources=validation_resources(config.train)
-    )
+        # 4. validation: a failing check stops the flow here, before anything is deployed
+        report = validate_(
+            checkpoint,
+            dataset,
+            config.validation_threshold,
+            executor,
+            image,
+            resources=validation_resources(config.train),
+        )
+    except BaseException:
+        stop_early(early)
+        raise
 
     # 5. inference, then 6. the seed's smoke request against it
     endpoint = deploy_(
@@ -231,6 +251,7 @@ def end_to_end(config: EndToEndConfig | None = None) -> dict:
         config.serve.ready_timeout_s,
         image=image,
         engine=config.serve.engine,
+        standby=early,
     )
     answer = smoke_(
         endpoint, config.smoke.prompt, config.smoke.max_tokens, config.smoke.timeout_s, shape=config.smoke.shape
@@ -267,6 +288,32 @@ def end_to_end(config: EndToEndConfig | None = None) -> dict:
     summary["gpu_time"] = gpu_time.publish("end-to-end", serving=config.serve.engine.resources)
     _publish_stage_times()
     return summary
+
+
+def early_start(config: EndToEndConfig, dataset, image) -> dict:
+    """The early server's inputs: the training engine (it says the checkpoint's shape before the run), the dataset
+    (its tokenizer), and the deploy stage's own options."""
+    return {
+        "train": config.train,
+        "dataset": dataset,
+        "executor": config.executor,
+        "port": config.serve.port,
+        "model_name": config.serve.model_name,
+        "ready_timeout_s": max(config.serve.ready_timeout_s, 300),
+        "image": image,
+        "engine": config.serve.engine,
+    }
+
+
+def stop_early(early) -> None:
+    """Training or validation failed: the early server (once its start ended) is stopped; it served nothing."""
+    if early is None:
+        return
+    try:
+        standby = early.result()
+    except Exception:  # noqa: BLE001 - a start that failed left nothing to stop
+        return
+    stop_standby(standby)
 
 
 def validation_resources(train: TrainEngine) -> Resources:

@@ -29,6 +29,7 @@ import re
 import shlex
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prefect import task
@@ -42,8 +43,8 @@ from infra.jobs import ImageRef, ServiceInfo, ServiceSpec, workload_service
 from infra.settings import SERVE_API_KEY_ENV, get_settings
 from tasks import gpu_time
 from tasks.common import code_fingerprint, logger, transient_only
-from tasks.refs import CheckpointRef, EndpointRef
-from workloads.serve_engines import SERVE_ENGINES, Auto, ServeEngine, ServeEngineConfig
+from tasks.refs import CheckpointRef, DatasetRef, EndpointRef
+from workloads.serve_engines import ENGINES, SERVE_ENGINES, Auto, ServeEngine, ServeEngineConfig
 
 DEFAULT_PORT = 8000
 DEFAULT_MODEL_NAME = "nemoflow-model"
@@ -68,6 +69,12 @@ class ServeConfig(BaseModel):
     model_name: str = "nemoflow-demo"
     ready_timeout_s: float = Field(180, gt=0)
     engine: ServeEngineConfig = Field(default_factory=Auto)
+    start_early: bool = Field(
+        False,
+        description="start the server while the model trains, on random weights of its shape, and load the "
+        "validated checkpoint into it in place (engines that can: vllm; the GPU needs room for both); the server "
+        "serves nothing before that load, and is stopped when training or validation fails",
+    )
 
 
 def service_name(model_name: str) -> str:
@@ -113,6 +120,8 @@ def build_serve_spec(
     image: ImageRef | None = None,
     fingerprint: str | None = None,
     engine: ServeEngine | None = None,
+    standby: bool = False,
+    readable: list[str] | None = None,
 ) -> ServiceSpec:
     """The inference server as a service of any backend (what deploy_inference and nemoflow render use).
 
@@ -129,11 +138,14 @@ def build_serve_spec(
     return workload_service(
         service_name(model_name),
         "workloads.serve",
-        serve_args(checkpoint_dir, port, model_name, host) + engine.server_args() + auth,
+        serve_args(checkpoint_dir, port, model_name, host)
+        + engine.server_args()
+        + auth
+        + (["--standby"] if standby else []),
         port=port,
         image=image,
         resources=engine.resources,
-        read_only=[checkpoint_dir],
+        read_only=[checkpoint_dir, *(readable or [])],
         secret_env=[SERVE_API_KEY_ENV] if keyed else [],
         fingerprint=fingerprint,
         annotations={"checkpoint": checkpoint.uri, "model": model_name},
@@ -214,13 +226,230 @@ class LiveServiceCache(CachePolicy):
             running = get_backend(executor).service(service_name(model_name))
         except Exception:  # noqa: BLE001 - a backend that cannot be asked: deploy again
             running = None
-        if not (running and running.fingerprint == fingerprint and running.healthy):
+        if not (running and running.healthy and fingerprint in (running.fingerprint, loaded_fingerprint(running))):
             # The server a stored result describes is gone: drop that result so this run deploys
             # again and stores the new one under the same key. If it cannot be dropped (a result
             # storage without a path), a one-off key still forces the deploy.
             if not _drop_record(task_ctx, key):
                 return f"{key}-{uuid.uuid4().hex}"
         return key
+
+
+# ---------------------------------------------------------------- started early (serve.start_early)
+
+STANDBY_PREFIX = "standby-"
+
+
+class Standby(BaseModel):
+    """A server started on standby while the model trains (``start_inference_early``), for the deploy stage."""
+
+    endpoint: EndpointRef
+    fingerprint: str = Field(..., description="its service's fingerprint (STANDBY_PREFIX...)")
+    skeleton: str = Field(..., description="the directory it was started on: config.json and the tokenizer")
+
+
+def standby_fingerprint(served_config: dict, port: int, model_name: str, executor, image, engine) -> str:
+    payload = {
+        "served_config": served_config,
+        "port": port,
+        "model_name": model_name,
+        "executor": as_executor(executor).kind,
+        "image": image.model_dump(mode="json") if image else None,
+        "engine": (engine or Auto()).model_dump(mode="json"),
+        "keyed": get_settings().serve_api_key is not None,
+        "code": code_fingerprint(*SERVER_MODULES),
+    }
+    return STANDBY_PREFIX + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def loaded_fingerprint(running: ServiceInfo) -> str | None:
+    """The deployment a standby server loaded (its ``/health`` says); None for any other server."""
+    if not (running.fingerprint or "").startswith(STANDBY_PREFIX):
+        return None
+    import httpx
+
+    try:
+        return ((httpx.get(running.url.rstrip("/") + "/health", timeout=5).json() or {}).get("serves") or {}).get(
+            "fingerprint"
+        )
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+
+
+# config.json fields that name where and with what a config was written, not the model
+CONFIG_PROVENANCE = ("_name_or_path", "transformers_version")
+
+
+def config_difference(expected: dict, actual: dict) -> list[str]:
+    """The config.json fields in which a checkpoint differs from the shape a standby server was started on."""
+    keys = (set(expected) | set(actual)) - set(CONFIG_PROVENANCE)
+    return sorted(k for k in keys if expected.get(k) != actual.get(k))
+
+
+def served_config(train, dataset: DatasetRef, image: ImageRef | None) -> dict | None:
+    """The config.json ``train`` (a training engine) will give its checkpoint, before it trains (None: unknown)."""
+    from tasks.train_engines.base import TrainInputs
+
+    return train.served_config(TrainInputs(dataset=dataset, image=image))
+
+
+class StandbyCache(CachePolicy):
+    """Cached on the same inputs while a server of that name runs (the standby, or what it became); when none
+    runs, the record is dropped and the task starts one again (a run that failed before deploying stopped it)."""
+
+    def compute_key(self, task_ctx, inputs, flow_parameters, **kwargs) -> str | None:
+        payload = {
+            "served_config": served_config(inputs["train"], inputs["dataset"], inputs.get("image")),
+            "port": inputs.get("port", DEFAULT_PORT),
+            "model_name": inputs.get("model_name", DEFAULT_MODEL_NAME),
+            "executor": as_executor(inputs.get("executor")).kind,
+            "image": inputs["image"].model_dump(mode="json") if inputs.get("image") else None,
+            "engine": (inputs.get("engine") or Auto()).model_dump(mode="json"),
+            "code": code_fingerprint(*SERVER_MODULES),
+        }
+        key = "start-inference-early-" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+        try:
+            running = get_backend(inputs.get("executor")).service(service_name(payload["model_name"]))
+        except Exception:  # noqa: BLE001 - a backend that cannot be asked: start again
+            running = None
+        if running is None and not _drop_record(task_ctx, key):
+            return f"{key}-{uuid.uuid4().hex}"
+        return key
+
+
+@task(
+    name="start-inference-early",
+    task_run_name="start {model_name} early",
+    cache_policy=StandbyCache(),
+    persist_result=True,
+)
+def start_inference_early(
+    train: Any,
+    dataset: DatasetRef,
+    executor: Executor | Any = None,
+    port: int = DEFAULT_PORT,
+    model_name: str = DEFAULT_MODEL_NAME,
+    ready_timeout_s: float = 300,
+    image: ImageRef | None = None,
+    engine: ServeEngineConfig | None = None,
+) -> Standby | None:
+    """Start the server on standby while the model trains: on the config.json of the checkpoint ``train`` (a
+    training engine) will make from ``dataset`` and the dataset's tokenizer, random weights, serving nothing until
+    :func:`deploy_inference` loads the validated checkpoint into it. Never fails the run: where it cannot start (an engine that cannot load in place,
+    a server of that name already running, no room on the GPU) it says why in one line and returns None, and the
+    deploy stage starts the server as usual."""
+    log = logger()
+    executor = as_executor(executor)
+    backend = get_backend(executor)
+    engine = engine or Auto()
+    name = service_name(model_name)
+    shape = served_config(train, dataset, image)
+    tokenizer_model = dataset.tokenizer.model
+    why = None
+    if not ENGINES[engine.served_name()].can_standby:
+        why = f"the {engine.served_name()} engine cannot load weights into a running server"
+    elif shape is None or not tokenizer_model or not storage.is_local(tokenizer_model):
+        why = "the training engine cannot say the checkpoint's shape before it trains (or its tokenizer is remote)"
+    elif not storage.is_local(get_settings().work_dir):
+        why = f"the work dir {get_settings().work_dir} is not a file system the server can load a checkpoint from"
+    elif (running := backend.service(name)) is not None:
+        why = f"{name} runs already ({running.url}); the deploy stage replaces it once the checkpoint is validated"
+    if why:
+        log.warning("not starting %s early: %s", name, why)
+        return None
+    fingerprint = standby_fingerprint(shape, port, model_name, executor, image, engine)
+    # on the work dir, which the server's node (or pod) sees as the flow does; the checkpoint it loads will be there
+    work_dir = Path(storage.local_path(get_settings().work_dir))
+    skeleton = work_dir / "standby" / fingerprint
+    skeleton.mkdir(parents=True, exist_ok=True)
+    storage.write_json(str(skeleton / "config.json"), shape)
+    storage.get_file(tokenizer_model, str(skeleton / "tokenizer.model"))
+    spec = build_serve_spec(
+        CheckpointRef(uri=str(skeleton), step=0),
+        port,
+        model_name,
+        backend.bind_host,
+        image,
+        fingerprint,
+        engine,
+        standby=True,
+        readable=[str(work_dir / "runs")],
+    )
+    log.info("starting %s early (standby) on the %s backend: %s", spec.name, backend.name, shlex.join(spec.command))
+    try:
+        with gpu_time.clocked(spec.resources, tail=phases.WAIT) as clock:
+            info = backend.start_service(
+                spec, ready_timeout_s=ready_timeout_s, on_log=lambda line: log.info("[%s] %s", spec.name, line)
+            )
+            clock.stop()
+            clock.job = gpu_time.service_phases(info.url)
+    except Exception as exc:  # noqa: BLE001 - see the docstring: the deploy stage starts it as usual
+        log.warning(
+            "could not start %s early (%s: %s); the deploy stage starts it as usual", name, type(exc).__name__, exc
+        )
+        backend.stop_service(name)
+        return None
+    log.info("%s is up on standby at %s: it serves once the validated checkpoint is loaded", name, info.url)
+    endpoint = EndpointRef(
+        url=info.url,
+        model=model_name,
+        executor=executor,
+        handle=spec.name,
+        checkpoint=None,
+        api_key_env=SERVE_API_KEY_ENV if SERVE_API_KEY_ENV in spec.secret_env else None,
+    )
+    return Standby(endpoint=endpoint, fingerprint=fingerprint, skeleton=str(skeleton))
+
+
+def stop_early(standby: Standby | None) -> None:
+    """Stop a standby server that will not be loaded (training or validation failed); it served nothing."""
+    if standby is not None and get_backend(standby.endpoint.executor).stop_service(standby.endpoint.handle):
+        logger().info("stopped %s, started early: nothing was deployed", standby.endpoint.handle)
+
+
+def load_into_standby(standby: Standby, checkpoint: CheckpointRef, fingerprint: str, clock) -> ServiceInfo | None:
+    """Load ``checkpoint`` into the standby server; its service once it serves it, else None (the reason logged in
+    one line, the standby stopped: the caller starts the server as usual)."""
+    import httpx
+
+    log = logger()
+    backend = get_backend(standby.endpoint.executor)
+    name = standby.endpoint.handle
+    running = backend.service(name)
+    why = None
+    if running is None or running.fingerprint != standby.fingerprint or not running.healthy:
+        why = "it is not running (or something else runs under its name)"
+        running = None
+    elif not storage.is_local(checkpoint.uri):
+        why = f"the checkpoint {checkpoint.uri} is not on this file system"
+    else:
+        checkpoint_dir = storage.local_path(checkpoint.uri)
+        expected = json.loads((Path(standby.skeleton) / "config.json").read_text())
+        differ = config_difference(expected, storage.read_json(storage.join(checkpoint_dir, "config.json")))
+        if differ:
+            why = f"the checkpoint's config.json differs from the shape it started on in {', '.join(differ)}"
+    if why is None:
+        key = get_settings().serve_api_key
+        headers = {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
+        try:
+            with clock.part(phases.SERVER_START):
+                answer = httpx.post(
+                    running.url.rstrip("/") + "/nemoflow/load",
+                    json={"checkpoint": checkpoint_dir, "fingerprint": fingerprint},
+                    headers=headers,
+                    timeout=httpx.Timeout(600, connect=10),
+                )
+            if answer.status_code == 200:
+                done = answer.json()
+                log.info("loaded %s into %s (started early) in %.1f s", checkpoint.uri, name, done.get("seconds", 0))
+                return running
+            why = f"its load answered HTTP {answer.status_code}: {answer.text[:300]}"
+        except httpx.HTTPError as exc:
+            why = f"its load failed: {type(exc).__name__}: {exc}"
+    log.warning("not serving from %s, started early: %s; starting the server as usual", name, why)
+    if running is not None:
+        backend.stop_service(name)
+    return None
 
 
 def _publish(endpoint: EndpointRef, info: ServiceInfo) -> None:
@@ -284,9 +513,12 @@ def deploy_inference(
     ready_timeout_s: float = 120,
     image: ImageRef | None = None,
     engine: ServeEngineConfig | None = None,
+    standby: Standby | None = None,
 ) -> EndpointRef:
     """Serve ``checkpoint`` (OpenAI API and the seed's NeMo route) where ``executor`` says; return once
-    ``/health`` answers. A start that failed for a transient reason is retried (the task's retries)."""
+    ``/health`` answers. A start that failed for a transient reason is retried (the task's retries). With
+    ``standby`` (a server :func:`start_inference_early` started while the model trained), the checkpoint is loaded
+    into it in place; where that cannot be done, the server starts as usual."""
     log = logger()
     executor = as_executor(executor)
     backend = get_backend(executor)
@@ -298,11 +530,14 @@ def deploy_inference(
     log.info("starting %s on the %s backend: %s", spec.name, backend.name, shlex.join(spec.command))
     # timed for the run's gpu-time artifact: the server's start, itemised by its own /health report
     with gpu_time.clocked(spec.resources, tail=phases.WAIT) as clock:
-        info = backend.start_service(
-            spec, ready_timeout_s=ready_timeout_s, on_log=lambda line: log.info("[%s] %s", spec.name, line)
-        )
-        clock.stop()
-        clock.job = gpu_time.service_phases(info.url)
+        info = load_into_standby(standby, checkpoint, fingerprint, clock) if standby is not None else None
+        if info is None:
+            clock.parts.clear()
+            info = backend.start_service(
+                spec, ready_timeout_s=ready_timeout_s, on_log=lambda line: log.info("[%s] %s", spec.name, line)
+            )
+            clock.stop()
+            clock.job = gpu_time.service_phases(info.url)
     endpoint = EndpointRef(
         url=info.url,
         model=model_name,

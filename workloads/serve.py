@@ -93,12 +93,13 @@ TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json")
 # ---------------------------------------------------------------- command line
 
 
-def check_checkpoint(path: Path) -> None:
-    """A Hugging Face checkpoint directory: config.json, safetensors (or .bin) weights, a tokenizer."""
+def check_checkpoint(path: Path, standby: bool = False) -> None:
+    """A Hugging Face checkpoint directory: config.json, safetensors (or .bin) weights, a tokenizer (on standby:
+    no weights, the model's shape only)."""
     if not path.is_dir():
         raise SystemExit(f"serve: --checkpoint {path} is not a directory")
     missing = [] if (path / "config.json").is_file() else ["config.json"]
-    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+    if not standby and not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         missing.append("model weights (*.safetensors)")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         missing.append("tokenizer.model")
@@ -214,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engines.add_argument("--triton-model-repository", help="folder for the TensorRT-LLM engine (NeMo's default: /tmp)")
     parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="start before the checkpoint exists: --checkpoint holds only its config.json and tokenizer; the engine "
+        "runs on random weights of that shape and serves nothing (503) until POST /nemoflow/load "
+        '{"checkpoint": DIR} loads the trained weights in place (engines that can: vllm)',
+    )
+    parser.add_argument(
         "--join-port",
         type=int,
         help="blue/green: a port another server already serves (bound with SO_REUSEPORT); this server "
@@ -243,12 +251,20 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = Path(local_checkpoint(args.checkpoint)).expanduser().resolve()
     except FileNotFoundError as exc:
         raise SystemExit(f"serve: --checkpoint {args.checkpoint}: {exc}") from None
-    check_checkpoint(checkpoint)
+    check_checkpoint(checkpoint, standby=args.standby)
     api_key = resolve_api_key(args.api_key_env)
     check_exposure(args.host, api_key, args.allow_unauthenticated)
     model_name = args.model_name or checkpoint.name
     engine = engine_named(args.engine).on_node(args)  # auto: decided here, where the server runs
     log.info("engine: %s", engine.engine)
+    if args.standby and not engine.can_standby:
+        print(
+            f"serve: --standby: the {engine.engine} engine cannot load weights into a running server "
+            "(engines that can: " + ", ".join(n for n, cls in ENGINES.items() if cls.can_standby and n != "auto") + ")",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     return engine.serve(args, checkpoint, model_name, api_key)
 
 

@@ -136,6 +136,20 @@ class AutoModel(TrainConfig, TrainEngine):
             dataset_manifest=inputs.dataset.manifest_uri if inputs.dataset else None,
         )
 
+    def served_config(self, inputs: TrainInputs) -> dict | None:
+        """From scratch: the export's config.json (workloads/train/recipe.py ``exported_config``); None from a
+        checkpoint (``init_from``: the parent's shape) or with a tokenizer not on this machine."""
+        tokenizer = inputs.dataset.tokenizer.model if inputs.dataset else None
+        if self.init_from or inputs.init_from or not tokenizer or not storage.is_local(tokenizer):
+            return None
+        import sentencepiece
+
+        from workloads.train.recipe import exported_config
+
+        path = storage.local_path(tokenizer)
+        vocab_size = self.vocab_size or sentencepiece.SentencePieceProcessor(model_file=path).get_piece_size()
+        return exported_config(self, vocab_size, cuda=self.gpus_per_node > 0)
+
     def planned_steps(self) -> int:
         return self.total_steps
 

@@ -89,6 +89,11 @@ class TrainEngine(BaseModel):
         exists, else where it will be."""
         raise NotImplementedError
 
+    def served_config(self, inputs: TrainInputs) -> dict | None:
+        """The ``config.json`` of the checkpoint this run will hand on, known before the run (a server can then be
+        started on its shape while the model trains: ``serve.start_early``); None when the engine cannot know it."""
+        return None
+
     def planned_steps(self) -> int | None:
         """The optimizer steps the run takes, when the engine knows them."""
         return None

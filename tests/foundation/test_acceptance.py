@@ -51,6 +51,7 @@ def _parts(
     with_train=True,
     answer=", and God",
     plan_gib=30.0,
+    early_log: str | None = None,
 ) -> Path:
     """A node's parts directory as gpu_node.sh leaves it (the shapes devtools/gpu_report.py and
     benchmarks/bench_train_gpu.py write)."""
@@ -86,6 +87,8 @@ def _parts(
     )
     (demo / "demo-2.log").write_text("total:       26 s (control plane 8 s, then the flow run 18 s)\n")
     (demo / "status.json").write_text('{"exit": 0, "wall_s": 300}')
+    if early_log is not None:
+        (demo / "endpoint.log").write_text(early_log)
     tests = parts / "tests"
     tests.mkdir()
     (tests / "tests-gpu.log").write_text(f"...\n{tests_line}\n")
@@ -142,6 +145,29 @@ def test_a_complete_run_passes_and_each_target_is_judged(tmp_path):
         "Before each flow run, the control plane: run 1, 21 s: checks and GPU probe 6.1 s, Prefect server 9.0 s, "
         "work pools and automation 1.2 s, worker and deployment 4.7 s." in text
     )
+
+
+# the proxy's line when the deploy stage loaded the checkpoint into the server started early (its format: proxy.py)
+LOADED_LINE = (
+    "2026-12-05 05:01:02,003 INFO nemoflow.serve: loaded /w/runs/llama-1/checkpoints/epoch_0_step_151/model/"
+    "consolidated into the vllm engine in 3.42 s; serving it\n"
+)
+
+
+def test_the_demos_early_started_server_is_judged_by_its_load(tmp_path):
+    report = acceptance.collect(_parts(tmp_path / "a", early_log="==> x.log\n" + LOADED_LINE), "abc1234")
+    check = _check(report, "demo_early_load_s")
+    assert (check["value"], check["passed"]) == (3.42, True)
+    assert report["demo"]["started_early"]["checkpoint"].endswith("epoch_0_step_151/model/consolidated")
+    # the server started as usual (the early one could not load): missed, said so
+    report = acceptance.collect(_parts(tmp_path / "b", early_log="==> x.log\nINFO: started\n"), "abc1234")
+    check = _check(report, "demo_early_load_s")
+    assert check["passed"] is False and check["value"].startswith("not loaded")
+    assert report["passed"]  # a target missed, not a failed run: the demo served
+    # a report from before serve.start_early (no endpoint line read): not judged
+    old = acceptance.collect(_parts(tmp_path / "c"), "abc1234")
+    old["demo"].pop("started_early")
+    assert _check({"checks": acceptance.checks(old)}, "demo_early_load_s")["passed"] is None
 
 
 def test_the_train_table_names_how_the_saving_run_saved(tmp_path):

@@ -4,6 +4,9 @@ and serves the routes the proxy uses with the built-in engine:
 
     python tests/serve/engine_standins.py vllm serve CKPT --host H --port P --served-model-name M \\
         --tensor-parallel-size N [...]                      # vLLM: OpenAI API, /tokenize, /health
+        [--load-format dummy]                               # random weights of CKPT's config.json; with
+                                                            # VLLM_SERVER_DEV_MODE=1: /collective_rpc
+                                                            # (update_config, reload_weights), /reset_prefix_cache
     python tests/serve/engine_standins.py vllm bench serve --base-url URL --num-prompts N \\
         --max-concurrency C --result-dir D --result-filename F [...]   # vLLM's benchmark client
     python tests/serve/engine_standins.py triton --hf_model_id_path CKPT --triton_model_name M \\
@@ -26,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from fastapi import Request  # at module level: FastAPI resolves the handlers' string annotations here
+
 
 def record(kind: str, argv: list[str]) -> None:
     path = os.environ.get("STANDIN_RECORD")
@@ -36,6 +41,7 @@ def record(kind: str, argv: list[str]) -> None:
             "cwd": os.getcwd(),
             "pid": os.getpid(),
             "vllm_api_key_set": bool(os.environ.get("VLLM_API_KEY")),
+            "dev_mode": os.environ.get("VLLM_SERVER_DEV_MODE"),
             # set by a stand-in engine environment (tests/serve/test_vllm_env.py): how it was started
             "via": os.environ.get("STANDIN_VIA"),
             "pythonpath": os.environ.get("STANDIN_PYTHONPATH"),
@@ -95,13 +101,77 @@ def vllm(argv: list[str]) -> int:
     parser.add_argument("--served-model-name", required=True)
     parser.add_argument("--tensor-parallel-size", type=int, required=True)
     parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--load-format", default="auto")
     args, _ = parser.parse_known_args(argv)
     record("vllm", ["vllm", *argv])
+    if args.load_format == "dummy":
+        return vllm_dummy(args)
     serve = ["--checkpoint", args.model, "--host", args.host, "--port", str(args.port)]
     serve += ["--model-name", args.served_model_name, "--threads", "1"]
     if os.environ.get("VLLM_API_KEY"):
         serve += ["--api-key-env", "VLLM_API_KEY"]
     return main(serve)
+
+
+def vllm_dummy(args) -> int:
+    """vLLM's ``--load-format dummy`` and the development routes a standby server is loaded through, as vLLM 0.26
+    has them: random weights of the model directory's config.json; ``update_config`` through ``/collective_rpc``
+    sets the loader back to reading files, and ``reload_weights`` refuses before that ("Model reloading with
+    `dummy` format", as vLLM's runner does); ``/reset_prefix_cache``. Each call is appended to
+    ``$STANDIN_RECORD.calls`` (JSON lines)."""
+    import shutil
+    import tempfile
+    import threading
+
+    import torch
+    import uvicorn
+    from fastapi.responses import JSONResponse
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from workloads.serve_engines.builtin import Engine, ServerState, create_app
+
+    dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
+    dummy = Path(tempfile.mkdtemp(prefix="standin-dummy-"))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)).save_pretrained(dummy)
+    shutil.copy(Path(args.model) / "tokenizer.model", dummy / "tokenizer.model")
+    state = ServerState(engine=Engine(dummy, threads=1), model_name=args.served_model_name)
+    app = create_app(state)
+    load_format = {"value": "dummy"}
+
+    def note(call: dict) -> None:
+        path = os.environ.get("STANDIN_RECORD")
+        if path:
+            with open(path + ".calls", "a") as fh:
+                fh.write(json.dumps(call) + "\n")
+
+    if dev_mode:
+
+        @app.post("/collective_rpc")
+        async def collective_rpc(request: Request):
+            body = await request.json()
+            method, kwargs = body.get("method"), body.get("kwargs", {})
+            note({"route": "/collective_rpc", "method": method, "kwargs": kwargs})
+            if method == "update_config":
+                load_format["value"] = kwargs["overrides"]["load_config"]["load_format"]
+                return JSONResponse({"results": [None]})
+            if method == "reload_weights":
+                if load_format["value"] == "dummy":
+                    return JSONResponse({"error": "NotImplementedError: Model reloading with `dummy` format"}, 500)
+                engine = Engine(Path(kwargs["weights_path"]), threads=1)
+                engine.load()
+                state.engine = engine
+                return JSONResponse({"results": [None]})
+            return JSONResponse({"error": f"no method {method}"}, 500)
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache():
+            note({"route": "/reset_prefix_cache"})
+            return JSONResponse({})
+
+    threading.Thread(target=state.load, daemon=True).start()
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
 
 
 def triton(argv: list[str]) -> int:

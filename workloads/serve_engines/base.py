@@ -48,6 +48,9 @@ class ServeEngine(BaseModel):
 
     # Whether --tensor-parallel-size (= the job's GPUs) is passed: engines that shard over GPUs.
     tensor_parallel: ClassVar[bool] = False
+    # Whether the engine can start on standby (``--standby``: random weights of the checkpoint's shape, while the
+    # model trains) and load the checkpoint's weights in place later (``POST /nemoflow/load``).
+    can_standby: ClassVar[bool] = False
 
     # ---------------------------------------------------------------- pipeline side
 

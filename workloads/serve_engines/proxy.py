@@ -11,7 +11,11 @@ and a thin proxy on ``--port`` in front of it. Why a proxy rather than the engin
   Triton's REST service answers only at ``/v1/completions/``;
 - one ``/health`` for every engine (vLLM's ``/health``, Triton's ``/v1/triton_health``);
 - the API key checked the same way everywhere (vLLM guards only ``/v1/*``);
-- blue/green on one port (``--join-port``, SIGUSR1/SIGUSR2) works as with the built-in engine.
+- blue/green on one port (``--join-port``, SIGUSR1/SIGUSR2) works as with the built-in engine;
+- a server started on standby (``--standby``: the engine on random weights of the model's shape, started while the
+  model trains) refuses model routes with 503 until ``POST /nemoflow/load {"checkpoint", "fingerprint"}`` loads
+  the validated checkpoint into it (once; the engine's ``load``), and its ``/health`` says ``standby``, then
+  ``ok`` with what it serves.
 
 Everything else goes to vLLM unchanged (streaming included), so the OpenAI API is vLLM's own.
 NeMo's Triton REST service speaks only the NeMo shape, so with ``--engine triton`` the proxy
@@ -78,6 +82,8 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "upgrade", "te", 
 
 # The engine's answer to NeMo's REST shape: (client, target, prompt, sampling) -> the generated text.
 NemoAdapter = Callable[[Any, "EngineTarget", str, NemoSampling], Awaitable[str]]
+# How a standby engine loads a checkpoint's weights in place: (client, target, checkpoint directory) -> None.
+WeightLoader = Callable[[Any, "EngineTarget", str], Awaitable[None]]
 
 
 @dataclass
@@ -97,6 +103,13 @@ class EngineTarget:
     max_output_len: int | None = None
     engine_url: str | None = None  # Triton itself, for the log line
     pass_fds: tuple[int, ...] = ()  # open files the engine inherits (vLLM: its model path's lock)
+    # started on standby (``--standby``): the engine runs on random weights of the model's shape and serves nothing
+    # until POST /nemoflow/load gives it a checkpoint, which ``load`` loads in place (vLLM: reload_weights)
+    standby: bool = False
+    load: WeightLoader | None = None
+    # the path prefixes passed through to the engine (None: every path); a standby vLLM has its development
+    # routes on (/collective_rpc, /sleep, ...), which must never be reachable from outside
+    forward_only: tuple[str, ...] | None = None
 
     def auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -135,6 +148,7 @@ class ProxyState:
     # "server start" as it launches the engine), the warm-up generation; /health reports them once ready, as the
     # built-in engine does, so the deploy stage itemises an engine's start (tasks/gpu_time.py)
     timer: phases.Timer = field(default_factory=phases.timer, repr=False)
+    serves: dict[str, Any] | None = None  # a standby server: the checkpoint (and deploy fingerprint) it loaded
 
 
 class Relay(StarletteResponse):
@@ -222,6 +236,21 @@ def create_proxy_app(state: ProxyState):
         app.add_middleware(ApiKeyAuth, api_key=state.api_key)
 
     warm_up_lock = asyncio.Lock()
+    load_lock = asyncio.Lock()
+
+    def loaded() -> bool:
+        return not target.standby or state.serves is not None
+
+    def require_loaded() -> None:
+        if not loaded():
+            raise APIError(
+                503,
+                "no model is loaded yet: this server was started before its checkpoint existed (serve.start_early) "
+                "and serves once the deploy stage loads the validated checkpoint",
+                "server_error",
+                code="model_not_loaded",
+                headers={"Retry-After": "10"},
+            )
 
     async def warm_up() -> None:
         started = time.monotonic()
@@ -240,7 +269,10 @@ def create_proxy_app(state: ProxyState):
         else:
             try:
                 response = await client.get(target.health_path, timeout=5)
-                if response.status_code == 200:
+                if response.status_code == 200 and not loaded():
+                    status, detail = 200, "standby"  # up, on random weights: waits for POST /nemoflow/load
+                    state.timer.stop()  # the standby server's start ends here
+                elif response.status_code == 200:
                     async with warm_up_lock:
                         if not state.warmed:
                             state.timer.switch(phases.GENERATION)  # the engine is up: the warm-up generation
@@ -250,11 +282,61 @@ def create_proxy_app(state: ProxyState):
             except httpx.HTTPError:
                 pass
         body = {"status": detail, "model": target.model_name, "engine": target.kind}
+        if state.serves is not None:
+            body["serves"] = state.serves
         if status == 200:
             body["phases"] = state.timer.report()
         return JSONResponse(body, status)
 
+    @app.post("/nemoflow/load")
+    async def load(request: Request):
+        """Load a checkpoint into a standby engine (once): its weights in place, then one generation, which must
+        differ from the random weights' (else the weights were not replaced); serving starts when this answers."""
+        body = json_object(await read_body(request, state.max_body_bytes))
+        checkpoint, fingerprint = body.get("checkpoint"), body.get("fingerprint")
+        if not isinstance(checkpoint, str) or not checkpoint:
+            raise APIError(400, "'checkpoint' must be the checkpoint directory on this node", param="checkpoint")
+        if fingerprint is not None and not isinstance(fingerprint, str):
+            raise APIError(400, "'fingerprint' must be a string", param="fingerprint")
+        if not target.standby or target.load is None:
+            raise APIError(
+                409, "this server was not started on standby: it serves its own checkpoint", code="not_standby"
+            )
+        if load_lock.locked() or state.serves is not None:
+            what = state.serves["checkpoint"] if state.serves else "another checkpoint"
+            raise APIError(409, f"this server loads or serves {what} already; start another", code="already_loaded")
+        async with load_lock:
+            if not state.engine_alive.is_set():
+                raise APIError(503, f"the {target.kind} engine exited", "server_error", code="engine_unavailable")
+            started = time.monotonic()
+            try:
+                before = await target.nemo(client, target, WARM_UP_PROMPT, WARM_UP)
+                await target.load(client, target, checkpoint)
+                loaded_s = time.monotonic() - started
+                after = await target.nemo(client, target, WARM_UP_PROMPT, WARM_UP)
+            except httpx.HTTPError as exc:
+                raise unreachable(target, exc) from exc
+            if after == before:
+                raise APIError(
+                    500,
+                    f"the {target.kind} engine answers as before loading {checkpoint}: its weights were not replaced",
+                    "server_error",
+                    code="load_failed",
+                )
+            state.serves = {"checkpoint": checkpoint, "fingerprint": fingerprint}
+            state.warmed = True  # the generation above was the loaded model's first
+            state.timer.stop()
+            seconds = time.monotonic() - started
+            log.info("loaded %s into the %s engine in %.2f s; serving it", checkpoint, target.kind, seconds)
+            return {
+                "status": "ok",
+                "checkpoint": checkpoint,
+                "load_s": round(loaded_s, 3),
+                "seconds": round(seconds, 3),
+            }
+
     async def nemo(request: Request, body: dict[str, Any]):
+        require_loaded()
         req = parse_nemo(body)
         if req.model != target.model_name:
             raise APIError(
@@ -275,6 +357,10 @@ def create_proxy_app(state: ProxyState):
                 "OpenAI API",
                 code="unsupported_route",
             )
+        path = request.url.path
+        if target.forward_only is not None and not any(path.startswith(p) for p in target.forward_only):
+            raise APIError(404, f"{request.method} {path}: no such route", code="unknown_route")
+        require_loaded()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         query = request.url.query
         url = yarl.URL(target.base_url + request.url.path + (f"?{query}" if query else ""), encoded=True)
@@ -286,6 +372,7 @@ def create_proxy_app(state: ProxyState):
 
     @app.get("/v1/models")
     async def models(request: Request):
+        require_loaded()
         if target.openai:
             return await forward(request, b"")
         return {

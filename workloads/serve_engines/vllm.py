@@ -29,6 +29,11 @@ SWITCH_MEMORY_SHARE = 0.45
 # Where the engine's stable model paths live (model_link), one directory per user; node-local by default.
 MODEL_LINKS_ENV = "NEMOFLOW_VLLM_MODEL_LINKS"
 MODEL_LINK_SLOTS = 8  # servers of one user on one node at once (a blue/green switch holds two)
+# What a standby vLLM passes on from outside: its OpenAI API and the routes the proxy uses. Its development routes
+# (VLLM_SERVER_DEV_MODE: /collective_rpc runs a method in the engine, /sleep, /update_weights, ...) stay loopback.
+# A standby vLLM's KV cache, as a share of the GPU's memory (see standby_kv_cache_bytes).
+STANDBY_KV_SHARE = 0.25
+STANDBY_ROUTES = ("/v1/", "/tokenize", "/detokenize", "/version", "/metrics", "/ping", "/load", "/health")
 
 
 class Vllm(ServeEngine):
@@ -47,6 +52,7 @@ class Vllm(ServeEngine):
     )
 
     tensor_parallel: ClassVar[bool] = True
+    can_standby: ClassVar[bool] = True  # --load-format dummy, then reload_weights in place (vllm_load)
 
     def serve(self, args: argparse.Namespace, checkpoint: Path, model_name: str, api_key: str | None) -> int:
         from workloads.serve_engines.proxy import run_engine
@@ -266,6 +272,15 @@ def vllm_target(args: argparse.Namespace, checkpoint: Path, model_name: str, lin
     extra = list(args.engine_arg)
     if not _given("--gpu-memory-utilization", extra):
         extra = ["--gpu-memory-utilization", str(SWITCH_MEMORY_SHARE), *extra]
+    standby = bool(getattr(args, "standby", False))
+    env = vllm_env(own_environment=command != [args.vllm_executable])
+    if standby:
+        # random weights of config.json's shape: vLLM compiles, captures its graphs and warms up while the model
+        # trains; vllm_load replaces the weights in place (the RL weight-sync path), so all of that stays valid
+        extra = ["--load-format", "dummy", *extra]
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache, on loopback only
+        if not _given("--kv-cache-memory-bytes", extra) and (kv_bytes := standby_kv_cache_bytes()):
+            extra = ["--kv-cache-memory-bytes", str(kv_bytes), *extra]
     argv = vllm_argv(
         str(link.path if link else checkpoint),
         model_name=model_name,
@@ -279,14 +294,59 @@ def vllm_target(args: argparse.Namespace, checkpoint: Path, model_name: str, lin
     return EngineTarget(
         "vllm",
         argv,
-        vllm_env(own_environment=command != [args.vllm_executable]),
+        env,
         f"http://{ENGINE_HOST}:{port}",
         "/health",
         model_name,
         nemo=nemo_completion,
         openai=True,
         pass_fds=(link.fd,) if link and link.fd is not None else (),
+        standby=standby,
+        load=vllm_load if standby else None,
+        forward_only=STANDBY_ROUTES if standby else None,
     )
+
+
+def standby_kv_cache_bytes(query=None) -> int | None:
+    """A standby vLLM's KV cache size: ``STANDBY_KV_SHARE`` of the smallest visible GPU's memory (nvidia-smi), None
+    without one. A standby server starts beside a training job on the same GPU, and vLLM 0.26 sizes its KV cache by
+    profiling, which assumes nothing else on the GPU changes meanwhile: what the trainer allocates then is counted
+    as vLLM's own, and what it frees (its exit) fails the start ("Error in memory profiling", gpu_worker.py). Given a
+    size (``--kv-cache-memory-bytes``, not in vLLM's compile key), vLLM skips that profiling."""
+    import subprocess
+
+    if query is None:
+        command = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        if visible and all(part.strip().isdigit() for part in visible.split(",")):
+            command += ["-i", visible]
+        try:
+            query = subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    totals = [int(line.strip()) for line in query.splitlines() if line.strip().isdigit()]
+    return int(min(totals) * 2**20 * STANDBY_KV_SHARE) if totals else None
+
+
+async def vllm_load(client, target, checkpoint: str) -> None:
+    """A checkpoint's weights into a vLLM started with ``--load-format dummy``, in place: its loader set back to
+    reading files (``update_config``), ``reload_weights(weights_path=...)`` (vLLM 0.26's GPUModelRunner: layerwise,
+    into the parameters' own storage, so the compiled graphs and captured CUDA graphs stay valid), then its prefix
+    cache emptied (blocks computed with the random weights, by its warm-up, must never be reused)."""
+    from workloads.serve_engines.proxy import engine_error, json_or_none
+
+    calls = (
+        (
+            "/collective_rpc",
+            {"method": "update_config", "kwargs": {"overrides": {"load_config": {"load_format": "auto"}}}},
+        ),
+        ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": checkpoint}}),
+        ("/reset_prefix_cache", None),
+    )
+    for path, body in calls:
+        response = await client.post(path, json=body, timeout=None)
+        if response.status_code != 200:
+            raise engine_error(target.kind, response.status_code, json_or_none(response), response.text)
 
 
 def _given(flag: str, engine_args: list[str]) -> bool:

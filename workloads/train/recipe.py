@@ -42,6 +42,21 @@ def hf_model_config(config: TrainConfig, vocab_size: int) -> dict:
     return {"_target_": "transformers.LlamaConfig", **common}
 
 
+def exported_config(config: TrainConfig, vocab_size: int, cuda: bool) -> dict:
+    """The ``config.json`` the Hugging Face export of a run from scratch will have, before the run: the model's
+    transformers config in full, its architecture named (workloads/consolidate.py) and its weights' dtype (what a
+    server started before the checkpoint exists is shaped by: ``serve.start_early``)."""
+    import json
+
+    import transformers
+
+    node = hf_model_config(config, vocab_size)
+    hf = getattr(transformers, node.pop("_target_").split(".")[-1])(**node)
+    hf.architectures = node.get("architectures") or [type(hf).__name__.replace("Config", "ForCausalLM")]
+    hf.dtype = _dtypes(config, cuda)[0]
+    return json.loads(hf.to_json_string(use_diff=False))
+
+
 def _dtypes(config: TrainConfig, cuda: bool) -> tuple[str, str]:
     """(weights dtype, FSDP2 compute dtype) for ``precision`` on this device."""
     if not cuda or config.precision == "32":
