@@ -424,8 +424,11 @@ def load_into_standby(standby: Standby, checkpoint: CheckpointRef, fingerprint: 
         why = f"the checkpoint {checkpoint.uri} is not on this file system"
     else:
         checkpoint_dir = storage.local_path(checkpoint.uri)
-        expected = json.loads((Path(standby.skeleton) / "config.json").read_text())
-        differ = config_difference(expected, storage.read_json(storage.join(checkpoint_dir, "config.json")))
+        try:
+            expected = json.loads((Path(standby.skeleton) / "config.json").read_text())
+            differ = config_difference(expected, storage.read_json(storage.join(checkpoint_dir, "config.json")))
+        except (OSError, ValueError) as exc:
+            differ, why = [], f"its config.json could not be compared ({type(exc).__name__}: {exc})"
         if differ:
             why = f"the checkpoint's config.json differs from the shape it started on in {', '.join(differ)}"
     if why is None:

@@ -167,3 +167,62 @@ def test_a_standby_vllm_gets_a_fixed_kv_cache_from_the_gpus_memory():
     assert standby_kv_cache_bytes("81559\n143771\n") == 81559 * 2**20 // 4
     assert standby_kv_cache_bytes("") is None
     assert standby_kv_cache_bytes("No devices were found\n") is None
+
+
+def test_the_deploy_stage_loads_only_a_checkpoint_of_the_shape_the_server_started_on(
+    tmp_path, tiny_checkpoint, work_dir, monkeypatch
+):
+    """tasks/serve.py's side on the local backend: a checkpoint whose config.json differs from the standby's shape
+    is not loaded (the standby is stopped and the deploy stage starts the server as usual); one of that shape is."""
+    from infra.backends.local import LocalBackend
+    from tasks import gpu_time
+    from tasks.refs import CheckpointRef, EndpointRef
+    from tasks.serve import Standby, build_serve_spec, load_into_standby
+    from workloads.serve_engines.vllm import Vllm
+
+    venv = tmp_path / "vllm-venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(sys.executable)
+    standins = Path(__file__).with_name("engine_standins.py")
+    (venv / "vllm").write_text(f'#!/bin/sh\nexec "{sys.executable}" "{standins}" vllm "$@"\n')
+    (venv / "vllm").chmod(0o755)
+    skeleton = skeleton_of(tiny_checkpoint, tmp_path / "skeleton")
+    wider = tmp_path / "wider"
+    shutil.copytree(tiny_checkpoint, wider)
+    config = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+    backend = LocalBackend()
+
+    def standby() -> Standby:
+        port = free_port()
+        spec = build_serve_spec(
+            CheckpointRef(uri=str(skeleton), step=0),
+            port,
+            MODEL_NAME,
+            "127.0.0.1",
+            None,
+            "standby-test",
+            Vllm(python=str(venv / "python")),
+            standby=True,
+        )
+        info = backend.start_service(spec, ready_timeout_s=120)
+        endpoint = EndpointRef(url=info.url, model=MODEL_NAME, handle=spec.name)
+        return Standby(endpoint=endpoint, fingerprint="standby-test", skeleton=str(skeleton))
+
+    first = standby()
+    with gpu_time.clocked(None) as clock:
+        assert load_into_standby(first, CheckpointRef(uri=str(wider), step=1), "fp-wider", clock) is None
+    assert backend.service(first.endpoint.handle) is None  # stopped: the deploy stage starts its own
+
+    second = standby()
+    with gpu_time.clocked(None) as clock:
+        info = load_into_standby(second, CheckpointRef(uri=str(tiny_checkpoint), step=1), "fp-ok", clock)
+    try:
+        assert info is not None and info.fingerprint == "standby-test"
+        assert httpx.get(info.url + "/health").json()["serves"] == {
+            "checkpoint": str(tiny_checkpoint),
+            "fingerprint": "fp-ok",
+        }
+        assert clock.parts["server start"] > 0  # the load, timed for the run's gpu-time artifact
+    finally:
+        backend.stop_service(second.endpoint.handle)
