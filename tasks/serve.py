@@ -281,8 +281,9 @@ CONFIG_PROVENANCE = ("_name_or_path", "transformers_version")
 
 
 def config_difference(expected: dict, actual: dict) -> list[str]:
-    """The config.json fields in which a checkpoint differs from the shape a standby server was started on."""
-    keys = (set(expected) | set(actual)) - set(CONFIG_PROVENANCE)
+    """The config.json fields in which a checkpoint differs from the shape a standby server was started on (the
+    fields it was started on: the rest are transformers' defaults, which vLLM filled in alike)."""
+    keys = set(expected) - set(CONFIG_PROVENANCE)
     return sorted(k for k in keys if expected.get(k) != actual.get(k))
 
 

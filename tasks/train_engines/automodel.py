@@ -137,18 +137,19 @@ class AutoModel(TrainConfig, TrainEngine):
         )
 
     def served_config(self, inputs: TrainInputs) -> dict | None:
-        """From scratch: the export's config.json (workloads/train/recipe.py ``exported_config``); None from a
-        checkpoint (``init_from``: the parent's shape) or with a tokenizer not on this machine."""
+        """From scratch: the export's config.json as the model is built from it (workloads/train/recipe.py
+        ``served_config``); None from a checkpoint (``init_from``: the parent's shape) or with a tokenizer not on
+        this machine."""
         tokenizer = inputs.dataset.tokenizer.model if inputs.dataset else None
         if self.init_from or inputs.init_from or not tokenizer or not storage.is_local(tokenizer):
             return None
         import sentencepiece
 
-        from workloads.train.recipe import exported_config
+        from workloads.train.recipe import served_config
 
         path = storage.local_path(tokenizer)
         vocab_size = self.vocab_size or sentencepiece.SentencePieceProcessor(model_file=path).get_piece_size()
-        return exported_config(self, vocab_size, cuda=self.gpus_per_node > 0)
+        return served_config(self, vocab_size, cuda=self.gpus_per_node > 0)
 
     def planned_steps(self) -> int:
         return self.total_steps

@@ -42,19 +42,22 @@ def hf_model_config(config: TrainConfig, vocab_size: int) -> dict:
     return {"_target_": "transformers.LlamaConfig", **common}
 
 
-def exported_config(config: TrainConfig, vocab_size: int, cuda: bool) -> dict:
-    """The ``config.json`` the Hugging Face export of a run from scratch will have, before the run: the model's
-    transformers config in full, its architecture named (workloads/consolidate.py) and its weights' dtype (what a
-    server started before the checkpoint exists is shaped by: ``serve.start_early``)."""
-    import json
-
-    import transformers
-
+def served_config(config: TrainConfig, vocab_size: int, cuda: bool) -> dict:
+    """The ``config.json`` a server can start on before the run exists (``serve.start_early``): the fields the model's
+    transformers config is built from here (``hf_model_config``), its model type and architecture (named as
+    workloads/consolidate.py names it in the export) and its weights' dtype. The export's config.json holds the same
+    config in full (every field of transformers' defaults besides); transformers, which vLLM reads either with,
+    fills in the same defaults. Built without importing transformers (and torch with it: 10-15 s on the H200 node,
+    which delayed the early server's start and every cached re-run at f0aa6d9)."""
     node = hf_model_config(config, vocab_size)
-    hf = getattr(transformers, node.pop("_target_").split(".")[-1])(**node)
-    hf.architectures = node.get("architectures") or [type(hf).__name__.replace("Config", "ForCausalLM")]
-    hf.dtype = _dtypes(config, cuda)[0]
-    return json.loads(hf.to_json_string(use_diff=False))
+    target = node.pop("_target_").rsplit(".", 1)[-1]  # transformers.LlamaConfig
+    model_type = target.removesuffix("Config").lower()
+    return {
+        **node,
+        "architectures": node.get("architectures") or [target.replace("Config", "ForCausalLM")],
+        "model_type": model_type,
+        "dtype": _dtypes(config, cuda)[0],
+    }
 
 
 def _dtypes(config: TrainConfig, cuda: bool) -> tuple[str, str]:
