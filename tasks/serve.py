@@ -94,8 +94,14 @@ def deployment_fingerprint(
     engine: ServeEngine | None = None,
 ) -> str:
     """What a running server must match for a re-run to reuse it (the key's presence, never its value)."""
+    return _served_hash({"checkpoint": checkpoint.model_dump(mode="json")}, port, model_name, executor, image, engine)
+
+
+def _served_hash(what: dict, port: int, model_name: str, executor, image, engine) -> str:
+    """The hash of what a server serves (``what``) and how: its port, name, backend, image, engine, whether keyed,
+    the server's code."""
     payload = {
-        "checkpoint": checkpoint.model_dump(mode="json"),
+        **what,
         "port": port,
         "model_name": model_name,
         "executor": as_executor(executor).kind,
@@ -249,17 +255,7 @@ class Standby(BaseModel):
 
 
 def standby_fingerprint(served_config: dict, port: int, model_name: str, executor, image, engine) -> str:
-    payload = {
-        "served_config": served_config,
-        "port": port,
-        "model_name": model_name,
-        "executor": as_executor(executor).kind,
-        "image": image.model_dump(mode="json") if image else None,
-        "engine": (engine or Auto()).model_dump(mode="json"),
-        "keyed": get_settings().serve_api_key is not None,
-        "code": code_fingerprint(*SERVER_MODULES),
-    }
-    return STANDBY_PREFIX + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+    return STANDBY_PREFIX + _served_hash({"served_config": served_config}, port, model_name, executor, image, engine)
 
 
 def loaded_fingerprint(running: ServiceInfo) -> str | None:
@@ -299,18 +295,18 @@ class StandbyCache(CachePolicy):
     runs, the record is dropped and the task starts one again (a run that failed before deploying stopped it)."""
 
     def compute_key(self, task_ctx, inputs, flow_parameters, **kwargs) -> str | None:
-        payload = {
-            "served_config": served_config(inputs["train"], inputs["dataset"], inputs.get("image")),
-            "port": inputs.get("port", DEFAULT_PORT),
-            "model_name": inputs.get("model_name", DEFAULT_MODEL_NAME),
-            "executor": as_executor(inputs.get("executor")).kind,
-            "image": inputs["image"].model_dump(mode="json") if inputs.get("image") else None,
-            "engine": (inputs.get("engine") or Auto()).model_dump(mode="json"),
-            "code": code_fingerprint(*SERVER_MODULES),
-        }
-        key = "start-inference-early-" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+        model_name = inputs.get("model_name", DEFAULT_MODEL_NAME)
+        shape = served_config(inputs["train"], inputs["dataset"], inputs.get("image"))
+        key = "start-inference-early-" + standby_fingerprint(
+            shape,
+            inputs.get("port", DEFAULT_PORT),
+            model_name,
+            inputs.get("executor"),
+            inputs.get("image"),
+            inputs.get("engine"),
+        )
         try:
-            running = get_backend(inputs.get("executor")).service(service_name(payload["model_name"]))
+            running = get_backend(inputs.get("executor")).service(service_name(model_name))
         except Exception:  # noqa: BLE001 - a backend that cannot be asked: start again
             running = None
         if running is None and not _drop_record(task_ctx, key):

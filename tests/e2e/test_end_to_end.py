@@ -6,6 +6,7 @@ The model is shrunk through the deployment run's parameters so this stays quick 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -74,12 +75,20 @@ def _task_states(flow_run_id: str, timeout: float = 30) -> dict[str, str]:
 @pytest.fixture
 def local_pool(prefect_server, work_dir, tmp_path):
     """The `local` process pool, deployments from prefect.yaml, and a worker; torn down after."""
+    with deployed_local_pool(prefect_server, work_dir, tmp_path) as env:
+        yield env
+
+
+@contextlib.contextmanager
+def deployed_local_pool(prefect_server, work_dir, tmp_path, **extra: str):
+    """`local_pool`'s set-up and teardown; ``extra``: more variables for the worker (and so its flow runs)."""
     env = prefect_worker_env(
         prefect_server,
         work_dir,
         tmp_path / "home",
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_WORKER_QUERY_SECONDS="2",
+        **extra,
     )
     from devtools.prefect_local import ensure_pools
 
@@ -88,7 +97,13 @@ def local_pool(prefect_server, work_dir, tmp_path):
     for name in ("end-to-end/local", "prepare-dataset/local", "end-to-end/slurm", "end-to-end/k8s"):
         assert f"Deployment '{name}' successfully" in deployed.stdout, deployed.stdout
     worker = prefect_worker_process("local", "process", env, tmp_path / "worker.log")
-    yield env
+    try:
+        yield env
+    finally:
+        _stop_pool(worker)
+
+
+def _stop_pool(worker: subprocess.Popen) -> None:
     from infra import services
 
     for handle in services.list_services():

@@ -9,17 +9,14 @@ development routes the load goes through) from an engine environment of its own,
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import free_port, prefect_worker_env, prefect_worker_process
-from tests.e2e.test_end_to_end import _prefect, _run_deployment, _task_states
+from tests.conftest import free_port
+from tests.e2e.test_end_to_end import _run_deployment, _task_states, deployed_local_pool
 from tests.support.tiny import TINY_TRAIN
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
@@ -35,34 +32,8 @@ def standin_pool(prefect_server, work_dir, tmp_path):
     (venv / "vllm").write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STANDINS}" vllm "$@"\n')
     (venv / "vllm").chmod(0o755)
     record = tmp_path / "standin.json"
-    env = prefect_worker_env(
-        prefect_server,
-        work_dir,
-        tmp_path / "home",
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        PREFECT_WORKER_QUERY_SECONDS="2",
-        STANDIN_RECORD=str(record),
-    )
-    from devtools.prefect_local import ensure_pools
-
-    ensure_pools(prefect_server)
-    deployed = _prefect(["--no-prompt", "deploy", "--all"], env)
-    assert "Deployment 'end-to-end/local' successfully" in deployed.stdout, deployed.stdout
-    worker = prefect_worker_process("local", "process", env, tmp_path / "worker.log")
-    yield env, venv / "python", record
-    from infra import services
-
-    for handle in services.list_services():
-        services.stop_service(handle.name)
-    for _ in range(2):
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGTERM)
-            try:
-                worker.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-    if worker.poll() is None:
-        os.killpg(worker.pid, signal.SIGKILL)
+    with deployed_local_pool(prefect_server, work_dir, tmp_path, STANDIN_RECORD=str(record)) as env:
+        yield env, venv / "python", record
 
 
 def _calls(record: Path) -> list[dict]:
